@@ -1,0 +1,63 @@
+// gpucast/config.h: one grammar for every setting, PyTorch's allocator grammar:
+//   key:value,key:value,key:[a,b]      booleans True/False
+// Each key is declared once in a registry with its form, default and documentation; an unknown key or
+// a bad value is an error naming the key, the expected form and what was given.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace gpucast {
+
+using ConfigValue = std::variant<bool, int64_t, double, std::string, std::vector<std::string>>;
+
+struct ConfigKey {
+  enum class Form { Bool, PositiveInt, Fraction, Choice, String, List };
+  std::string name;
+  Form form;
+  ConfigValue fallback;                // default
+  std::vector<std::string> choices;    // for Choice
+  std::string doc;
+};
+
+class Config {
+ public:
+  // `what` names the configuration in errors, e.g. "GPUCAST_CONF" or "gpucast.trace() options".
+  Config(std::string what, std::vector<ConfigKey> keys);
+
+  // Parses `text` over the defaults; throws UserError on the first bad item.
+  void parse(std::string_view text);
+
+  bool get_bool(std::string_view key) const;
+  int64_t get_int(std::string_view key) const;
+  double get_double(std::string_view key) const;
+  const std::string& get_string(std::string_view key) const;
+  const std::vector<std::string>& get_list(std::string_view key) const;
+  bool was_set(std::string_view key) const;
+  const std::vector<ConfigKey>& keys() const { return keys_; }
+  // Every key with its form, default and documentation, one per line.
+  std::string describe() const;
+
+ private:
+  const ConfigKey& key(std::string_view name) const;
+  const ConfigValue& value(std::string_view name) const;
+  void set(const ConfigKey& key, std::string_view raw);
+
+  std::string what_;
+  std::vector<ConfigKey> keys_;
+  std::map<std::string, ConfigValue, std::less<>> values_;
+  std::map<std::string, bool, std::less<>> set_;
+};
+
+// Tokenizer, exposed for tests: "a:1,b:[x,y]" -> {{"a","1"},{"b","[x,y]"}}. Throws UserError
+// (naming `what` and the position) for an item without ':' or an unclosed '['.
+std::vector<std::pair<std::string, std::string>> split_config(std::string_view text, std::string_view what);
+
+// The options of gpucast.trace() / torch.ops.gpucast.start_trace.
+std::vector<ConfigKey> trace_config_keys();
+
+}  // namespace gpucast

@@ -1,0 +1,126 @@
+// The torch-facing shell: torch.ops.gpucast.* and torch.classes.gpucast.Trace.
+// Core errors (gpucast::UserError) become ValueError through TORCH_CHECK_VALUE; anything else is ours.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "gpucast/config.h"
+#include "gpucast/error.h"
+#include "gpucast/memory_timeline.h"
+#include "gpucast/trace_json.h"
+#include "gpucast/trace_summary.h"
+#include "gpucast/tracer.h"
+
+namespace gpucast {
+namespace {
+
+template <typename F>
+auto translate(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const UserError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  throw std::logic_error("unreachable");
+}
+
+struct TraceHolder : torch::CustomClassHolder {
+  Trace trace;
+  explicit TraceHolder(Trace t) : trace(std::move(t)) {}
+
+  std::string summary(int64_t top) const { return summarize_trace(trace, static_cast<int>(top)); }
+  std::string to_json() const { return trace_to_json(trace); }
+  void save(const std::string& path) const {
+    translate([&] { write_text_file(path, trace_to_json(trace)); });
+  }
+  void save_chrome(const std::string& path) const {
+    translate([&] { write_text_file(path, trace_to_chrome_json(trace)); });
+  }
+  int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(trace, device); }
+  int64_t baseline_bytes(const std::string& device) const {
+    auto it = trace.baseline.find(device);
+    return it == trace.baseline.end() ? 0 : it->second.bytes;
+  }
+  int64_t num_ops() const { return static_cast<int64_t>(trace.ops.size()); }
+  int64_t num_events() const { return static_cast<int64_t>(trace.events.size()); }
+};
+
+c10::intrusive_ptr<TraceHolder> hold(Trace t) { return c10::make_intrusive<TraceHolder>(std::move(t)); }
+
+void start(const std::string& options) {
+  translate([&] {
+    Config cfg("gpucast.trace() options", trace_config_keys());
+    cfg.parse(options);
+    TraceOptions o;
+    o.record_shapes = cfg.get_bool("record_shapes");
+    o.memory = cfg.get_bool("memory");
+    o.max_ops = cfg.get_int("max_ops");
+    o.max_events = cfg.get_int("max_events");
+    start_trace(o);
+  });
+}
+
+void check_options(const std::string& options) {
+  translate([&] {
+    Config cfg("gpucast.trace() options", trace_config_keys());
+    cfg.parse(options);
+  });
+}
+
+c10::intrusive_ptr<TraceHolder> stop() {
+  return translate([] { return hold(stop_trace()); });
+}
+
+void tag(const std::vector<int64_t>& ptrs, const std::string& device, const std::string& category) {
+  translate([&] { tag_blocks(ptrs, device, category_from_string(category)); });
+}
+
+c10::intrusive_ptr<TraceHolder> load(const std::string& path) {
+  return translate([&] { return hold(load_trace(path)); });
+}
+
+c10::intrusive_ptr<TraceHolder> from_json(const std::string& text) {
+  return translate([&] { return hold(trace_from_json(text, "<string>")); });
+}
+
+// Install the CPU allocator wrapper when the library loads, so that frees of blocks allocated before a
+// trace are seen with their size. Failing to install only means no CPU memory events.
+const bool g_cpu_hook_installed = [] {
+  std::string why;
+  return install_cpu_allocator_hook(&why);
+}();
+
+}  // namespace
+}  // namespace gpucast
+
+TORCH_LIBRARY(gpucast, m) {
+  using gpucast::TraceHolder;
+  m.class_<TraceHolder>("Trace")
+      .def("summary", &TraceHolder::summary)
+      .def("to_json", &TraceHolder::to_json)
+      .def("save", &TraceHolder::save)
+      .def("save_chrome", &TraceHolder::save_chrome)
+      .def("peak_bytes", &TraceHolder::peak_bytes)
+      .def("baseline_bytes", &TraceHolder::baseline_bytes)
+      .def("num_ops", &TraceHolder::num_ops)
+      .def("num_events", &TraceHolder::num_events);
+  m.def("start_trace(str options='') -> ()", &gpucast::start);
+  m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
+  m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
+  m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });
+  m.def("installed_callbacks() -> int", [] { return static_cast<int64_t>(gpucast::installed_callbacks()); });
+  m.def("cpu_allocator_hooked() -> bool", [] { return gpucast::cpu_allocator_hook_installed(); });
+  m.def("push_module(str path) -> ()", [](const std::string& p) { gpucast::push_module(p); });
+  m.def("pop_module() -> ()", [] { gpucast::pop_module(); });
+  m.def("tag(int[] ptrs, str device, str category) -> ()", &gpucast::tag);
+  m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
+  m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
+  m.def("trace_options_help() -> str", [] {
+    return gpucast::Config("gpucast.trace() options", gpucast::trace_config_keys()).describe();
+  });
+  m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
+  m.def("context() -> str[]", [] {
+    auto c = gpucast::current_context();
+    return std::vector<std::string>{c.gpucast_version, c.torch_version, c.device, c.build_type,
+                                    c.cuda_build ? "True" : "False"};
+  });
+}

@@ -1,0 +1,43 @@
+// gpucast/memory_timeline.h: bytes held over a recorded iteration, recomputed from the trace alone.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpucast/trace.h"
+
+namespace gpucast {
+
+struct DeviceMemory {
+  std::string device;
+  int64_t baseline_bytes = 0;      // held at the trace's start (as far as the allocator can tell)
+  bool baseline_known = false;
+  int64_t peak_bytes = 0;          // window peak: most bytes held at once, counted from the start
+  int64_t absolute_peak_bytes = 0; // baseline + window peak
+  int64_t peak_event = -1;         // index in Trace::events where the peak is first reached
+  int64_t peak_op = -1;            // op running then
+  int64_t end_bytes = 0;           // window total when the trace stopped
+  int64_t events = 0;
+  // Absolute bytes held at the peak by category (baseline blocks included).
+  std::array<int64_t, kNumCategories> at_peak{};
+  // Live bytes by category when the trace stopped.
+  std::array<int64_t, kNumCategories> at_end{};
+};
+
+// One entry per device seen in the trace's events or baseline, in device-name order.
+std::vector<DeviceMemory> analyze_memory(const Trace& trace);
+// Window peak of one device in allocator bytes; 0 for a device with no events.
+int64_t window_peak_bytes(const Trace& trace, const std::string& device);
+
+struct LayerStat {
+  std::string module;
+  int64_t bytes_at_peak = 0;  // bytes allocated by the layer's ops and held at the device's peak
+  int64_t time_ns = 0;        // time of its outermost ops, forward plus linked backward
+  int64_t ops = 0;
+};
+// Per module path (ops outside modules under "<no module>"), for one device's peak.
+std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device);
+
+}  // namespace gpucast

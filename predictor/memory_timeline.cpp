@@ -1,0 +1,95 @@
+#include "gpucast/memory_timeline.h"
+
+#include <map>
+#include <set>
+
+namespace gpucast {
+namespace {
+
+// Is the allocation held just after event `at` (inclusive)?
+bool held_at(const Allocation& a, int64_t at) {
+  const bool allocated = a.alloc_event < 0 || a.alloc_event <= at;
+  const bool freed = a.free_event >= 0 && a.free_event <= at;
+  return allocated && !freed;
+}
+
+}  // namespace
+
+std::vector<DeviceMemory> analyze_memory(const Trace& trace) {
+  std::map<std::string, DeviceMemory> by_device;
+  for (const auto& [dev, b] : trace.baseline) {
+    DeviceMemory& d = by_device[dev];
+    d.device = dev;
+    d.baseline_bytes = b.bytes;
+    d.baseline_known = b.known;
+  }
+  for (size_t i = 0; i < trace.events.size(); ++i) {
+    const MemEvent& e = trace.events[i];
+    DeviceMemory& d = by_device[e.device];
+    d.device = e.device;
+    ++d.events;
+    d.end_bytes += e.block_bytes;
+    if (d.end_bytes > d.peak_bytes) {
+      d.peak_bytes = d.end_bytes;
+      d.peak_event = static_cast<int64_t>(i);
+      d.peak_op = e.op;
+    }
+  }
+  std::vector<DeviceMemory> out;
+  for (auto& [dev, d] : by_device) {
+    d.absolute_peak_bytes = d.baseline_bytes + d.peak_bytes;
+    const int64_t last = static_cast<int64_t>(trace.events.size()) - 1;
+    for (const Allocation& a : trace.allocations) {
+      if (a.device != dev) continue;
+      const auto c = static_cast<size_t>(a.category);
+      // Without any event the peak is the start: only baseline blocks count.
+      if (d.peak_event < 0 ? a.baseline : held_at(a, d.peak_event)) d.at_peak[c] += a.block_bytes;
+      if (held_at(a, last)) d.at_end[c] += a.block_bytes;
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+int64_t window_peak_bytes(const Trace& trace, const std::string& device) {
+  int64_t held = 0, peak = 0;
+  for (const MemEvent& e : trace.events) {
+    if (e.device != device) continue;
+    held += e.block_bytes;
+    peak = std::max(peak, held);
+  }
+  return peak;
+}
+
+std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device) {
+  std::map<std::string, LayerStat> by_module;
+  auto key = [](const std::string& m) { return m.empty() ? std::string("<no module>") : m; };
+  for (const OpRecord& op : trace.ops) {
+    // Outermost work: no enclosing op, or the enclosing op is a scope/engine wrapper, not an op.
+    bool outermost = op.parent < 0;
+    if (!outermost) {
+      const OpRecord& p = trace.ops[op.parent];
+      outermost = p.scope == Scope::UserScope ||
+                  (p.scope == Scope::Function && p.name.rfind("autograd::engine::", 0) == 0);
+    }
+    if (op.scope == Scope::UserScope || op.name.rfind("autograd::engine::", 0) == 0) continue;
+    LayerStat& s = by_module[key(op.module)];
+    s.module = key(op.module);
+    ++s.ops;
+    if (outermost) s.time_ns += std::max<int64_t>(op.end_ns - op.start_ns, 0);
+  }
+  for (const DeviceMemory& d : analyze_memory(trace)) {
+    if (d.device != device || d.peak_event < 0) continue;
+    for (const Allocation& a : trace.allocations) {
+      if (a.device != device || a.alloc_op < 0 || !held_at(a, d.peak_event)) continue;
+      LayerStat& s = by_module[key(trace.ops[a.alloc_op].module)];
+      s.module = key(trace.ops[a.alloc_op].module);
+      s.bytes_at_peak += a.block_bytes;
+    }
+  }
+  std::vector<LayerStat> out;
+  for (auto& [m, s] : by_module) out.push_back(std::move(s));
+  return out;
+}
+
+}  // namespace gpucast

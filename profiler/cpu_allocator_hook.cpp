@@ -1,0 +1,126 @@
+// The CPU allocator wrapper: every CPU allocation and free made through c10's CPU allocator, including
+// oneDNN's raw allocations, passes through here. It keeps the size of each live block (so that frees
+// of blocks allocated before a trace are seen with their size) and forwards events to the tracer only
+// while a trace runs. The DataPtr it returns has context == data, as raw_allocate requires.
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include "gpucast/tracer.h"
+#include "memory_sink.h"
+
+namespace gpucast {
+namespace {
+
+constexpr size_t kShards = 16;
+
+struct Block {
+  size_t bytes;
+  c10::DataPtr original;  // owns the memory; destroying it frees through the wrapped allocator
+};
+
+struct Shard {
+  std::mutex mu;
+  std::unordered_map<void*, Block> blocks;
+};
+
+class CpuAllocatorHook final : public c10::Allocator {
+ public:
+  explicit CpuAllocatorHook(c10::Allocator* wrapped) : wrapped_(wrapped) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr original = wrapped_->allocate(n);
+    void* data = original.get();
+    if (data == nullptr) return original;  // zero-byte allocations hold nothing
+    {
+      Shard& sh = shard(data);
+      std::lock_guard<std::mutex> g(sh.mu);
+      sh.blocks.insert_or_assign(data, Block{n, std::move(original)});
+    }
+    if (detail::memory_recording()) {
+      detail::record_memory_event(data, static_cast<int64_t>(n), static_cast<int64_t>(n), c10::Device(c10::kCPU));
+    }
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    wrapped_->copy_data(dest, src, count);
+  }
+
+  static void release(void* data) {
+    Block block{0, c10::DataPtr()};
+    {
+      Shard& sh = shard(data);
+      std::lock_guard<std::mutex> g(sh.mu);
+      auto it = sh.blocks.find(data);
+      if (it == sh.blocks.end()) return;  // cannot happen: every pointer we hand out is in the table
+      block = std::move(it->second);
+      sh.blocks.erase(it);
+    }
+    if (detail::memory_recording()) {
+      detail::record_memory_event(data, -static_cast<int64_t>(block.bytes), -static_cast<int64_t>(block.bytes),
+                                  c10::Device(c10::kCPU));
+    }
+    // `block.original` goes out of scope here and frees through the wrapped allocator.
+  }
+
+  static std::vector<BaselineBlock> live_blocks() {
+    std::vector<BaselineBlock> out;
+    for (Shard& sh : shards()) {
+      std::lock_guard<std::mutex> g(sh.mu);
+      for (const auto& [ptr, b] : sh.blocks) {
+        out.push_back(BaselineBlock{reinterpret_cast<uint64_t>(ptr), static_cast<int64_t>(b.bytes),
+                                    static_cast<int64_t>(b.bytes), "cpu"});
+      }
+    }
+    std::sort(out.begin(), out.end(), [](const BaselineBlock& a, const BaselineBlock& b) { return a.ptr < b.ptr; });
+    return out;
+  }
+
+ private:
+  static std::array<Shard, kShards>& shards() {
+    static auto* s = new std::array<Shard, kShards>();  // outlives every tensor, even at exit
+    return *s;
+  }
+  static Shard& shard(const void* p) { return shards()[(reinterpret_cast<uintptr_t>(p) >> 6) % kShards]; }
+
+  c10::Allocator* wrapped_;
+};
+
+std::mutex g_install_mu;
+CpuAllocatorHook* g_hook = nullptr;
+
+}  // namespace
+
+bool install_cpu_allocator_hook(std::string* why) {
+  std::lock_guard<std::mutex> g(g_install_mu);
+  if (g_hook != nullptr) return true;
+  c10::Allocator* current = c10::GetCPUAllocator();
+  auto* hook = new CpuAllocatorHook(current);  // lives for the process: tensors may hold its deleter
+  c10::SetCPUAllocator(hook, /*priority=*/0);
+  if (c10::GetCPUAllocator() != hook) {
+    if (why != nullptr) {
+      *why = "another CPU allocator was registered with a higher priority; gpucast records no CPU memory events";
+    }
+    delete hook;
+    return false;
+  }
+  g_hook = hook;
+  return true;
+}
+
+bool cpu_allocator_hook_installed() {
+  std::lock_guard<std::mutex> g(g_install_mu);
+  return g_hook != nullptr && c10::GetCPUAllocator() == g_hook;
+}
+
+namespace detail {
+std::vector<BaselineBlock> cpu_live_blocks() { return CpuAllocatorHook::live_blocks(); }
+}  // namespace detail
+
+}  // namespace gpucast

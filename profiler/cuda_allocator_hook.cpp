@@ -1,0 +1,56 @@
+// CUDA memory events from the caching allocator's trace tracker (compiled when torch has CUDA).
+// The tracker cannot be detached; outside a trace it returns after one atomic load.
+#include <mutex>
+
+#include <ATen/Context.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include "gpucast/cuda_block.h"
+#include "gpucast/tracer.h"
+#include "memory_sink.h"
+
+namespace gpucast {
+namespace {
+std::mutex g_mu;
+bool g_attached = false;
+}  // namespace
+
+bool install_cuda_allocator_hook(std::string* why) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (g_attached) return true;
+  if (c10::cuda::device_count() == 0) return false;  // CUDA build without a GPU: nothing to observe
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+  namespace cca = c10::cuda::CUDACachingAllocator;
+  if (!cca::get()->initialized()) {
+    if (why) *why = "CUDA caching allocator not initialized (another backend?): CUDA memory events not recorded";
+    return false;
+  }
+  cca::attachAllocatorTraceTracker([](const cca::TraceEntry& te) {
+    if (!detail::memory_recording()) return;
+    const char* action = te.action_ == cca::TraceEntry::ALLOC            ? "alloc"
+                         : te.action_ == cca::TraceEntry::FREE_REQUESTED ? "free_requested"
+                                                                          : nullptr;
+    if (action == nullptr) return;
+    const auto delta = cuda_trace_delta(action, static_cast<int64_t>(te.size_));
+    if (!delta) return;
+    detail::record_memory_event(reinterpret_cast<const void*>(te.addr_), delta->bytes, delta->block_bytes,
+                                c10::Device(c10::kCUDA, te.device_));
+  });
+  g_attached = true;
+  return true;
+}
+
+namespace detail {
+void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<std::string>& notes) {
+  namespace cca = c10::cuda::CUDACachingAllocator;
+  const int n = c10::cuda::device_count();
+  for (int d = 0; d < n; ++d) {
+    const auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(d));
+    out["cuda:" + std::to_string(d)] = DeviceBaseline{stats.allocated_bytes[0].current, true};
+  }
+  notes.push_back("CUDA block bytes are derived from requested sizes with the allocator's 512-byte rounding");
+}
+}  // namespace detail
+
+}  // namespace gpucast

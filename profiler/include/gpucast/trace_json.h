@@ -1,0 +1,25 @@
+// gpucast/trace_json.h: a Trace to and from JSON, and to Perfetto's Chrome trace format.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "gpucast/trace.h"
+
+namespace gpucast {
+
+std::string trace_to_json(const Trace& trace, int indent = -1);
+// Throws UserError naming the position of malformed JSON, an unsupported schema_version, or the
+// missing/ill-typed field; `source` (a path, or "<string>") is named in the message.
+Trace trace_from_json(std::string_view text, std::string_view source = "<string>");
+
+// Chrome trace event format (opens in Perfetto and chrome://tracing): one track per thread for ops,
+// one counter track per device for bytes held in the window.
+std::string trace_to_chrome_json(const Trace& trace);
+
+// File helpers: errors name the path and the reason (errno text).
+void write_text_file(const std::string& path, std::string_view text);
+std::string read_text_file(const std::string& path);
+Trace load_trace(const std::string& path);
+
+}  // namespace gpucast

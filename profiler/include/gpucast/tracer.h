@@ -1,0 +1,49 @@
+// gpucast/tracer.h: record one or more training iterations at the dispatcher.
+//
+// start_trace installs global at::RecordFunction callbacks (FUNCTION, BACKWARD_FUNCTION, USER_SCOPE);
+// stop_trace removes them and returns the assembled Trace. Records go to per-thread buffers; inside a
+// callback gpucast takes no GIL, dispatches nothing, allocates nothing through torch and lets no
+// exception escape.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpucast/trace.h"
+
+namespace gpucast {
+
+struct TraceOptions {
+  bool record_shapes = true;
+  bool memory = true;
+  int64_t max_ops = 2000000;
+  int64_t max_events = 4000000;
+};
+
+// Throws UserError if a trace is already running.
+void start_trace(const TraceOptions& options);
+// Throws UserError if no trace is running.
+Trace stop_trace();
+bool trace_active();
+// Number of RecordFunction callbacks gpucast has installed right now (0 outside a trace).
+int installed_callbacks();
+
+// Module scopes, pushed and popped by the Python layer's global module hooks on the calling thread.
+void push_module(const std::string& path);
+void pop_module();
+// Record that the blocks at `ptrs` on `device` belong to `category` now (resolved when the trace stops).
+void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Category category);
+
+// Allocator hooks: installed once, pass-through outside a trace.
+// The CPU allocator wrapper is installed when the library loads; returns false (and says why in
+// `why`) when another allocator with a higher priority holds the CPU slot.
+bool install_cpu_allocator_hook(std::string* why);
+bool cpu_allocator_hook_installed();
+// Attaches to the CUDA caching allocator when CUDA is compiled in and a device is present.
+bool install_cuda_allocator_hook(std::string* why);
+
+TraceContext current_context();
+
+}  // namespace gpucast

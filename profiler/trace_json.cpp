@@ -1,0 +1,406 @@
+#include "gpucast/trace_json.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/error.h"
+
+namespace gpucast {
+namespace {
+
+using nlohmann::json;
+
+json tensor_to_json(const TensorMeta& t) {
+  return json{{"shape", t.shape}, {"strides", t.strides}, {"dtype", t.dtype}, {"device", t.device},
+              {"storage", t.storage}};
+}
+
+json value_to_json(const Value& v) {
+  json j{{"kind", to_string(v.kind)}};
+  if (v.kind == Value::Kind::Tensor && !v.tensors.empty()) {
+    j.update(tensor_to_json(v.tensors.front()));
+  } else if (v.kind == Value::Kind::TensorList) {
+    json list = json::array();
+    for (const auto& t : v.tensors) list.push_back(tensor_to_json(t));
+    j["tensors"] = std::move(list);
+  } else if (v.kind == Value::Kind::Scalar) {
+    j["value"] = v.scalar;
+  }
+  return j;
+}
+
+json values_to_json(const std::vector<Value>& values) {
+  json a = json::array();
+  for (const auto& v : values) a.push_back(value_to_json(v));
+  return a;
+}
+
+// Reading: every access names the path of the field in the document when it fails.
+class Reader {
+ public:
+  explicit Reader(std::string_view source) : source_(source) {}
+
+  const json& field(const json& obj, const char* key, const std::string& where) const {
+    if (!obj.is_object()) fail(where, "an object", obj);
+    auto it = obj.find(key);
+    if (it == obj.end()) {
+      GPUCAST_USER_ERROR("{}: missing field '{}{}{}'", source_, where, where.empty() ? "" : ".", key);
+    }
+    return *it;
+  }
+  template <typename T>
+  T get(const json& obj, const char* key, const std::string& where) const {
+    const json& v = field(obj, key, where);
+    try {
+      return v.get<T>();
+    } catch (const json::exception&) {
+      fail(fmt::format("{}{}{}", where, where.empty() ? "" : ".", key), expected_name<T>(), v);
+    }
+  }
+  template <typename T>
+  T get_or(const json& obj, const char* key, const std::string& where, T fallback) const {
+    if (!obj.is_object() || !obj.contains(key)) return fallback;
+    return get<T>(obj, key, where);
+  }
+  [[noreturn]] void fail(const std::string& where, std::string_view expected, const json& got) const {
+    std::string shown = got.dump();
+    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, where, expected, shown);
+  }
+
+ private:
+  template <typename T>
+  static std::string_view expected_name() {
+    if constexpr (std::is_same_v<T, std::string>) return "a string";
+    else if constexpr (std::is_same_v<T, bool>) return "a boolean";
+    else if constexpr (std::is_floating_point_v<T>) return "a number";
+    else if constexpr (std::is_integral_v<T>) return "an integer";
+    else return "a list of integers";
+  }
+  std::string source_;
+};
+
+TensorMeta tensor_from_json(const Reader& r, const json& j, const std::string& where) {
+  TensorMeta t;
+  t.shape = r.get<std::vector<int64_t>>(j, "shape", where);
+  t.strides = r.get_or<std::vector<int64_t>>(j, "strides", where, {});
+  t.dtype = r.get<std::string>(j, "dtype", where);
+  t.device = r.get<std::string>(j, "device", where);
+  t.storage = r.get_or<uint64_t>(j, "storage", where, 0);
+  return t;
+}
+
+std::vector<Value> values_from_json(const Reader& r, const json& a, const std::string& where) {
+  std::vector<Value> out;
+  if (!a.is_array()) r.fail(where, "a list", a);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::string w = fmt::format("{}[{}]", where, i);
+    Value v;
+    try {
+      v.kind = value_kind_from_string(r.get<std::string>(a[i], "kind", w));
+    } catch (const UserError&) {
+      r.fail(w + ".kind", "one of none, tensor, tensor_list, scalar, other", a[i].value("kind", json()));
+    }
+    if (v.kind == Value::Kind::Tensor) {
+      v.tensors.push_back(tensor_from_json(r, a[i], w));
+    } else if (v.kind == Value::Kind::TensorList) {
+      const json& list = r.field(a[i], "tensors", w);
+      if (!list.is_array()) r.fail(w + ".tensors", "a list", list);
+      for (size_t k = 0; k < list.size(); ++k) {
+        v.tensors.push_back(tensor_from_json(r, list[k], fmt::format("{}.tensors[{}]", w, k)));
+      }
+    } else if (v.kind == Value::Kind::Scalar) {
+      v.scalar = r.get<double>(a[i], "value", w);
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string trace_to_json(const Trace& trace, int indent) {
+  json j;
+  j["schema_version"] = trace.schema_version;
+  j["context"] = {{"gpucast_version", trace.context.gpucast_version},
+                  {"torch_version", trace.context.torch_version},
+                  {"device", trace.context.device},
+                  {"build_type", trace.context.build_type},
+                  {"cuda_build", trace.context.cuda_build}};
+  j["start_ns"] = trace.start_ns;
+  j["end_ns"] = trace.end_ns;
+  json baseline = json::object();
+  for (const auto& [dev, b] : trace.baseline) baseline[dev] = {{"bytes", b.bytes}, {"known", b.known}};
+  j["baseline"] = std::move(baseline);
+  const TraceCounters& c = trace.counters;
+  j["counters"] = {{"dropped_ops", c.dropped_ops},           {"dropped_events", c.dropped_events},
+                   {"unlinked_backward", c.unlinked_backward}, {"linked_backward", c.linked_backward},
+                   {"unmatched_frees", c.unmatched_frees},     {"callback_errors", c.callback_errors},
+                   {"threads", c.threads}};
+  j["notes"] = trace.notes;
+  json ops = json::array();
+  for (const OpRecord& op : trace.ops) {
+    ops.push_back({{"id", op.id},
+                   {"name", op.name},
+                   {"overload", op.overload},
+                   {"scope", to_string(op.scope)},
+                   {"phase", to_string(op.phase)},
+                   {"thread", op.thread},
+                   {"seq_nr", op.seq_nr},
+                   {"fwd_thread", op.fwd_thread},
+                   {"parent", op.parent},
+                   {"depth", op.depth},
+                   {"start_ns", op.start_ns},
+                   {"end_ns", op.end_ns},
+                   {"start_seq", op.start_seq},
+                   {"end_seq", op.end_seq},
+                   {"complete", op.complete},
+                   {"module", op.module},
+                   {"fwd_op", op.fwd_op},
+                   {"bwd_node", op.bwd_node},
+                   {"inputs", values_to_json(op.inputs)},
+                   {"outputs", values_to_json(op.outputs)}});
+  }
+  j["ops"] = std::move(ops);
+  json events = json::array();
+  for (const MemEvent& e : trace.events) {
+    events.push_back({{"seq", e.seq},
+                      {"ptr", e.ptr},
+                      {"bytes", e.bytes},
+                      {"block_bytes", e.block_bytes},
+                      {"device", e.device},
+                      {"thread", e.thread},
+                      {"op", e.op},
+                      {"phase", to_string(e.phase)},
+                      {"time_ns", e.time_ns},
+                      {"allocation", e.allocation}});
+  }
+  j["events"] = std::move(events);
+  json allocs = json::array();
+  for (const Allocation& a : trace.allocations) {
+    allocs.push_back({{"ptr", a.ptr},
+                      {"bytes", a.bytes},
+                      {"block_bytes", a.block_bytes},
+                      {"device", a.device},
+                      {"baseline", a.baseline},
+                      {"alloc_event", a.alloc_event},
+                      {"free_event", a.free_event},
+                      {"alloc_op", a.alloc_op},
+                      {"free_op", a.free_op},
+                      {"category", to_string(a.category)}});
+  }
+  j["allocations"] = std::move(allocs);
+  return j.dump(indent);
+}
+
+Trace trace_from_json(std::string_view text, std::string_view source) {
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    GPUCAST_USER_ERROR("{}: not a gpucast trace: malformed JSON at byte {} ({})", source, e.byte, e.what());
+  }
+  Reader r(source);
+  if (!j.is_object() || !j.contains("schema_version")) {
+    GPUCAST_USER_ERROR("{}: not a gpucast trace: no 'schema_version' field at the top level", source);
+  }
+  const int version = r.get<int>(j, "schema_version", "");
+  if (version != kTraceSchemaVersion) {
+    GPUCAST_USER_ERROR(
+        "{}: trace schema_version {} is not supported by this gpucast (reads version {}); record the "
+        "trace again with this version",
+        source, version, kTraceSchemaVersion);
+  }
+  Trace t;
+  const json& ctx = r.field(j, "context", "");
+  t.context.gpucast_version = r.get<std::string>(ctx, "gpucast_version", "context");
+  t.context.torch_version = r.get<std::string>(ctx, "torch_version", "context");
+  t.context.device = r.get<std::string>(ctx, "device", "context");
+  t.context.build_type = r.get_or<std::string>(ctx, "build_type", "context", "");
+  t.context.cuda_build = r.get_or<bool>(ctx, "cuda_build", "context", false);
+  t.start_ns = r.get_or<int64_t>(j, "start_ns", "", 0);
+  t.end_ns = r.get_or<int64_t>(j, "end_ns", "", 0);
+  if (j.contains("baseline")) {
+    const json& b = j["baseline"];
+    if (!b.is_object()) r.fail("baseline", "an object", b);
+    for (auto it = b.begin(); it != b.end(); ++it) {
+      const std::string w = "baseline." + it.key();
+      t.baseline[it.key()] = DeviceBaseline{r.get<int64_t>(it.value(), "bytes", w), r.get<bool>(it.value(), "known", w)};
+    }
+  }
+  if (j.contains("counters")) {
+    const json& c = j["counters"];
+    TraceCounters& k = t.counters;
+    k.dropped_ops = r.get_or<int64_t>(c, "dropped_ops", "counters", 0);
+    k.dropped_events = r.get_or<int64_t>(c, "dropped_events", "counters", 0);
+    k.unlinked_backward = r.get_or<int64_t>(c, "unlinked_backward", "counters", 0);
+    k.linked_backward = r.get_or<int64_t>(c, "linked_backward", "counters", 0);
+    k.unmatched_frees = r.get_or<int64_t>(c, "unmatched_frees", "counters", 0);
+    k.callback_errors = r.get_or<int64_t>(c, "callback_errors", "counters", 0);
+    k.threads = r.get_or<int64_t>(c, "threads", "counters", 0);
+  }
+  t.notes = r.get_or<std::vector<std::string>>(j, "notes", "", {});
+
+  const json& ops = r.field(j, "ops", "");
+  if (!ops.is_array()) r.fail("ops", "a list", ops);
+  t.ops.reserve(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const std::string w = fmt::format("ops[{}]", i);
+    const json& o = ops[i];
+    OpRecord op;
+    op.id = r.get<int64_t>(o, "id", w);
+    if (op.id != static_cast<int64_t>(i)) r.fail(w + ".id", fmt::format("{}", i), o["id"]);
+    op.name = r.get<std::string>(o, "name", w);
+    op.overload = r.get_or<std::string>(o, "overload", w, "");
+    try {
+      op.scope = scope_from_string(r.get<std::string>(o, "scope", w));
+      op.phase = phase_from_string(r.get<std::string>(o, "phase", w));
+    } catch (const UserError& e) {
+      GPUCAST_USER_ERROR("{}: {}: {}", source, w, e.what());
+    }
+    op.thread = r.get<uint64_t>(o, "thread", w);
+    op.seq_nr = r.get_or<int64_t>(o, "seq_nr", w, -1);
+    op.fwd_thread = r.get_or<uint64_t>(o, "fwd_thread", w, 0);
+    op.parent = r.get_or<int64_t>(o, "parent", w, -1);
+    op.depth = r.get_or<int32_t>(o, "depth", w, 0);
+    op.start_ns = r.get<int64_t>(o, "start_ns", w);
+    op.end_ns = r.get<int64_t>(o, "end_ns", w);
+    op.start_seq = r.get_or<uint64_t>(o, "start_seq", w, 0);
+    op.end_seq = r.get_or<uint64_t>(o, "end_seq", w, 0);
+    op.complete = r.get_or<bool>(o, "complete", w, true);
+    op.module = r.get_or<std::string>(o, "module", w, "");
+    op.fwd_op = r.get_or<int64_t>(o, "fwd_op", w, -1);
+    op.bwd_node = r.get_or<int64_t>(o, "bwd_node", w, -1);
+    if (o.contains("inputs")) op.inputs = values_from_json(r, o["inputs"], w + ".inputs");
+    if (o.contains("outputs")) op.outputs = values_from_json(r, o["outputs"], w + ".outputs");
+    t.ops.push_back(std::move(op));
+  }
+  const int64_t n_ops = static_cast<int64_t>(t.ops.size());
+  auto check_ref = [&](int64_t ref, int64_t limit, const std::string& w, const json& got) {
+    if (ref < -1 || ref >= limit) r.fail(w, fmt::format("-1 or an index below {}", limit), got);
+  };
+  for (size_t i = 0; i < t.ops.size(); ++i) {
+    const std::string w = fmt::format("ops[{}]", i);
+    check_ref(t.ops[i].parent, n_ops, w + ".parent", ops[i]["parent"]);
+    check_ref(t.ops[i].fwd_op, n_ops, w + ".fwd_op", ops[i].value("fwd_op", json(-1)));
+    check_ref(t.ops[i].bwd_node, n_ops, w + ".bwd_node", ops[i].value("bwd_node", json(-1)));
+  }
+
+  const json& events = r.field(j, "events", "");
+  if (!events.is_array()) r.fail("events", "a list", events);
+  t.events.reserve(events.size());
+  for (size_t i = 0; i < events.size(); ++i) {
+    const std::string w = fmt::format("events[{}]", i);
+    const json& o = events[i];
+    MemEvent e;
+    e.seq = r.get<uint64_t>(o, "seq", w);
+    e.ptr = r.get<uint64_t>(o, "ptr", w);
+    e.bytes = r.get<int64_t>(o, "bytes", w);
+    e.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, e.bytes);
+    e.device = r.get<std::string>(o, "device", w);
+    e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
+    e.op = r.get_or<int64_t>(o, "op", w, -1);
+    check_ref(e.op, n_ops, w + ".op", o.value("op", json(-1)));
+    try {
+      e.phase = phase_from_string(r.get_or<std::string>(o, "phase", w, "forward"));
+    } catch (const UserError& err) {
+      GPUCAST_USER_ERROR("{}: {}: {}", source, w, err.what());
+    }
+    e.time_ns = r.get_or<int64_t>(o, "time_ns", w, 0);
+    e.allocation = r.get_or<int64_t>(o, "allocation", w, -1);
+    t.events.push_back(std::move(e));
+  }
+  const json& allocs = r.field(j, "allocations", "");
+  if (!allocs.is_array()) r.fail("allocations", "a list", allocs);
+  const int64_t n_events = static_cast<int64_t>(t.events.size());
+  for (size_t i = 0; i < allocs.size(); ++i) {
+    const std::string w = fmt::format("allocations[{}]", i);
+    const json& o = allocs[i];
+    Allocation a;
+    a.ptr = r.get<uint64_t>(o, "ptr", w);
+    a.bytes = r.get<int64_t>(o, "bytes", w);
+    a.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, a.bytes);
+    a.device = r.get<std::string>(o, "device", w);
+    a.baseline = r.get_or<bool>(o, "baseline", w, false);
+    a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
+    a.free_event = r.get_or<int64_t>(o, "free_event", w, -1);
+    check_ref(a.alloc_event, n_events, w + ".alloc_event", o.value("alloc_event", json(-1)));
+    check_ref(a.free_event, n_events, w + ".free_event", o.value("free_event", json(-1)));
+    a.alloc_op = r.get_or<int64_t>(o, "alloc_op", w, -1);
+    a.free_op = r.get_or<int64_t>(o, "free_op", w, -1);
+    try {
+      a.category = category_from_string(r.get_or<std::string>(o, "category", w, "other"));
+    } catch (const UserError& err) {
+      GPUCAST_USER_ERROR("{}: {}: {}", source, w, err.what());
+    }
+    t.allocations.push_back(std::move(a));
+  }
+  return t;
+}
+
+std::string trace_to_chrome_json(const Trace& trace) {
+  json events = json::array();
+  const int64_t t0 = trace.start_ns;
+  auto us = [t0](int64_t ns) { return static_cast<double>(ns - t0) / 1000.0; };
+  for (const OpRecord& op : trace.ops) {
+    json args{{"id", op.id}, {"phase", to_string(op.phase)}, {"scope", to_string(op.scope)}};
+    if (!op.module.empty()) args["module"] = op.module;
+    if (op.seq_nr >= 0) args["seq_nr"] = op.seq_nr;
+    if (op.fwd_op >= 0) args["fwd_op"] = op.fwd_op;
+    json shapes = json::array();
+    for (const Value& v : op.inputs) {
+      if (v.kind == Value::Kind::Tensor && !v.tensors.empty()) shapes.push_back(v.tensors.front().shape);
+      else shapes.push_back(json::array());
+    }
+    args["input_shapes"] = std::move(shapes);
+    events.push_back({{"name", op.name},
+                      {"cat", to_string(op.phase)},
+                      {"ph", "X"},
+                      {"ts", us(op.start_ns)},
+                      {"dur", static_cast<double>(std::max<int64_t>(op.end_ns - op.start_ns, 0)) / 1000.0},
+                      {"pid", 0},
+                      {"tid", op.thread},
+                      {"args", std::move(args)}});
+  }
+  std::map<std::string, int64_t> held;
+  for (const MemEvent& e : trace.events) {
+    int64_t& h = held[e.device];
+    h += e.block_bytes;
+    events.push_back({{"name", "bytes held (window) " + e.device},
+                      {"ph", "C"},
+                      {"ts", us(e.time_ns)},
+                      {"pid", 0},
+                      {"args", {{"bytes", h}}}});
+  }
+  json meta{{"schema_version", trace.schema_version},
+            {"gpucast_version", trace.context.gpucast_version},
+            {"torch_version", trace.context.torch_version},
+            {"device", trace.context.device}};
+  json doc{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}, {"otherData", std::move(meta)}};
+  return doc.dump();
+}
+
+void write_text_file(const std::string& path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) {
+    GPUCAST_USER_ERROR("cannot write '{}': {}; give a path in a writable directory", path, std::strerror(errno));
+  }
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();
+  if (!out) GPUCAST_USER_ERROR("cannot write '{}': {}", path, std::strerror(errno));
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+Trace load_trace(const std::string& path) { return trace_from_json(read_text_file(path), path); }
+
+}  // namespace gpucast

@@ -1,0 +1,513 @@
+#include "gpucast/tracer.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <string_view>
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/record_function.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/SmallVector.h>
+
+#include "gpucast/error.h"
+#include "memory_sink.h"
+
+namespace gpucast {
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Compact forms kept while recording; converted to TensorMeta/Value when the trace stops.
+struct RawTensor {
+  c10::SmallVector<int64_t, 5> shape;
+  c10::SmallVector<int64_t, 5> strides;
+  int8_t dtype = -1;  // c10::ScalarType, -1 undefined tensor
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  c10::DeviceIndex device_index = -1;
+  uint64_t storage = 0;
+};
+struct RawValue {
+  Value::Kind kind = Value::Kind::None;
+  c10::SmallVector<RawTensor, 1> tensors;
+  double scalar = 0.0;
+};
+struct RawOp {
+  int32_t name = -1;      // interned in ThreadState::names
+  int32_t overload = -1;
+  Scope scope = Scope::Function;
+  Phase phase = Phase::Forward;
+  int64_t seq_nr = -1;
+  uint64_t fwd_thread = 0;
+  int32_t parent = -1;
+  int32_t depth = 0;
+  int32_t bwd_node = -1;
+  int32_t module = -1;
+  int64_t start_ns = 0, end_ns = 0;
+  uint64_t start_seq = 0, end_seq = 0;
+  bool complete = false;
+  c10::SmallVector<RawValue, 3> inputs;
+  c10::SmallVector<RawValue, 1> outputs;
+};
+struct OpenOp {
+  int32_t index;
+  uint64_t handle;
+  bool backward;   // opened a backward region
+  bool optimizer;  // opened an optimizer region
+};
+
+struct ThreadState {
+  std::mutex mu;  // uncontended while recording; taken by stop_trace when draining
+  bool busy = false;  // set while this thread is inside gpucast code holding `mu`
+  uint64_t tid = 0;
+  uint64_t generation = 0;
+  std::vector<RawOp> ops;
+  std::vector<MemEvent> events;
+  std::vector<Tag> tags;
+  std::vector<OpenOp> stack;
+  std::vector<int32_t> open_bwd_nodes;
+  std::vector<int32_t> modules;  // module stack (interned ids)
+  int backward_depth = 0;
+  int optimizer_depth = 0;
+  // Op names interned per thread, kept across traces (bounded by the number of distinct names).
+  std::deque<std::string> names;
+  std::unordered_map<std::string_view, int32_t> name_ids;
+
+  int32_t intern(const char* text) {
+    std::string_view v(text == nullptr ? "" : text);
+    auto it = name_ids.find(v);
+    if (it != name_ids.end()) return it->second;
+    names.emplace_back(v);
+    const auto id = static_cast<int32_t>(names.size() - 1);
+    name_ids.emplace(std::string_view(names.back()), id);
+    return id;
+  }
+
+  void reset(uint64_t gen) {
+    generation = gen;
+    ops.clear();
+    events.clear();
+    tags.clear();
+    stack.clear();
+    open_bwd_nodes.clear();
+    modules.clear();
+    backward_depth = optimizer_depth = 0;
+  }
+  Phase phase() const {
+    if (optimizer_depth > 0) return Phase::Optimizer;
+    if (backward_depth > 0) return Phase::Backward;
+    return Phase::Forward;
+  }
+};
+
+struct TracerState {
+  std::mutex mu;  // registry, module names, start/stop
+  std::vector<std::shared_ptr<ThreadState>> threads;
+  std::vector<std::string> module_names;
+  std::unordered_map<std::string, int32_t> module_ids;
+  std::atomic<bool> active{false};
+  std::atomic<uint64_t> generation{0};
+  std::atomic<uint64_t> seq{1};
+  std::atomic<int64_t> op_count{0}, event_count{0};
+  std::atomic<int64_t> dropped_ops{0}, dropped_events{0}, callback_errors{0};
+  std::atomic<int> installed{0};
+  at::CallbackHandle handle = 0;
+  TraceOptions options;
+  int64_t start_ns = 0;
+  std::vector<BaselineBlock> baseline_blocks;
+  std::map<std::string, DeviceBaseline> baseline;
+  std::vector<std::string> notes;
+};
+
+TracerState& state() {
+  static auto* s = new TracerState();  // never destroyed: callbacks may run during process exit
+  return *s;
+}
+
+thread_local ThreadState* tls_state = nullptr;
+
+ThreadState* thread_state() {
+  if (tls_state == nullptr) {
+    auto ts = std::make_shared<ThreadState>();
+    ts->tid = at::RecordFunction::currentThreadId();
+    TracerState& s = state();
+    std::lock_guard<std::mutex> g(s.mu);
+    s.threads.push_back(ts);
+    tls_state = ts.get();
+  }
+  return tls_state;
+}
+
+// Locks a thread's buffer for the current trace generation; refuses re-entry from the same thread.
+class Locked {
+ public:
+  explicit Locked(ThreadState* ts) : ts_(ts) {
+    if (ts_->busy) {
+      ts_ = nullptr;
+      return;
+    }
+    ts_->mu.lock();
+    ts_->busy = true;
+    const uint64_t gen = state().generation.load(std::memory_order_acquire);
+    if (ts_->generation != gen) ts_->reset(gen);
+  }
+  ~Locked() {
+    if (ts_ == nullptr) return;
+    ts_->busy = false;
+    ts_->mu.unlock();
+  }
+  Locked(const Locked&) = delete;
+  Locked& operator=(const Locked&) = delete;
+  explicit operator bool() const { return ts_ != nullptr; }
+
+ private:
+  ThreadState* ts_;
+};
+
+void fill_tensor(RawTensor& r, const at::Tensor& t) {
+  if (!t.defined()) return;
+  r.dtype = static_cast<int8_t>(t.scalar_type());
+  r.device_type = t.device().type();
+  r.device_index = t.device().index();
+  const auto sizes = t.sym_sizes();
+  r.shape.reserve(sizes.size());
+  for (const auto& s : sizes) r.shape.push_back(s.is_heap_allocated() ? -1 : s.as_int_unchecked());
+  if (t.layout() == c10::kStrided && !t.is_nested()) {
+    const auto strides = t.sym_strides();
+    for (const auto& s : strides) r.strides.push_back(s.is_heap_allocated() ? -1 : s.as_int_unchecked());
+  }
+  if (t.has_storage()) r.storage = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
+}
+
+void fill_value(RawValue& v, const c10::IValue& iv) {
+  if (iv.isTensor()) {
+    v.kind = Value::Kind::Tensor;
+    fill_tensor(v.tensors.emplace_back(), iv.toTensor());
+  } else if (iv.isTensorList()) {
+    v.kind = Value::Kind::TensorList;
+    for (const at::Tensor& t : iv.toTensorList().vec()) fill_tensor(v.tensors.emplace_back(), t);
+  } else if (iv.isDouble()) {
+    v.kind = Value::Kind::Scalar;
+    v.scalar = iv.toDouble();
+  } else if (iv.isInt()) {
+    v.kind = Value::Kind::Scalar;
+    v.scalar = static_cast<double>(iv.toInt());
+  } else if (iv.isBool()) {
+    v.kind = Value::Kind::Scalar;
+    v.scalar = iv.toBool() ? 1.0 : 0.0;
+  } else if (iv.isNone()) {
+    v.kind = Value::Kind::None;
+  } else {
+    v.kind = Value::Kind::Other;
+  }
+}
+
+bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  TracerState& s = state();
+  if (!s.active.load(std::memory_order_acquire)) return nullptr;
+  try {
+    const char* name = fn.name();
+    if (name == nullptr || starts_with(name, "gpucast::")) return nullptr;
+    ThreadState* ts = thread_state();
+    Locked lock(ts);
+    if (!lock) return nullptr;
+    if (s.op_count.fetch_add(1, std::memory_order_relaxed) >= s.options.max_ops) {
+      s.dropped_ops.fetch_add(1, std::memory_order_relaxed);
+      return nullptr;
+    }
+    RawOp& op = ts->ops.emplace_back();
+    const auto index = static_cast<int32_t>(ts->ops.size() - 1);
+    op.scope = fn.scope() == at::RecordScope::BACKWARD_FUNCTION ? Scope::BackwardFunction
+               : fn.scope() == at::RecordScope::USER_SCOPE   ? Scope::UserScope
+                                                              : Scope::Function;
+    op.name = ts->intern(name);
+    op.overload = ts->intern(fn.overload_name());
+    op.seq_nr = fn.seqNr();
+    op.fwd_thread = fn.forwardThreadId();
+    op.parent = ts->stack.empty() ? -1 : ts->stack.back().index;
+    op.depth = static_cast<int32_t>(ts->stack.size());
+    op.bwd_node = ts->open_bwd_nodes.empty() ? -1 : ts->open_bwd_nodes.back();
+    op.module = ts->modules.empty() ? -1 : ts->modules.back();
+    if (s.options.record_shapes && op.scope != Scope::UserScope) {
+      for (const c10::IValue& iv : fn.inputs()) fill_value(op.inputs.emplace_back(), iv);
+    }
+    const bool backward = op.scope == Scope::BackwardFunction || starts_with(name, "autograd::engine::evaluate_function");
+    const bool optimizer = op.scope == Scope::UserScope && starts_with(name, "Optimizer.");
+    if (backward) ++ts->backward_depth;
+    if (optimizer) ++ts->optimizer_depth;
+    op.phase = ts->phase();  // a region's own record belongs to the region
+    if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
+    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer});
+    op.start_ns = now_ns();
+    op.start_seq = s.seq.fetch_add(1, std::memory_order_relaxed);
+  } catch (...) {
+    s.callback_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+  return nullptr;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
+  TracerState& s = state();
+  if (!s.active.load(std::memory_order_acquire) || tls_state == nullptr) return;
+  try {
+    const int64_t t = now_ns();
+    const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
+    ThreadState* ts = tls_state;
+    Locked lock(ts);
+    if (!lock) return;
+    auto& stack = ts->stack;
+    size_t pos = stack.size();
+    while (pos > 0 && stack[pos - 1].handle != fn.handle()) --pos;
+    if (pos == 0) return;  // not ours (skipped, dropped, or started before this trace)
+    // Close it and anything left open above it.
+    while (stack.size() >= pos) {
+      const OpenOp open = stack.back();
+      stack.pop_back();
+      RawOp& op = ts->ops[open.index];
+      if (open.backward) --ts->backward_depth;
+      if (open.optimizer) --ts->optimizer_depth;
+      if (op.scope == Scope::BackwardFunction && !ts->open_bwd_nodes.empty()) ts->open_bwd_nodes.pop_back();
+      op.end_ns = t;
+      op.end_seq = seq;
+      if (stack.size() + 1 == pos) {
+        op.complete = true;
+        if (s.options.record_shapes && op.scope != Scope::UserScope) {
+          for (const c10::IValue& iv : fn.outputs()) fill_value(op.outputs.emplace_back(), iv);
+        }
+      }
+    }
+  } catch (...) {
+    s.callback_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+std::string device_string(c10::DeviceType type, c10::DeviceIndex index) {
+  std::string s = c10::DeviceTypeName(type, /*lower_case=*/true);
+  if (index >= 0) s += ":" + std::to_string(index);
+  return s;
+}
+
+TensorMeta convert(const RawTensor& r) {
+  TensorMeta m;
+  m.shape.assign(r.shape.begin(), r.shape.end());
+  m.strides.assign(r.strides.begin(), r.strides.end());
+  if (r.dtype >= 0) {
+    m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
+    m.device = device_string(r.device_type, r.device_index);
+  }
+  m.storage = r.storage;
+  return m;
+}
+
+template <typename Vec>
+std::vector<Value> convert(const Vec& raw) {
+  std::vector<Value> out;
+  out.reserve(raw.size());
+  for (const RawValue& r : raw) {
+    Value v;
+    v.kind = r.kind;
+    v.scalar = r.scalar;
+    for (const RawTensor& t : r.tensors) v.tensors.push_back(convert(t));
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+}  // namespace
+
+namespace detail {
+
+bool memory_recording() noexcept {
+  const TracerState& s = state();
+  return s.active.load(std::memory_order_acquire) && s.options.memory;
+}
+
+void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c10::Device device) noexcept {
+  TracerState& s = state();
+  if (!s.active.load(std::memory_order_acquire) || !s.options.memory) return;
+  try {
+    ThreadState* ts = thread_state();
+    Locked lock(ts);
+    if (!lock) {
+      s.callback_errors.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    if (s.event_count.fetch_add(1, std::memory_order_relaxed) >= s.options.max_events) {
+      s.dropped_events.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    MemEvent& e = ts->events.emplace_back();
+    e.seq = s.seq.fetch_add(1, std::memory_order_relaxed);
+    e.ptr = reinterpret_cast<uint64_t>(ptr);
+    e.bytes = bytes;
+    e.block_bytes = block_bytes;
+    e.device = device_string(device.type(), device.index());
+    e.thread = ts->tid;
+    e.op = ts->stack.empty() ? -1 : ts->stack.back().index;
+    e.phase = ts->phase();
+    e.time_ns = now_ns();
+  } catch (...) {
+    s.callback_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace detail
+
+void start_trace(const TraceOptions& options) {
+  TracerState& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (s.active.load()) {
+    GPUCAST_USER_ERROR("a gpucast trace is already running; stop it before starting another (traces do not nest)");
+  }
+  s.options = options;
+  s.op_count = 0;
+  s.event_count = 0;
+  s.dropped_ops = 0;
+  s.dropped_events = 0;
+  s.callback_errors = 0;
+  s.notes.clear();
+  s.baseline.clear();
+  s.baseline_blocks.clear();
+  s.module_names.clear();
+  s.module_ids.clear();
+  if (options.memory) {
+    if (cpu_allocator_hook_installed()) {
+      s.baseline_blocks = detail::cpu_live_blocks();
+      DeviceBaseline b{0, true};
+      for (const BaselineBlock& blk : s.baseline_blocks) b.bytes += blk.block_bytes;
+      s.baseline["cpu"] = b;
+    } else {
+      s.notes.push_back("CPU allocator hook unavailable: CPU memory events not recorded");
+    }
+    std::string why;
+    if (install_cuda_allocator_hook(&why)) {
+      detail::cuda_baseline(s.baseline, s.notes);
+    } else if (!why.empty()) {
+      s.notes.push_back(why);
+    }
+  }
+  s.generation.fetch_add(1, std::memory_order_acq_rel);
+  s.start_ns = now_ns();
+  s.handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end)
+                                       .needsInputs(options.record_shapes)
+                                       .needsOutputs(options.record_shapes)
+                                       .needsIds(true)
+                                       .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
+                                                at::RecordScope::USER_SCOPE}));
+  s.installed.fetch_add(1);
+  s.active.store(true, std::memory_order_release);
+}
+
+Trace stop_trace() {
+  TracerState& s = state();
+  std::unique_lock<std::mutex> g(s.mu);
+  if (!s.active.load()) GPUCAST_USER_ERROR("no gpucast trace is running; start one with gpucast.trace()");
+  s.active.store(false, std::memory_order_release);
+  at::removeCallback(s.handle);
+  s.handle = 0;
+  s.installed.fetch_sub(1);
+  const int64_t end = now_ns();
+  const uint64_t gen = s.generation.load();
+
+  AssemblyInput in;
+  in.start_ns = s.start_ns;
+  in.end_ns = end;
+  std::vector<std::shared_ptr<ThreadState>> threads = s.threads;
+  std::vector<std::string> module_names = s.module_names;
+  g.unlock();  // thread buffers are drained under their own locks
+
+  for (const auto& ts : threads) {
+    std::lock_guard<std::mutex> tl(ts->mu);
+    if (ts->generation != gen) continue;
+    RawThread rt;
+    rt.thread = ts->tid;
+    rt.ops.reserve(ts->ops.size());
+    for (RawOp& r : ts->ops) {
+      OpRecord op;
+      op.name = ts->names[r.name];
+      op.overload = ts->names[r.overload];
+      op.scope = r.scope;
+      op.phase = r.phase;
+      op.thread = ts->tid;
+      op.seq_nr = r.seq_nr;
+      op.fwd_thread = r.fwd_thread;
+      op.parent = r.parent;
+      op.depth = r.depth;
+      op.bwd_node = r.bwd_node;
+      op.start_ns = r.start_ns;
+      op.start_seq = r.start_seq;
+      op.complete = r.complete;
+      op.end_ns = r.complete ? r.end_ns : end;
+      op.end_seq = r.complete ? r.end_seq : ~uint64_t{0};
+      if (r.module >= 0 && static_cast<size_t>(r.module) < module_names.size()) op.module = module_names[r.module];
+      op.inputs = convert(r.inputs);
+      op.outputs = convert(r.outputs);
+      rt.ops.push_back(std::move(op));
+    }
+    rt.events = std::move(ts->events);
+    rt.tags = std::move(ts->tags);
+    ts->reset(gen);
+    in.threads.push_back(std::move(rt));
+  }
+  g.lock();
+  in.baseline_blocks = std::move(s.baseline_blocks);
+  in.baseline = std::move(s.baseline);
+  in.notes = std::move(s.notes);
+  in.counters.dropped_ops = s.dropped_ops.load();
+  in.counters.dropped_events = s.dropped_events.load();
+  in.counters.callback_errors = s.callback_errors.load();
+  in.context = current_context();
+  g.unlock();
+  return assemble_trace(std::move(in));
+}
+
+bool trace_active() { return state().active.load(); }
+int installed_callbacks() { return state().installed.load(); }
+
+void push_module(const std::string& path) {
+  TracerState& s = state();
+  if (!s.active.load(std::memory_order_acquire)) return;
+  int32_t id;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    auto it = s.module_ids.find(path);
+    if (it == s.module_ids.end()) {
+      id = static_cast<int32_t>(s.module_names.size());
+      s.module_names.push_back(path);
+      s.module_ids.emplace(path, id);
+    } else {
+      id = it->second;
+    }
+  }
+  ThreadState* ts = thread_state();
+  Locked lock(ts);
+  if (lock) ts->modules.push_back(id);
+}
+
+void pop_module() {
+  if (!state().active.load(std::memory_order_acquire)) return;
+  ThreadState* ts = thread_state();
+  Locked lock(ts);
+  if (lock && !ts->modules.empty()) ts->modules.pop_back();
+}
+
+void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Category category) {
+  TracerState& s = state();
+  if (!s.active.load(std::memory_order_acquire)) return;
+  ThreadState* ts = thread_state();
+  Locked lock(ts);
+  if (!lock) return;
+  const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
+  for (int64_t p : ptrs) {
+    if (p != 0) ts->tags.push_back(Tag{static_cast<uint64_t>(p), device, category, seq});
+  }
+}
+
+}  // namespace gpucast

@@ -1,0 +1,316 @@
+"""gpucast.trace(): record training iterations at the dispatcher.
+
+The recording is done in C++ (torch.ops.gpucast.*). This module only adds what Python sees better:
+module paths (global module forward hooks), and which blocks are parameters, gradients, optimizer
+state and inputs (module and optimizer hooks), handed to C++ as tags.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+from typing import Any, Iterable
+
+import torch
+import torch.optim.optimizer as _optimizer_module
+
+_ops = torch.ops.gpucast
+
+
+def _format_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_format_value(key, v) for v in value) + "]"
+    return str(value)
+
+
+def _format_options(options: dict[str, Any]) -> str:
+    return ",".join(f"{k}:{_format_value(k, v)}" for k, v in options.items())
+
+
+def trace_options() -> str:
+    """The options gpucast.trace() accepts, with their forms, defaults and meaning."""
+    return _ops.trace_options_help()
+
+
+def _storages(tensors: Iterable[Any]) -> dict[str, list[int]]:
+    """Storage data pointers of the given tensors, grouped by device."""
+    out: dict[str, list[int]] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr:
+            out.setdefault(str(t.device), []).append(ptr)
+    return out
+
+
+def _tag(tensors: Iterable[Any], category: str) -> None:
+    for device, ptrs in _storages(tensors).items():
+        _ops.tag(ptrs, device, category)
+
+
+def _flatten(obj: Any, out: list) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flatten(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flatten(o, out)
+    return out
+
+
+class _Hooks:
+    """Global module and optimizer hooks installed for the duration of one trace."""
+
+    def __init__(self, module_paths: bool):
+        self._local = threading.local()
+        self._children: dict[int, dict[int, str]] = {}
+        self._seen: dict[int, torch.nn.Module] = {}
+        self._optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._handles: list = []
+        self._module_paths = module_paths
+
+    def _stack(self) -> list:
+        st = getattr(self._local, "stack", None)
+        if st is None:
+            st = self._local.stack = []
+        return st
+
+    def _child_name(self, parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
+        names = self._children.get(id(parent))
+        if names is None or id(child) not in names:
+            names = {id(m): n for n, m in parent._modules.items() if m is not None}
+            self._children[id(parent)] = names
+        return names.get(id(child))
+
+    def pre(self, module: torch.nn.Module, args: Any) -> None:
+        st = self._stack()
+        if st:
+            parent, parent_path = st[-1]
+            name = self._child_name(parent, module)
+            path = f"{parent_path}.{name if name is not None else type(module).__name__}"
+        else:
+            path = type(module).__name__
+            _tag(_flatten(args, []), "input")
+        st.append((module, path))
+        if id(module) not in self._seen:
+            self._seen[id(module)] = module
+            _tag(module._parameters.values(), "parameter")
+        if self._module_paths:
+            _ops.push_module(path)
+
+    def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        st = self._stack()
+        if st and st[-1][0] is module:
+            st.pop()
+            if self._module_paths:
+                _ops.pop_module()
+
+    def optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizers[id(optimizer)] = optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        _tag(params, "parameter")
+        _tag([p.grad for p in params if p.grad is not None], "gradient")
+
+    def optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        states = []
+        for s in optimizer.state.values():
+            _flatten(s, states)
+        _tag(states, "optimizer_state")
+
+    def install(self) -> None:
+        m = torch.nn.modules.module
+        self._handles = [
+            m.register_module_forward_pre_hook(self.pre),
+            m.register_module_forward_hook(self.post, always_call=True),
+            _optimizer_module.register_optimizer_step_pre_hook(self.optimizer_pre),
+            _optimizer_module.register_optimizer_step_post_hook(self.optimizer_post),
+        ]
+
+    def finish(self) -> None:
+        """Tag what is held at the end (parameters, gradients, optimizer state), then unhook."""
+        try:
+            params = [p for m in self._seen.values() for p in m._parameters.values() if p is not None]
+            _tag(params, "parameter")
+            _tag([p.grad for p in params if p.grad is not None], "gradient")
+            for opt in self._optimizers.values():
+                self.optimizer_post(opt, (), {})
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._stack().clear()
+
+
+def _value(d: dict) -> SimpleNamespace:
+    v = SimpleNamespace(**d)
+    if d["kind"] == "tensor_list":
+        v.tensors = [SimpleNamespace(**t) for t in d["tensors"]]
+    return v
+
+
+def _op(d: dict) -> SimpleNamespace:
+    d = dict(d)
+    d["inputs"] = [_value(v) for v in d["inputs"]]
+    d["outputs"] = [_value(v) for v in d["outputs"]]
+    return SimpleNamespace(**d)
+
+
+class Trace:
+    """A recorded trace. Backed by the C++ value; Python views are built on first use."""
+
+    def __init__(self, handle: Any):
+        self._h = handle
+        self._doc: dict | None = None
+        self._ops: list | None = None
+
+    def _document(self) -> dict:
+        if self._doc is None:
+            self._doc = json.loads(self._h.to_json())
+        return self._doc
+
+    @property
+    def ops(self) -> list:
+        """Op records: name, overload, scope, phase, module, inputs, outputs, start_ns, end_ns, ..."""
+        if self._ops is None:
+            self._ops = [_op(o) for o in self._document()["ops"]]
+        return self._ops
+
+    @property
+    def events(self) -> list:
+        """Memory events in order: ptr, bytes (+alloc/-free), block_bytes, device, op, phase, ..."""
+        return [SimpleNamespace(**e) for e in self._document()["events"]]
+
+    @property
+    def allocations(self) -> list:
+        """Blocks seen in the window: ptr, bytes, device, baseline, alloc/free event and op, category."""
+        return [SimpleNamespace(**a) for a in self._document()["allocations"]]
+
+    @property
+    def counters(self) -> dict:
+        return dict(self._document()["counters"])
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._document()["notes"])
+
+    @property
+    def context(self) -> dict:
+        return dict(self._document()["context"])
+
+    def summary(self, top: int = 5) -> str:
+        return self._h.summary(top)
+
+    def peak_bytes(self, device: str = "cpu") -> int:
+        """Window peak: most bytes held at once on `device`, counted from the trace's start."""
+        return self._h.peak_bytes(str(device))
+
+    def baseline_bytes(self, device: str = "cpu") -> int:
+        """Bytes held on `device` when the trace started, as far as the allocator could tell."""
+        return self._h.baseline_bytes(str(device))
+
+    def bytes_by_category(self, device: str = "cpu", at: str = "end") -> dict[str, int]:
+        """Bytes held by category at the end of the trace (at="end") or at the window peak (at="peak")."""
+        if at not in ("end", "peak"):
+            raise ValueError(f"bytes_by_category: 'at' must be 'end' or 'peak', got {at!r}")
+        doc = self._document()
+        events = doc["events"]
+        idx = len(events) - 1
+        if at == "peak":
+            held = peak = 0
+            idx = -1
+            for i, e in enumerate(events):
+                if e["device"] != device:
+                    continue
+                held += e["block_bytes"]
+                if held > peak:
+                    peak, idx = held, i
+        out: dict[str, int] = {}
+        for a in doc["allocations"]:
+            if a["device"] != device:
+                continue
+            allocated = a["alloc_event"] < 0 or a["alloc_event"] <= idx
+            freed = a["free_event"] >= 0 and a["free_event"] <= idx
+            if allocated and not freed:
+                out[a["category"]] = out.get(a["category"], 0) + a["block_bytes"]
+        return out
+
+    def save(self, path: str) -> None:
+        """Write the trace as JSON (schema_version and context included); load it with gpucast.load_trace."""
+        self._h.save(str(path))
+
+    def save_chrome(self, path: str) -> None:
+        """Write a Chrome trace event file that opens in Perfetto (ui.perfetto.dev) or chrome://tracing."""
+        self._h.save_chrome(str(path))
+
+    def to_json(self) -> str:
+        return self._h.to_json()
+
+    @property
+    def handle(self) -> Any:
+        """The torch.classes.gpucast.Trace underneath, for torch.ops.gpucast.* calls."""
+        return self._h
+
+    def __len__(self) -> int:
+        return self._h.num_ops()
+
+    def __repr__(self) -> str:
+        return f"<gpucast.Trace: {self._h.num_ops()} ops, {self._h.num_events()} memory events>"
+
+
+def load_trace(path: str) -> Trace:
+    """Load a trace saved with Trace.save(); errors name the path and what is wrong."""
+    return Trace(_ops.load_trace(str(path)))
+
+
+class trace:
+    """Record what runs inside the block: ``with gpucast.trace() as t: step(batch)``.
+
+    Options (see gpucast.trace_options()): record_shapes, memory, module_paths, max_ops, max_events.
+    After the block, ``t`` gives the recorded Trace's views: t.ops, t.allocations, t.summary(), ...
+    """
+
+    def __init__(self, **options: Any):
+        self._options = _format_options(options)
+        _ops.check_trace_options(self._options)  # ValueError naming the option, before anything runs
+        self._module_paths = bool(options.get("module_paths", True))
+        self._hooks: _Hooks | None = None
+        self._trace: Trace | None = None
+
+    def __enter__(self) -> "trace":
+        self._hooks = _Hooks(self._module_paths)
+        self._hooks.install()
+        try:
+            _ops.start_trace(self._options)
+        except BaseException:
+            self._hooks.remove()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self._hooks.finish()
+        finally:
+            self._trace = Trace(_ops.stop_trace())
+        return False
+
+    @property
+    def result(self) -> Trace:
+        if self._trace is None:
+            raise RuntimeError("gpucast.trace: the trace is still running; use its results after the with-block")
+        return self._trace
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.result, name)
