@@ -1,5 +1,6 @@
 // The torch-facing shell: torch.ops.gpucast.* and torch.classes.gpucast.Trace.
 // Core errors (gpucast::UserError) become ValueError through TORCH_CHECK_VALUE; anything else is ours.
+#include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -108,6 +109,7 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
   m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });
   m.def("installed_callbacks() -> int", [] { return static_cast<int64_t>(gpucast::installed_callbacks()); });
+  m.def("global_callbacks_present() -> bool", [] { return at::hasGlobalCallbacks(); });
   m.def("cpu_allocator_hooked() -> bool", [] { return gpucast::cpu_allocator_hook_installed(); });
   m.def("push_module(str path) -> ()", [](const std::string& p) { gpucast::push_module(p); });
   m.def("pop_module() -> ()", [] { gpucast::pop_module(); });

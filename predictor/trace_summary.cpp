@@ -50,7 +50,7 @@ std::string summarize_trace(const Trace& trace, int top_layers) {
     line(fmt::format("{} memory: baseline {}{}, window peak {} (absolute {}) at {}", d.device,
                      format_bytes(d.baseline_bytes), d.baseline_known ? "" : " (unknown)", format_bytes(d.peak_bytes),
                      format_bytes(d.absolute_peak_bytes), where));
-    line("  held at the peak by category:");
+    line("  held at the peak by category (absolute: baseline blocks included):");
     for (int c = 0; c < kNumCategories; ++c) {
       if (d.at_peak[c] == 0) continue;
       line(fmt::format("    {:<16} {:>12}", to_string(static_cast<Category>(c)), format_bytes(d.at_peak[c])));

@@ -186,6 +186,7 @@ Trace assemble_trace(AssemblyInput input) {
   for (const Ref& r : refs) {
     OpRecord op = std::move(input.threads[r.thread].ops[r.local]);
     op.id = static_cast<int64_t>(trace.ops.size());
+    op.thread = input.threads[r.thread].thread;
     op.parent = remap(r.thread, op.parent);
     op.bwd_node = remap(r.thread, op.bwd_node);
     trace.ops.push_back(std::move(op));
@@ -195,6 +196,7 @@ Trace assemble_trace(AssemblyInput input) {
   for (size_t t = 0; t < input.threads.size(); ++t) {
     for (MemEvent& ev : input.threads[t].events) {
       ev.op = remap(t, ev.op);
+      ev.thread = input.threads[t].thread;
       trace.events.push_back(std::move(ev));
     }
     for (Tag& tag : input.threads[t].tags) tags.push_back(std::move(tag));

@@ -71,7 +71,7 @@ class _Hooks:
 
     def __init__(self, module_paths: bool):
         self._local = threading.local()
-        self._children: dict[int, dict[int, str]] = {}
+        self._paths: dict[int, dict[int, str]] = {}
         self._seen: dict[int, torch.nn.Module] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._handles: list = []
@@ -83,22 +83,27 @@ class _Hooks:
             st = self._local.stack = []
         return st
 
-    def _child_name(self, parent: torch.nn.Module, child: torch.nn.Module) -> str | None:
-        names = self._children.get(id(parent))
-        if names is None or id(child) not in names:
-            names = {id(m): n for n, m in parent._modules.items() if m is not None}
-            self._children[id(parent)] = names
-        return names.get(id(child))
+    def _path_of(self, module: torch.nn.Module) -> str:
+        """Module path: the root's class name, then the names of named_modules() ("GPT.blocks.0.mlp")."""
+        st = self._stack()
+        if not st:
+            root = type(module).__name__
+            paths = self._paths.get(id(module))
+            if paths is None:
+                paths = {id(m): (f"{root}.{n}" if n else root) for n, m in module.named_modules()}
+                self._paths[id(module)] = paths
+            self._local.root_paths = paths
+            return root
+        path = getattr(self._local, "root_paths", {}).get(id(module))
+        if path is None:  # not a submodule of the outermost module: nest under the caller
+            path = f"{st[-1][1]}.{type(module).__name__}"
+        return path
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         st = self._stack()
-        if st:
-            parent, parent_path = st[-1]
-            name = self._child_name(parent, module)
-            path = f"{parent_path}.{name if name is not None else type(module).__name__}"
-        else:
-            path = type(module).__name__
+        if not st:
             _tag(_flatten(args, []), "input")
+        path = self._path_of(module)
         st.append((module, path))
         if id(module) not in self._seen:
             self._seen[id(module)] = module

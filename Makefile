@@ -1,0 +1,58 @@
+# gpucast: `make demo` and `make test` do all of the setup on a fresh machine.
+#   make venv      .venv with the pinned Python packages (requirements.txt)
+#   make deps      Debian packages: GoogleTest, fmt (apt-get; skipped when present)
+#   make build     configure and build with CMake (build/)
+#   make demo      trace the GPT-style example on the CPU and print its summary
+#   make test      GoogleTest (ctest) and pytest
+#   make bench     overhead benchmark
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BUILD := build
+APT_PACKAGES := libgtest-dev libgmock-dev libfmt-dev cmake ninja-build g++
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all venv deps configure build demo test test-cpp test-python bench clean
+
+all: build
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(BUILD)/.deps:
+	@if dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then echo "deps: Debian packages present"; \
+	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PACKAGES); fi
+	@mkdir -p $(BUILD) && touch $@
+
+deps: $(BUILD)/.deps
+
+$(BUILD)/build.ninja: $(VENV)/.installed $(BUILD)/.deps CMakeLists.txt
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" \
+	  -DGPUCAST_WERROR=$${GPUCAST_WERROR:-OFF}
+
+configure: $(BUILD)/build.ninja
+
+build: configure
+	cmake --build $(BUILD) -j2
+
+demo: build
+	PYTHONPATH=python $(PY) examples/gpt.py
+
+test-cpp: build
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-python: build
+	PYTHONPATH=python:. $(PY) -m pytest tests/python -q
+
+test: test-cpp test-python
+
+bench: build
+	PYTHONPATH=python:. $(PY) bench/overhead.py
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,221 @@
+// The profiler's plain-C++ side: assembly of per-thread records, backward links, categories, JSON.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "gpucast/cuda_block.h"
+#include "gpucast/error.h"
+#include "gpucast/trace_assembly.h"
+#include "gpucast/trace_json.h"
+
+namespace gpucast {
+namespace {
+
+OpRecord op(const std::string& name, Scope scope, Phase phase, uint64_t start, uint64_t end, int64_t parent = -1,
+            int64_t seq_nr = -1, int depth = 0) {
+  OpRecord o;
+  o.name = name;
+  o.scope = scope;
+  o.phase = phase;
+  o.start_seq = start;
+  o.end_seq = end;
+  o.start_ns = static_cast<int64_t>(start) * 10;
+  o.end_ns = static_cast<int64_t>(end) * 10;
+  o.parent = parent;
+  o.seq_nr = seq_nr;
+  o.depth = depth;
+  return o;
+}
+
+MemEvent ev(uint64_t seq, uint64_t ptr, int64_t bytes, int64_t op, Phase phase, uint64_t thread = 1) {
+  MemEvent e;
+  e.seq = seq;
+  e.ptr = ptr;
+  e.bytes = bytes;
+  e.block_bytes = bytes;
+  e.device = "cpu";
+  e.op = op;
+  e.phase = phase;
+  e.thread = thread;
+  return e;
+}
+
+// Forward thread 1: linear(seq 7) > addmm(seq 7); relu (seq 8). Backward thread 2: AddmmBackward0 (seq 7)
+// with an aten::mm inside, AccumulateGrad (no sequence number).
+class AssemblyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RawThread fwd;
+    fwd.thread = 1;
+    fwd.ops.push_back(op("aten::linear", Scope::Function, Phase::Forward, 1, 7, -1, 7, 0));
+    fwd.ops.push_back(op("aten::addmm", Scope::Function, Phase::Forward, 2, 6, 0, 7, 1));
+    fwd.ops.push_back(op("aten::relu", Scope::Function, Phase::Forward, 8, 10, -1, 8, 0));
+    fwd.ops[0].module = "Net.fc";
+    fwd.ops[1].module = "Net.fc";
+    fwd.ops[2].module = "Net.act";
+    fwd.events.push_back(ev(3, 0x1000, 400, 1, Phase::Forward));   // addmm output, released in backward
+    fwd.events.push_back(ev(4, 0x2000, 64, 1, Phase::Forward));    // addmm scratch...
+    fwd.events.push_back(ev(5, 0x2000, -64, 1, Phase::Forward));   // ...released inside addmm
+    fwd.events.push_back(ev(9, 0x3000, 400, 2, Phase::Forward));   // relu output, held at the end
+    fwd.tags.push_back(Tag{0x9000, "cpu", Category::Parameter, 1});
+
+    RawThread bwd;
+    bwd.thread = 2;
+    OpRecord node = op("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, 11, 15, -1, 7, 0);
+    node.fwd_thread = 1;
+    bwd.ops.push_back(node);
+    bwd.ops.push_back(op("aten::mm", Scope::Function, Phase::Backward, 12, 14, 0, -1, 1));
+    bwd.ops.back().bwd_node = 0;
+    bwd.ops.push_back(op("torch::autograd::AccumulateGrad", Scope::BackwardFunction, Phase::Backward, 16, 17));
+    bwd.events.push_back(ev(13, 0x1000, -400, 1, Phase::Backward, 2));  // activation released
+
+    in.threads.push_back(std::move(fwd));
+    in.threads.push_back(std::move(bwd));
+    in.baseline_blocks.push_back(BaselineBlock{0x9000, 256, 256, "cpu"});
+    in.baseline["cpu"] = DeviceBaseline{256, true};
+    in.context = TraceContext{"0.1.0", "2.14.1", "cpu", "Release", false};
+  }
+  AssemblyInput in;
+};
+
+TEST_F(AssemblyTest, OrdersOpsGloballyAndRemapsReferences) {
+  Trace t = assemble_trace(std::move(in));
+  ASSERT_EQ(t.ops.size(), 6u);
+  EXPECT_EQ(t.ops[0].name, "aten::linear");
+  EXPECT_EQ(t.ops[1].name, "aten::addmm");
+  EXPECT_EQ(t.ops[1].parent, 0);
+  EXPECT_EQ(t.ops[3].name, "AddmmBackward0");
+  EXPECT_EQ(t.ops[4].name, "aten::mm");
+  EXPECT_EQ(t.ops[4].parent, 3);
+  EXPECT_EQ(t.ops[4].bwd_node, 3);
+  for (size_t i = 0; i < t.ops.size(); ++i) EXPECT_EQ(t.ops[i].id, static_cast<int64_t>(i));
+  EXPECT_EQ(t.counters.threads, 2);
+}
+
+TEST_F(AssemblyTest, LinksBackwardNodesToInnermostForwardOp) {
+  Trace t = assemble_trace(std::move(in));
+  EXPECT_EQ(t.ops[3].fwd_op, 1);  // addmm, not linear: innermost with (thread 1, seq 7)
+  EXPECT_EQ(t.ops[3].module, "Net.fc");
+  EXPECT_EQ(t.ops[4].fwd_op, 1);  // inherited inside the node
+  EXPECT_EQ(t.ops[4].module, "Net.fc");
+  EXPECT_EQ(t.ops[5].fwd_op, -1);  // AccumulateGrad
+  EXPECT_EQ(t.counters.linked_backward, 1);
+  EXPECT_EQ(t.counters.unlinked_backward, 1);
+}
+
+TEST_F(AssemblyTest, PairsAllocationsAndAssignsCategories) {
+  Trace t = assemble_trace(std::move(in));
+  ASSERT_EQ(t.events.size(), 5u);
+  ASSERT_EQ(t.allocations.size(), 4u);
+  const Allocation& param = t.allocations[0];
+  EXPECT_TRUE(param.baseline);
+  EXPECT_EQ(param.category, Category::Parameter);
+  const Allocation& act = t.allocations[1];
+  EXPECT_EQ(act.ptr, 0x1000u);
+  EXPECT_EQ(act.category, Category::Activation);
+  EXPECT_EQ(act.free_op, 4);
+  const Allocation& scratch = t.allocations[2];
+  EXPECT_EQ(scratch.category, Category::Temporary);
+  const Allocation& out = t.allocations[3];
+  EXPECT_EQ(out.free_event, -1);
+  EXPECT_EQ(out.category, Category::Other);
+  EXPECT_EQ(t.counters.unmatched_frees, 0);
+}
+
+TEST_F(AssemblyTest, CountsFreesOfUnknownBlocks) {
+  in.threads[0].events.push_back(ev(20, 0xdead, -8, -1, Phase::Forward));
+  Trace t = assemble_trace(std::move(in));
+  EXPECT_EQ(t.counters.unmatched_frees, 1);
+  EXPECT_EQ(t.events.back().allocation, -1);
+}
+
+TEST_F(AssemblyTest, JsonRoundTripIsExact) {
+  Trace t = assemble_trace(std::move(in));
+  t.ops[1].inputs.push_back(Value{Value::Kind::Tensor, {TensorMeta{{8, 16}, {16, 1}, "float32", "cpu", 0x1000}}, 0});
+  t.ops[1].inputs.push_back(Value{Value::Kind::Scalar, {}, 2.5});
+  t.ops[1].outputs.push_back(Value{Value::Kind::TensorList, {TensorMeta{{2}, {1}, "int64", "cpu", 0}}, 0});
+  t.notes.push_back("a note");
+  Trace back = trace_from_json(trace_to_json(t));
+  EXPECT_EQ(trace_to_json(back), trace_to_json(t));
+  EXPECT_EQ(back.ops[1].inputs, t.ops[1].inputs);
+  EXPECT_EQ(back.ops[1].outputs, t.ops[1].outputs);
+  EXPECT_EQ(back.context.torch_version, "2.14.1");
+}
+
+TEST(TraceJson, RejectsMalformedJsonNamingThePosition) {
+  try {
+    trace_from_json("{\"schema_version\": 1,", "t.json");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("t.json: not a gpucast trace: malformed JSON at byte 22"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(TraceJson, RejectsOtherSchemaVersionsNamingTheVersion) {
+  try {
+    trace_from_json(R"({"schema_version": 7})", "old.json");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "old.json: trace schema_version 7 is not supported by this gpucast (reads version 1); record the "
+                 "trace again with this version");
+  }
+}
+
+TEST(TraceJson, NamesTheBadField) {
+  Trace t;
+  t.context = TraceContext{"0.1.0", "2.14.1", "cpu", "Release", false};
+  std::string text = trace_to_json(t);
+  text.replace(text.find("\"torch_version\":\"2.14.1\""), 24, "\"torch_version\":3");
+  try {
+    trace_from_json(text, "x.json");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "x.json: field 'context.torch_version' should be a string, got 3");
+  }
+}
+
+TEST(TraceJson, ChromeExportHasOneCompleteEventPerOpAndACounterPerEvent) {
+  AssemblyInput in;
+  RawThread th;
+  th.thread = 5;
+  th.ops.push_back(op("aten::add", Scope::Function, Phase::Forward, 1, 3));
+  th.events.push_back(ev(2, 0x10, 100, 0, Phase::Forward, 5));
+  in.threads.push_back(th);
+  std::string chrome = trace_to_chrome_json(assemble_trace(std::move(in)));
+  EXPECT_NE(chrome.find("\"ph\":\"X\""), std::string::npos);
+  EXPECT_NE(chrome.find("\"name\":\"aten::add\""), std::string::npos);
+  EXPECT_NE(chrome.find("\"ph\":\"C\""), std::string::npos);
+  EXPECT_NE(chrome.find("\"bytes\":100"), std::string::npos);
+}
+
+TEST(TraceFiles, UnwritablePathIsNamed) {
+  try {
+    write_text_file("/nonexistent-dir/t.json", "{}");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "cannot write '/nonexistent-dir/t.json': No such file or directory; give a path in a writable directory");
+  }
+}
+
+TEST(CudaBlock, RoundsLikeTheCachingAllocator) {
+  EXPECT_EQ(cuda_block_bytes(1), 512);
+  EXPECT_EQ(cuda_block_bytes(512), 512);
+  EXPECT_EQ(cuda_block_bytes(513), 1024);
+  EXPECT_EQ(cuda_block_bytes(1000000), 1000448);
+  // 4 divisions of [1 MiB, 2 MiB): steps of 256 KiB.
+  EXPECT_EQ(cuda_block_bytes(1048576 + 1, 4), 1048576 + 262144);
+  auto a = cuda_trace_delta("alloc", 700);
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->bytes, 700);
+  EXPECT_EQ(a->block_bytes, 1024);
+  auto f = cuda_trace_delta("free_requested", 700);
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->block_bytes, -1024);
+  EXPECT_FALSE(cuda_trace_delta("segment_alloc", 2097152).has_value());
+}
+
+}  // namespace
+}  // namespace gpucast

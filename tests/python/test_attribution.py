@@ -1,0 +1,80 @@
+"""Attribution: forward ops carry their module's path; backward nodes link to their forward op."""
+import pytest
+import torch
+
+import gpucast
+from conftest import all_cases, build
+
+CASES = all_cases()
+
+LEAF_OPS = {"aten::linear": torch.nn.Linear, "aten::conv2d": torch.nn.Conv2d}
+
+
+def modules_by_path(model):
+    root = type(model).__name__
+    out = {root: model}
+    for name, m in model.named_modules():
+        if name:
+            out[f"{root}.{name}"] = m
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_ops_carry_module_paths(name):
+    model, opt, step, batch = build(CASES[name], "sgd")
+    step(batch)
+    with gpucast.trace() as t:
+        step(batch)
+    paths = modules_by_path(model)
+    fwd = [o for o in t.ops if o.phase == "forward" and o.scope == "function"]
+    in_model = [o for o in fwd if o.module]
+    assert in_model, "no op attributed to a module"
+    first, last = in_model[0].id, in_model[-1].id
+    for o in fwd:
+        if first <= o.id <= last and o.depth == 0:
+            assert o.module, f"op #{o.id} {o.name} ran inside the model but carries no module path"
+        if o.module:
+            assert o.module in paths, f"op #{o.id} {o.name}: unknown module path {o.module!r}"
+        if o.name in LEAF_OPS and o.depth == 0:
+            # Called directly from a module's forward: that module is the layer of this kind.
+            assert isinstance(paths[o.module], LEAF_OPS[o.name]), (o.name, o.module)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_backward_nodes_link_to_forward_ops(name):
+    model, opt, step, batch = build(CASES[name], "sgd")
+    step(batch)
+    with gpucast.trace() as t:
+        step(batch)
+    ops = t.ops
+    nodes = [o for o in ops if o.scope == "backward_function"]
+    assert nodes
+    unlinked = 0
+    for n in nodes:
+        if n.seq_nr >= 0:
+            assert n.fwd_op >= 0, f"backward node #{n.id} {n.name} (seq {n.seq_nr}) not linked"
+            f = ops[n.fwd_op]
+            assert f.seq_nr == n.seq_nr and f.thread == n.fwd_thread and f.phase == "forward"
+            assert n.module == f.module
+        else:
+            assert n.fwd_op == -1
+            unlinked += 1
+    assert t.counters["unlinked_backward"] == unlinked
+    assert t.counters["linked_backward"] == len(nodes) - unlinked
+    assert f"{len(nodes) - unlinked} linked to their forward op, {unlinked} unlinked" in t.summary()
+    # Ops run inside a backward node inherit its link.
+    for o in ops:
+        if o.bwd_node >= 0 and o.scope == "function":
+            assert o.fwd_op == ops[o.bwd_node].fwd_op
+            assert o.phase == "backward"
+
+
+def test_leaf_modules_of_the_mlp():
+    model, opt, step, batch = build(CASES["mlp"], "sgd")
+    with gpucast.trace() as t:
+        step(batch)
+    paths = modules_by_path(model)
+    linears = [o for o in t.ops if o.name == "aten::linear"]
+    assert len(linears) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    for o in linears:
+        assert isinstance(paths[o.module], torch.nn.Linear)

@@ -1,0 +1,49 @@
+"""Bad input: errors name the option or path, what was expected and what was given."""
+import json
+
+import pytest
+
+import gpucast
+
+
+def test_unknown_option():
+    with pytest.raises(ValueError, match=r"unknown option 'record_shape'; valid options: record_shapes, memory"):
+        gpucast.trace(record_shape=True)
+
+
+def test_wrong_types():
+    with pytest.raises(ValueError, match=r"option 'max_ops' expects a positive integer, got 'abc'"):
+        gpucast.trace(max_ops="abc")
+    with pytest.raises(ValueError, match=r"option 'memory' expects True or False, got 'maybe'"):
+        gpucast.trace(memory="maybe")
+    with pytest.raises(ValueError, match=r"option 'max_events' expects a positive integer, got '-5'"):
+        gpucast.trace(max_events=-5)
+
+
+def test_unwritable_output_paths(tmp_path):
+    with gpucast.trace() as t:
+        pass
+    with pytest.raises(ValueError, match=r"cannot write '/nonexistent-dir/t.json': No such file or directory"):
+        t.save("/nonexistent-dir/t.json")
+    with pytest.raises(ValueError, match=r"cannot write '/nonexistent-dir/t.perfetto.json'"):
+        t.save_chrome("/nonexistent-dir/t.perfetto.json")
+
+
+def test_bad_trace_files(tmp_path):
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ValueError, match=f"cannot read '{missing}': No such file or directory"):
+        gpucast.load_trace(str(missing))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "ops": [')
+    with pytest.raises(ValueError, match=rf"{bad}: not a gpucast trace: malformed JSON at byte 31"):
+        gpucast.load_trace(str(bad))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema_version": 99}))
+    with pytest.raises(ValueError, match=r"trace schema_version 99 is not supported by this gpucast \(reads version 1\)"):
+        gpucast.load_trace(str(old))
+
+
+def test_results_before_the_trace_ends():
+    t = gpucast.trace()
+    with pytest.raises(RuntimeError, match="the trace is still running"):
+        t.summary()
