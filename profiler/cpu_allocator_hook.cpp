@@ -2,7 +2,9 @@
 // oneDNN's raw allocations, passes through here. It keeps the size of each live block (so that frees
 // of blocks allocated before a trace are seen with their size) and forwards events to the tracer only
 // while a trace runs. The DataPtr it returns has context == data, as raw_allocate requires.
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -19,6 +21,7 @@ constexpr size_t kShards = 16;
 
 struct Block {
   size_t bytes;
+  uint64_t order;         // allocation order, so that baselines list blocks oldest first
   c10::DataPtr original;  // owns the memory; destroying it frees through the wrapped allocator
 };
 
@@ -38,7 +41,7 @@ class CpuAllocatorHook final : public c10::Allocator {
     {
       Shard& sh = shard(data);
       std::lock_guard<std::mutex> g(sh.mu);
-      sh.blocks.insert_or_assign(data, Block{n, std::move(original)});
+      sh.blocks.insert_or_assign(data, Block{n, next_order_.fetch_add(1, std::memory_order_relaxed), std::move(original)});
     }
     if (detail::memory_recording()) {
       detail::record_memory_event(data, static_cast<int64_t>(n), static_cast<int64_t>(n), c10::Device(c10::kCPU));
@@ -53,7 +56,7 @@ class CpuAllocatorHook final : public c10::Allocator {
   }
 
   static void release(void* data) {
-    Block block{0, c10::DataPtr()};
+    Block block{0, 0, c10::DataPtr()};
     {
       Shard& sh = shard(data);
       std::lock_guard<std::mutex> g(sh.mu);
@@ -70,15 +73,18 @@ class CpuAllocatorHook final : public c10::Allocator {
   }
 
   static std::vector<BaselineBlock> live_blocks() {
-    std::vector<BaselineBlock> out;
+    std::vector<std::pair<uint64_t, BaselineBlock>> ordered;
     for (Shard& sh : shards()) {
       std::lock_guard<std::mutex> g(sh.mu);
       for (const auto& [ptr, b] : sh.blocks) {
-        out.push_back(BaselineBlock{reinterpret_cast<uint64_t>(ptr), static_cast<int64_t>(b.bytes),
-                                    static_cast<int64_t>(b.bytes), "cpu"});
+        ordered.emplace_back(b.order, BaselineBlock{reinterpret_cast<uint64_t>(ptr), static_cast<int64_t>(b.bytes),
+                                                    static_cast<int64_t>(b.bytes), "cpu"});
       }
     }
-    std::sort(out.begin(), out.end(), [](const BaselineBlock& a, const BaselineBlock& b) { return a.ptr < b.ptr; });
+    std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<BaselineBlock> out;
+    out.reserve(ordered.size());
+    for (auto& [order, block] : ordered) out.push_back(std::move(block));
     return out;
   }
 
@@ -90,6 +96,7 @@ class CpuAllocatorHook final : public c10::Allocator {
   static Shard& shard(const void* p) { return shards()[(reinterpret_cast<uintptr_t>(p) >> 6) % kShards]; }
 
   c10::Allocator* wrapped_;
+  static inline std::atomic<uint64_t> next_order_{0};
 };
 
 std::mutex g_install_mu;
