@@ -6,10 +6,10 @@
 #include <array>
 #include <atomic>
 #include <mutex>
-#include <unordered_map>
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/flat_hash_map.h>
 
 #include "gpucast/tracer.h"
 #include "memory_sink.h"
@@ -27,7 +27,7 @@ struct Block {
 
 struct Shard {
   std::mutex mu;
-  std::unordered_map<void*, Block> blocks;
+  ska::flat_hash_map<void*, Block> blocks;  // open addressing: no allocation per block
 };
 
 class CpuAllocatorHook final : public c10::Allocator {

@@ -10,7 +10,8 @@
 
 #include <ATen/record_function.h>
 #include <ATen/core/ivalue.h>
-#include <c10/util/SmallVector.h>
+#include <algorithm>
+#include <tuple>
 
 #include "gpucast/error.h"
 #include "memory_sink.h"
@@ -23,25 +24,27 @@ int64_t now_ns() {
       .count();
 }
 
-// Compact forms kept while recording; converted to TensorMeta/Value when the trace stops.
-struct RawTensor {
-  c10::SmallVector<int64_t, 5> shape;
-  c10::SmallVector<int64_t, 5> strides;
-  int8_t dtype = -1;  // c10::ScalarType, -1 undefined tensor
-  c10::DeviceType device_type = c10::DeviceType::CPU;
-  c10::DeviceIndex device_index = -1;
-  uint64_t storage = 0;
-};
+// Compact forms kept while recording, converted to TensorMeta/Value/MemEvent when the trace stops.
+// Values and dimensions live in per-thread arenas so that an op record stays small.
 struct RawValue {
   Value::Kind kind = Value::Kind::None;
-  c10::SmallVector<RawTensor, 1> tensors;
+  bool element = false;  // an element of the preceding tensor list
+  int8_t dtype = -1;     // c10::ScalarType; -1 for an undefined tensor
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  c10::DeviceIndex device_index = -1;
+  uint8_t ndim = 0;
+  bool strided = false;   // strides follow the sizes in the arena
+  uint32_t dims = 0;      // offset of sizes (then strides) in ThreadState::dims
+  uint32_t count = 0;     // tensor list: number of elements that follow
+  uint64_t storage = 0;
   double scalar = 0.0;
 };
 struct RawOp {
-  int32_t name = -1;      // interned in ThreadState::names
+  int32_t name = -1;  // interned in ThreadState::names
   int32_t overload = -1;
   Scope scope = Scope::Function;
   Phase phase = Phase::Forward;
+  bool complete = false;
   int64_t seq_nr = -1;
   uint64_t fwd_thread = 0;
   int32_t parent = -1;
@@ -50,9 +53,19 @@ struct RawOp {
   int32_t module = -1;
   int64_t start_ns = 0, end_ns = 0;
   uint64_t start_seq = 0, end_seq = 0;
-  bool complete = false;
-  c10::SmallVector<RawValue, 3> inputs;
-  c10::SmallVector<RawValue, 1> outputs;
+  uint32_t inputs = 0, n_inputs = 0;    // range in ThreadState::values
+  uint32_t outputs = 0, n_outputs = 0;
+};
+struct RawEvent {
+  uint64_t seq;
+  uint64_t ptr;
+  int64_t bytes;
+  int64_t block_bytes;
+  int64_t time_ns;
+  int32_t op;
+  Phase phase;
+  c10::DeviceType device_type;
+  c10::DeviceIndex device_index;
 };
 struct OpenOp {
   int32_t index;
@@ -67,7 +80,9 @@ struct ThreadState {
   uint64_t tid = 0;
   uint64_t generation = 0;
   std::vector<RawOp> ops;
-  std::vector<MemEvent> events;
+  std::vector<RawValue> values;
+  std::vector<int64_t> dims;
+  std::vector<RawEvent> events;
   std::vector<Tag> tags;
   std::vector<OpenOp> stack;
   std::vector<int32_t> open_bwd_nodes;
@@ -91,6 +106,8 @@ struct ThreadState {
   void reset(uint64_t gen) {
     generation = gen;
     ops.clear();
+    values.clear();
+    dims.clear();
     events.clear();
     tags.clear();
     stack.clear();
@@ -169,28 +186,44 @@ class Locked {
   ThreadState* ts_;
 };
 
-void fill_tensor(RawTensor& r, const at::Tensor& t) {
+void fill_tensor(ThreadState& ts, RawValue& r, const at::Tensor& t) {
   if (!t.defined()) return;
   r.dtype = static_cast<int8_t>(t.scalar_type());
   r.device_type = t.device().type();
   r.device_index = t.device().index();
   const auto sizes = t.sym_sizes();
-  r.shape.reserve(sizes.size());
-  for (const auto& s : sizes) r.shape.push_back(s.is_heap_allocated() ? -1 : s.as_int_unchecked());
+  r.ndim = static_cast<uint8_t>(std::min<size_t>(sizes.size(), 255));
+  r.dims = static_cast<uint32_t>(ts.dims.size());
+  for (size_t i = 0; i < r.ndim; ++i) {
+    ts.dims.push_back(sizes[i].is_heap_allocated() ? -1 : sizes[i].as_int_unchecked());
+  }
   if (t.layout() == c10::kStrided && !t.is_nested()) {
+    r.strided = true;
     const auto strides = t.sym_strides();
-    for (const auto& s : strides) r.strides.push_back(s.is_heap_allocated() ? -1 : s.as_int_unchecked());
+    for (size_t i = 0; i < r.ndim; ++i) {
+      ts.dims.push_back(strides[i].is_heap_allocated() ? -1 : strides[i].as_int_unchecked());
+    }
   }
   if (t.has_storage()) r.storage = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
 }
 
-void fill_value(RawValue& v, const c10::IValue& iv) {
+// Appends one value (a tensor list: its header, then its elements) to the thread's arena.
+void fill_value(ThreadState& ts, const c10::IValue& iv) {
+  RawValue& v = ts.values.emplace_back();
   if (iv.isTensor()) {
     v.kind = Value::Kind::Tensor;
-    fill_tensor(v.tensors.emplace_back(), iv.toTensor());
+    fill_tensor(ts, v, iv.toTensor());
   } else if (iv.isTensorList()) {
     v.kind = Value::Kind::TensorList;
-    for (const at::Tensor& t : iv.toTensorList().vec()) fill_tensor(v.tensors.emplace_back(), t);
+    const auto list = iv.toTensorList();
+    const size_t header = ts.values.size() - 1;
+    ts.values[header].count = static_cast<uint32_t>(list.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      RawValue& e = ts.values.emplace_back();
+      e.kind = Value::Kind::Tensor;
+      e.element = true;
+      fill_tensor(ts, e, list.get(i));
+    }
   } else if (iv.isDouble()) {
     v.kind = Value::Kind::Scalar;
     v.scalar = iv.toDouble();
@@ -205,6 +238,18 @@ void fill_value(RawValue& v, const c10::IValue& iv) {
   } else {
     v.kind = Value::Kind::Other;
   }
+}
+
+// Records a range of values; returns {first, number of top-level values}.
+template <typename Range>
+std::pair<uint32_t, uint32_t> fill_values(ThreadState& ts, const Range& range) {
+  const auto first = static_cast<uint32_t>(ts.values.size());
+  uint32_t n = 0;
+  for (const c10::IValue& iv : range) {
+    fill_value(ts, iv);
+    ++n;
+  }
+  return {first, n};
 }
 
 bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
@@ -236,7 +281,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     op.bwd_node = ts->open_bwd_nodes.empty() ? -1 : ts->open_bwd_nodes.back();
     op.module = ts->modules.empty() ? -1 : ts->modules.back();
     if (s.options.record_shapes && op.scope != Scope::UserScope) {
-      for (const c10::IValue& iv : fn.inputs()) fill_value(op.inputs.emplace_back(), iv);
+      std::tie(op.inputs, op.n_inputs) = fill_values(*ts, fn.inputs());
     }
     const bool backward = op.scope == Scope::BackwardFunction || starts_with(name, "autograd::engine::evaluate_function");
     const bool optimizer = op.scope == Scope::UserScope && starts_with(name, "Optimizer.");
@@ -279,7 +324,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
       if (stack.size() + 1 == pos) {
         op.complete = true;
         if (s.options.record_shapes && op.scope != Scope::UserScope) {
-          for (const c10::IValue& iv : fn.outputs()) fill_value(op.outputs.emplace_back(), iv);
+          std::tie(op.outputs, op.n_outputs) = fill_values(*ts, fn.outputs());
         }
       }
     }
@@ -290,31 +335,38 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
 
 std::string device_string(c10::DeviceType type, c10::DeviceIndex index) {
   std::string s = c10::DeviceTypeName(type, /*lower_case=*/true);
-  if (index >= 0) s += ":" + std::to_string(index);
+  if (index >= 0) {
+    s.push_back(':');
+    s.append(std::to_string(index));
+  }
   return s;
 }
 
-TensorMeta convert(const RawTensor& r) {
+TensorMeta convert_tensor(const ThreadState& ts, const RawValue& r) {
   TensorMeta m;
-  m.shape.assign(r.shape.begin(), r.shape.end());
-  m.strides.assign(r.strides.begin(), r.strides.end());
-  if (r.dtype >= 0) {
-    m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
-    m.device = device_string(r.device_type, r.device_index);
-  }
+  if (r.dtype < 0) return m;
+  const int64_t* d = ts.dims.data() + r.dims;
+  m.shape.assign(d, d + r.ndim);
+  if (r.strided) m.strides.assign(d + r.ndim, d + 2 * r.ndim);
+  m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
+  m.device = device_string(r.device_type, r.device_index);
   m.storage = r.storage;
   return m;
 }
 
-template <typename Vec>
-std::vector<Value> convert(const Vec& raw) {
+std::vector<Value> convert_values(const ThreadState& ts, uint32_t first, uint32_t n) {
   std::vector<Value> out;
-  out.reserve(raw.size());
-  for (const RawValue& r : raw) {
+  out.reserve(n);
+  size_t i = first;
+  for (uint32_t k = 0; k < n && i < ts.values.size(); ++k) {
+    const RawValue& r = ts.values[i++];
     Value v;
     v.kind = r.kind;
     v.scalar = r.scalar;
-    for (const RawTensor& t : r.tensors) v.tensors.push_back(convert(t));
+    if (r.kind == Value::Kind::Tensor) v.tensors.push_back(convert_tensor(ts, r));
+    if (r.kind == Value::Kind::TensorList) {
+      for (uint32_t e = 0; e < r.count && i < ts.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.values[i++]));
+    }
     out.push_back(std::move(v));
   }
   return out;
@@ -343,16 +395,9 @@ void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c1
       s.dropped_events.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    MemEvent& e = ts->events.emplace_back();
-    e.seq = s.seq.fetch_add(1, std::memory_order_relaxed);
-    e.ptr = reinterpret_cast<uint64_t>(ptr);
-    e.bytes = bytes;
-    e.block_bytes = block_bytes;
-    e.device = device_string(device.type(), device.index());
-    e.thread = ts->tid;
-    e.op = ts->stack.empty() ? -1 : ts->stack.back().index;
-    e.phase = ts->phase();
-    e.time_ns = now_ns();
+    ts->events.push_back(RawEvent{s.seq.fetch_add(1, std::memory_order_relaxed), reinterpret_cast<uint64_t>(ptr), bytes,
+                                  block_bytes, now_ns(), ts->stack.empty() ? -1 : ts->stack.back().index, ts->phase(),
+                                  device.type(), device.index()});
   } catch (...) {
     s.callback_errors.fetch_add(1, std::memory_order_relaxed);
   }
@@ -447,11 +492,24 @@ Trace stop_trace() {
       op.end_ns = r.complete ? r.end_ns : end;
       op.end_seq = r.complete ? r.end_seq : ~uint64_t{0};
       if (r.module >= 0 && static_cast<size_t>(r.module) < module_names.size()) op.module = module_names[r.module];
-      op.inputs = convert(r.inputs);
-      op.outputs = convert(r.outputs);
+      op.inputs = convert_values(*ts, r.inputs, r.n_inputs);
+      op.outputs = convert_values(*ts, r.outputs, r.n_outputs);
       rt.ops.push_back(std::move(op));
     }
-    rt.events = std::move(ts->events);
+    rt.events.reserve(ts->events.size());
+    for (const RawEvent& r : ts->events) {
+      MemEvent e;
+      e.seq = r.seq;
+      e.ptr = r.ptr;
+      e.bytes = r.bytes;
+      e.block_bytes = r.block_bytes;
+      e.device = device_string(r.device_type, r.device_index);
+      e.thread = ts->tid;
+      e.op = r.op;
+      e.phase = r.phase;
+      e.time_ns = r.time_ns;
+      rt.events.push_back(std::move(e));
+    }
     rt.tags = std::move(ts->tags);
     ts->reset(gen);
     in.threads.push_back(std::move(rt));
