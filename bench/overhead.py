@@ -127,6 +127,7 @@ def callgrind_instructions(kind, name, iters, batch):
     try:
         assert p.stdout.readline().strip() == "READY"
         subprocess.run(["callgrind_control", "-i", "on", str(p.pid)], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
         p.stdin.write("go\n")
         p.stdin.flush()
         assert p.stdout.readline().strip() == "DONE"
@@ -135,12 +136,12 @@ def callgrind_instructions(kind, name, iters, batch):
         p.stdin.write("end\n")
         p.stdin.flush()
         p.wait(timeout=600)
-        total = 0
+        # The dump requested after the iterations (its trigger is "dump"); the one at exit is not ours.
         for f in glob.glob(f"{tmp}/cg.out.*"):
-            for line in open(f):
-                if line.startswith("summary:") or line.startswith("totals:"):
-                    total = max(total, int(line.split()[1]))
-        return total
+            lines = open(f).read().splitlines()
+            if "desc: Trigger: dump" in lines:
+                return next(int(line.split()[1]) for line in lines if line.startswith("summary:"))
+        raise RuntimeError("callgrind wrote no dump for the measured iterations")
     finally:
         if p.poll() is None:
             p.kill()

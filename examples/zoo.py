@@ -193,7 +193,9 @@ class HFLogits(nn.Module):
 
 
 def real_cases() -> dict[str, Case]:
-    """Real architectures, randomly initialised from configurations built here (nothing is downloaded)."""
+    """Real architectures from torchvision, transformers and timm, randomly initialised from configurations
+    built here (nothing is downloaded)."""
+    import timm
     import torchvision.models as tvm
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
@@ -214,6 +216,12 @@ def real_cases() -> dict[str, Case]:
                                    _classification_batch((3, 64, 64)), F.cross_entropy, 8),
         "bert": Case("bert", bert, _token_batch(1000, 32, num_labels=2), F.cross_entropy, 8),
         "gpt2": Case("gpt2", gpt2, _token_batch(1000, 32), _shifted_sequence_loss, 8),
+        "vit_tiny": Case("vit_tiny", lambda: timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64,
+                                                               num_classes=10),
+                         _classification_batch((3, 64, 64)), F.cross_entropy, 8),
+        "convnext_atto": Case("convnext_atto", lambda: timm.create_model("convnext_atto", pretrained=False,
+                                                                         num_classes=10),
+                              _classification_batch((3, 64, 64)), F.cross_entropy, 8),
     }
 
 

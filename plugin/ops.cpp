@@ -6,6 +6,7 @@
 
 #include "gpucast/config.h"
 #include "gpucast/error.h"
+#include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
@@ -43,6 +44,37 @@ struct TraceHolder : torch::CustomClassHolder {
   }
   int64_t num_ops() const { return static_cast<int64_t>(trace.ops.size()); }
   int64_t num_events() const { return static_cast<int64_t>(trace.events.size()); }
+};
+
+// Collects probe traces, then forecasts (torch.classes.gpucast.MemoryForecaster).
+struct MemoryForecasterHolder : torch::CustomClassHolder {
+  std::vector<c10::intrusive_ptr<TraceHolder>> probes;
+  std::vector<int64_t> batches;
+
+  void add_probe(const c10::intrusive_ptr<TraceHolder>& t, int64_t batch) {
+    probes.push_back(t);
+    batches.push_back(batch);
+  }
+  std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
+                  const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
+                  const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction) {
+    return translate([&] {
+      MemoryForecastInput in;
+      for (const auto& p : probes) in.probes.push_back(&p->trace);
+      in.probe_batch = batches;
+      in.target_batch = target_batch;
+      in.target = target;
+      in.capacity_bytes = capacity_bytes;
+      in.safety_fraction = safety_fraction;
+      in.probe_device = probe_device;
+      in.parallel = ParallelConfig::parse(parallel);
+      in.allocator = alloc_conf.empty() ? AllocatorConfig{} : AllocatorConfig::parse(alloc_conf);
+      in.cublas_workspace_config = cublas_config;
+      in.memory_fraction = memory_fraction;
+      for (int64_t p : exclude) in.exclude_ptrs.push_back(static_cast<uint64_t>(p));
+      return memory_forecast_to_json(forecast_memory(in));
+    });
+  }
 };
 
 c10::intrusive_ptr<TraceHolder> hold(Trace t) { return c10::make_intrusive<TraceHolder>(std::move(t)); }
@@ -104,6 +136,19 @@ TORCH_LIBRARY(gpucast, m) {
       .def("baseline_bytes", &TraceHolder::baseline_bytes)
       .def("num_ops", &TraceHolder::num_ops)
       .def("num_events", &TraceHolder::num_events);
+  using gpucast::MemoryForecasterHolder;
+  m.class_<MemoryForecasterHolder>("MemoryForecaster")
+      .def(torch::init<>())
+      .def("add_probe", &MemoryForecasterHolder::add_probe)
+      .def("run", &MemoryForecasterHolder::run);
+  m.def("device_table() -> str", [] {
+    std::string out;
+    for (const auto& d : gpucast::device_table()) {
+      out += d.name + "\t" + std::to_string(d.capacity_bytes) + "\t" + std::to_string(d.compute_capability) + "\t" +
+             std::to_string(d.context_bytes) + "\t" + d.source + "\n";
+    }
+    return out;
+  });
   m.def("start_trace(str options='') -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);

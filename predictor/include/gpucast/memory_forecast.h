@@ -1,0 +1,90 @@
+// gpucast/memory_forecast.h: the whole run's peak memory from small traced probes.
+//
+// Probes are traces of the same training step at small batch sizes (each spanning one or two iterations,
+// split at the end of each optimizer step). The forecast checks that the probes have the same structure,
+// fits every allocation's size as a function of the batch size, builds the allocation stream of the run at
+// the target batch (iteration 1, then a steady-state iteration: taken from the trace when it has two,
+// derived from the first otherwise), adds what the target device allocates that the probes could not show,
+// applies the parallel strategy, and replays the stream: through the caching-allocator model for a GPU,
+// as plain running totals for target "cpu".
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gpucast/allocator_sim.h"
+#include "gpucast/trace.h"
+
+namespace gpucast {
+
+// A row of the documented device table (README: "Device table").
+struct DeviceSpec {
+  std::string name;              // "H100-80GB"
+  int64_t capacity_bytes = 0;    // total device memory (cudaMemGetInfo total)
+  int compute_capability = 0;    // 90 for 9.0
+  int64_t context_bytes = 0;     // CUDA context and kernels: held outside the caching allocator
+  std::string source;            // where the numbers come from
+};
+
+const std::vector<DeviceSpec>& device_table();
+// Throws UserError listing the known names for an unknown one. Case-insensitive; "cpu" is not a device here.
+const DeviceSpec& find_device(const std::string& name);
+// cuBLAS workspace per handle and stream, as PyTorch sizes it (CUBLAS_WORKSPACE_CONFIG ":SIZE_KiB:COUNT..."
+// overrides; empty means unset). Throws UserError for a malformed value.
+int64_t cublas_workspace_bytes(int compute_capability, const std::string& cublas_workspace_config);
+
+struct ParallelConfig {
+  int64_t dp = 1, tp = 1, pp = 1;
+  std::string dp_mode = "ddp";  // ddp | zero1 | zero2 | fsdp
+  int64_t micro_batches = 1;    // gradient accumulation steps (and pipeline micro-batches)
+  bool gradient_as_bucket_view = false;
+  // "dp:8,dp_mode:fsdp,micro_batches:4" (the configuration grammar); errors name the key.
+  static ParallelConfig parse(const std::string& text);
+};
+
+struct MemoryForecastInput {
+  std::vector<const Trace*> probes;     // same step at probe_batch sizes
+  std::vector<int64_t> probe_batch;
+  int64_t target_batch = 0;             // global batch: each rank runs target_batch / (dp * micro_batches)
+  std::string probe_device = "cpu";     // device whose events the probes recorded ("cpu", "cuda:0")
+  std::string target = "cpu";           // "cpu" or a device table name
+  int64_t capacity_bytes = 0;           // overrides the table's capacity when > 0
+  double safety_fraction = 0.9;         // for max_batch_size
+  AllocatorConfig allocator;
+  double memory_fraction = 0.0;
+  ParallelConfig parallel;
+  std::string cublas_workspace_config;  // CUBLAS_WORKSPACE_CONFIG, empty if unset
+  std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
+};
+
+struct MemoryForecast {
+  std::string target;
+  int64_t batch_size = 0;
+  int64_t per_rank_batch = 0;
+  int64_t peak_allocated_bytes = 0;   // torch.cuda.max_memory_allocated() over the run (cpu: bytes held)
+  int64_t peak_reserved_bytes = 0;    // torch.cuda.max_memory_reserved() (cpu: == allocated)
+  int64_t first_iteration_peak_bytes = 0;
+  int64_t steady_peak_bytes = 0;
+  int64_t capacity_bytes = 0;         // 0 for cpu
+  int64_t outside_allocator_bytes = 0;  // CUDA context, NCCL buffers: not in the allocator's counters
+  int64_t max_batch_size = 0;         // largest global batch whose reserved + outside fits capacity x safety
+  double fragmentation = 0.0;
+  std::map<std::string, int64_t> breakdown;  // bytes by category at the peak
+  std::string peak_phase;
+  std::string peak_op;
+  std::string peak_module;
+  int peak_iteration = 0;             // 1 or 2
+  bool scaled = true;                 // false when the probes' structures differ
+  int64_t nonlinear_allocations = 0;  // allocations whose size is not linear in the batch size
+  int64_t allocations = 0;            // allocations in the forecast stream
+  std::vector<std::string> warnings;
+  std::vector<std::string> notes;
+  double forecast_ms = 0.0;           // time spent forecasting (probes excluded)
+};
+
+MemoryForecast forecast_memory(const MemoryForecastInput& input);
+std::string memory_forecast_to_json(const MemoryForecast& f);
+
+}  // namespace gpucast

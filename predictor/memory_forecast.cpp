@@ -1,0 +1,733 @@
+#include "gpucast/memory_forecast.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/config.h"
+#include "gpucast/error.h"
+#include "gpucast/trace_summary.h"
+
+namespace gpucast {
+
+// ---------------------------------------------------------------------------------------------------
+// Device table. Capacities are the totals the driver reports (nvidia-smi memory.total); context bytes are
+// typical CUDA 12/13 contexts with lazy module loading and PyTorch's kernels, measured values vary by a few
+// hundred MiB with the driver: override with capacity= when you know yours.
+
+const std::vector<DeviceSpec>& device_table() {
+  static const std::vector<DeviceSpec> table = {
+      {"A100-40GB", 40960 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (40 GB HBM2); nvidia-smi 40960 MiB"},
+      {"A100-80GB", 81920 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (80 GB HBM2e); nvidia-smi 81920 MiB"},
+      {"H100-80GB", 81559 * kMiB, 90, 560 * kMiB, "NVIDIA H100 SXM datasheet (80 GB HBM3); nvidia-smi 81559 MiB"},
+      {"H200-141GB", 143771 * kMiB, 90, 560 * kMiB, "NVIDIA H200 datasheet (141 GB HBM3e); nvidia-smi 143771 MiB"},
+      {"L4", 23034 * kMiB, 89, 420 * kMiB, "NVIDIA L4 datasheet (24 GB GDDR6); nvidia-smi 23034 MiB"},
+      {"V100-32GB", 32768 * kMiB, 70, 420 * kMiB, "NVIDIA V100 datasheet (32 GB HBM2); nvidia-smi 32768 MiB"},
+      {"RTX-4090", 24564 * kMiB, 89, 420 * kMiB, "NVIDIA GeForce RTX 4090 specifications (24 GB GDDR6X); nvidia-smi 24564 MiB"},
+  };
+  return table;
+}
+
+namespace {
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+}  // namespace
+
+const DeviceSpec& find_device(const std::string& name) {
+  for (const DeviceSpec& d : device_table()) {
+    if (lower(d.name) == lower(name)) return d;
+  }
+  std::string known;
+  for (const DeviceSpec& d : device_table()) known += (known.empty() ? "" : ", ") + d.name;
+  GPUCAST_USER_ERROR("unknown target '{}'; known targets: cpu, {} (or give capacity= for another GPU)", name, known);
+}
+
+int64_t cublas_workspace_bytes(int compute_capability, const std::string& config) {
+  if (config.empty()) return compute_capability >= 90 ? 32 * kMiB : 4096 * 1024 * 2 + 16 * 1024 * 8;
+  // ":SIZE_KiB:COUNT[:SIZE_KiB:COUNT...]"
+  std::vector<int64_t> numbers;
+  size_t i = 0;
+  while (i < config.size()) {
+    if (config[i] != ':') break;
+    size_t j = i + 1;
+    while (j < config.size() && std::isdigit(static_cast<unsigned char>(config[j]))) ++j;
+    if (j == i + 1) break;
+    numbers.push_back(std::stoll(config.substr(i + 1, j - i - 1)));
+    i = j;
+  }
+  if (i != config.size() || numbers.empty() || numbers.size() % 2 != 0) {
+    GPUCAST_USER_ERROR("CUBLAS_WORKSPACE_CONFIG: expected ':SIZE_KiB:COUNT' pairs such as ':4096:8', got '{}'", config);
+  }
+  int64_t total = 0;
+  for (size_t k = 0; k < numbers.size(); k += 2) total += numbers[k] * 1024 * numbers[k + 1];
+  return total;
+}
+
+ParallelConfig ParallelConfig::parse(const std::string& text) {
+  using F = ConfigKey::Form;
+  Config cfg("parallel", {{"dp", F::PositiveInt, int64_t{1}, {}, "data-parallel degree"},
+                          {"tp", F::PositiveInt, int64_t{1}, {}, "tensor-parallel degree"},
+                          {"pp", F::PositiveInt, int64_t{1}, {}, "pipeline-parallel degree"},
+                          {"dp_mode", F::Choice, std::string("ddp"), {"ddp", "zero1", "zero2", "fsdp"}, "sharding"},
+                          {"micro_batches", F::PositiveInt, int64_t{1}, {}, "gradient accumulation steps"},
+                          {"gradient_as_bucket_view", F::Bool, false, {}, "DDP gradients as views of its buckets"}});
+  cfg.parse(text);
+  ParallelConfig p;
+  p.dp = cfg.get_int("dp");
+  p.tp = cfg.get_int("tp");
+  p.pp = cfg.get_int("pp");
+  p.dp_mode = cfg.get_string("dp_mode");
+  p.micro_batches = cfg.get_int("micro_batches");
+  p.gradient_as_bucket_view = cfg.get_bool("gradient_as_bucket_view");
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Streams
+
+namespace {
+
+constexpr int64_t kNone = -1;
+
+// One allocation or free of a probe, in order. Allocations are numbered by position; a free names the
+// position it frees (initial blocks are numbered -2, -3, ...).
+struct Entry {
+  bool alloc = true;
+  int64_t ref = 0;          // alloc: own position; free: position of the freed allocation
+  int64_t bytes = 0;
+  Category category = Category::Other;
+  Phase phase = Phase::Forward;
+  int64_t op = kNone;       // op in the probe's trace
+  int iteration = 1;
+};
+
+struct Stream {
+  std::vector<int64_t> initial_bytes;
+  std::vector<Category> initial_category;
+  std::vector<Entry> entries;
+  int iterations = 1;
+  int64_t zero_grad_entry = kNone;  // first entry inside an Optimizer.zero_grad scope before backward
+  bool adam = false;
+};
+
+int64_t initial_ref(size_t i) { return -2 - static_cast<int64_t>(i); }
+
+Stream extract(const Trace& t, const std::string& device, const std::unordered_set<uint64_t>& exclude) {
+  Stream s;
+  // Iteration boundaries: the end of each optimizer step.
+  std::vector<uint64_t> ends;
+  uint64_t zero_grad_start = 0, zero_grad_end = 0, first_backward = ~uint64_t{0};
+  for (const OpRecord& op : t.ops) {
+    if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
+      ends.push_back(op.end_seq);
+      if (op.name.find("Adam") != std::string::npos) s.adam = true;
+    }
+    if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.zero_grad#", 0) == 0 && zero_grad_start == 0) {
+      zero_grad_start = op.start_seq;
+      zero_grad_end = op.end_seq;
+    }
+    if (op.phase == Phase::Backward) first_backward = std::min(first_backward, op.start_seq);
+  }
+  s.iterations = std::max<int>(1, static_cast<int>(ends.size()));
+  std::unordered_map<int64_t, int64_t> position;  // allocation index -> position
+  for (size_t a = 0; a < t.allocations.size(); ++a) {
+    const Allocation& al = t.allocations[a];
+    if (!al.baseline || al.device != device || exclude.count(al.ptr) != 0) continue;
+    position[static_cast<int64_t>(a)] = initial_ref(s.initial_bytes.size());
+    s.initial_bytes.push_back(al.block_bytes);
+    s.initial_category.push_back(al.category);
+  }
+  int64_t next = 0;
+  for (const MemEvent& e : t.events) {
+    if (e.device != device || e.allocation < 0) continue;
+    const Allocation& al = t.allocations[e.allocation];
+    Entry en;
+    en.alloc = e.bytes > 0;
+    en.category = al.category;
+    en.phase = e.phase;
+    en.op = e.op;
+    en.iteration = 1;
+    for (uint64_t end : ends) {
+      if (e.seq > end) ++en.iteration;
+    }
+    en.iteration = std::min(en.iteration, s.iterations);
+    if (en.alloc) {
+      en.ref = next++;
+      en.bytes = al.block_bytes;
+      position[e.allocation] = en.ref;
+    } else {
+      auto it = position.find(e.allocation);
+      if (it == position.end()) continue;  // an excluded block
+      en.ref = it->second;
+    }
+    if (zero_grad_start != 0 && s.zero_grad_entry == kNone && e.seq > zero_grad_start && e.seq < zero_grad_end &&
+        e.seq < first_backward) {
+      s.zero_grad_entry = static_cast<int64_t>(s.entries.size());
+    }
+    s.entries.push_back(en);
+  }
+  if (zero_grad_start != 0 && zero_grad_start < first_backward && s.zero_grad_entry == kNone) {
+    // zero_grad freed nothing (the first iteration): place it at the first entry after its scope.
+    for (size_t i = 0; i < s.entries.size(); ++i) {
+      if (s.entries[i].op >= 0 && t.ops[s.entries[i].op].start_seq > zero_grad_end) {
+        s.zero_grad_entry = static_cast<int64_t>(i);
+        break;
+      }
+    }
+  }
+  return s;
+}
+
+// Where two probes' structures first differ; empty when they match.
+std::string structure_difference(const Stream& a, const Trace& ta, const Stream& b, const Trace& tb) {
+  if (a.initial_bytes.size() != b.initial_bytes.size()) {
+    return fmt::format("{} blocks held at the start against {}", a.initial_bytes.size(), b.initial_bytes.size());
+  }
+  const size_t n = std::min(a.entries.size(), b.entries.size());
+  auto op_name = [](const Trace& t, int64_t op) { return op >= 0 ? t.ops[op].name : std::string("<no op>"); };
+  for (size_t i = 0; i < n; ++i) {
+    const Entry& x = a.entries[i];
+    const Entry& y = b.entries[i];
+    const bool same_op = op_name(ta, x.op) == op_name(tb, y.op);
+    if (x.alloc != y.alloc || x.ref != y.ref || !same_op) {
+      const std::string where_a = x.op >= 0 ? ta.ops[x.op].module : "";
+      return fmt::format("memory event {}: {} in {} ({}) against {} in {} ({})", i, x.alloc ? "allocation" : "free",
+                         op_name(ta, x.op), where_a.empty() ? "no module" : where_a, y.alloc ? "allocation" : "free",
+                         op_name(tb, y.op), y.op >= 0 && !tb.ops[y.op].module.empty() ? tb.ops[y.op].module : "no module");
+    }
+  }
+  if (a.entries.size() != b.entries.size()) {
+    return fmt::format("{} memory events against {}", a.entries.size(), b.entries.size());
+  }
+  return "";
+}
+
+// Size as a function of the batch: exact linear fit when the probes allow, else least-squares quadratic.
+struct Fit {
+  double c0 = 0, c1 = 0, c2 = 0;
+  bool linear = true;
+  int64_t at(double b) const { return std::max<int64_t>(0, std::llround(c0 + c1 * b + c2 * b * b)); }
+};
+
+Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
+  Fit f;
+  const size_t n = b.size();
+  if (n == 1 || std::all_of(s.begin(), s.end(), [&](double v) { return v == s[0]; })) {
+    f.c0 = s[0];
+    return f;
+  }
+  double mb = 0, ms = 0;
+  for (size_t i = 0; i < n; ++i) {
+    mb += b[i];
+    ms += s[i];
+  }
+  mb /= static_cast<double>(n);
+  ms /= static_cast<double>(n);
+  double sxy = 0, sxx = 0;
+  for (size_t i = 0; i < n; ++i) {
+    sxy += (b[i] - mb) * (s[i] - ms);
+    sxx += (b[i] - mb) * (b[i] - mb);
+  }
+  f.c1 = sxy / sxx;
+  f.c0 = ms - f.c1 * mb;
+  bool exact = true;
+  for (size_t i = 0; i < n; ++i) exact = exact && std::abs(f.c0 + f.c1 * b[i] - s[i]) <= 0.5;
+  if (exact || n < 3) return f;
+  // Quadratic least squares (normal equations, 3x3, Cramer's rule).
+  double S[5] = {0, 0, 0, 0, 0}, T[3] = {0, 0, 0};
+  for (size_t i = 0; i < n; ++i) {
+    double p = 1;
+    for (int k = 0; k < 5; ++k) {
+      S[k] += p;
+      if (k < 3) T[k] += p * s[i];
+      p *= b[i];
+    }
+  }
+  auto det3 = [](double a, double b1, double c, double d, double e, double g, double h, double i1, double j) {
+    return a * (e * j - g * i1) - b1 * (d * j - g * h) + c * (d * i1 - e * h);
+  };
+  const double D = det3(S[0], S[1], S[2], S[1], S[2], S[3], S[2], S[3], S[4]);
+  if (std::abs(D) < 1e-12) return f;
+  f.c0 = det3(T[0], S[1], S[2], T[1], S[2], S[3], T[2], S[3], S[4]) / D;
+  f.c1 = det3(S[0], T[0], S[2], S[1], T[1], S[3], S[2], T[2], S[4]) / D;
+  f.c2 = det3(S[0], S[1], T[0], S[1], S[2], T[1], S[2], S[3], T[2]) / D;
+  f.linear = false;
+  return f;
+}
+
+// The stream at one batch size, after parallel rules and target additions, ready to replay.
+struct Planned {
+  std::vector<int64_t> initial;
+  std::vector<Category> initial_category;
+  std::vector<Entry> entries;  // refs renumbered so that -2-i are initial blocks
+};
+
+struct Model {
+  const Stream* shape = nullptr;  // the largest probe's stream: structure, categories, ops
+  const Trace* trace = nullptr;
+  std::vector<Fit> initial_fits;
+  std::vector<Fit> entry_fits;    // per allocation position
+  int64_t nonlinear = 0;
+};
+
+bool is_matmul(const std::string& name) {
+  static const std::set<std::string> kMatmul = {"aten::mm",     "aten::addmm",  "aten::bmm",    "aten::baddbmm",
+                                                "aten::matmul", "aten::linear", "aten::addmv",  "aten::mv",
+                                                "aten::_scaled_mm", "aten::addbmm"};
+  return kMatmul.count(name) != 0;
+}
+
+struct Replay {
+  int64_t peak_allocated = 0, peak_reserved = 0;
+  int64_t first_peak = 0, steady_peak = 0;
+  int64_t peak_entry = kNone;  // entry index at the allocated peak (-1: initial blocks)
+  double fragmentation = 0;
+  std::array<int64_t, kNumCategories> breakdown{};
+};
+
+Replay replay(const Planned& p, bool gpu, const AllocatorConfig& cfg) {
+  Replay r;
+  std::unordered_map<int64_t, std::pair<int64_t, Category>> live;  // ref -> bytes counted, category
+  std::array<int64_t, kNumCategories> held{};
+  int64_t total = 0;
+  AllocatorSim sim(cfg, SimOptions{});
+  auto on_alloc = [&](int64_t ref, int64_t bytes, Category c) {
+    int64_t counted = bytes;
+    if (gpu) {
+      sim.malloc(ref, bytes);
+      counted = sim.block_bytes(ref);
+    }
+    live[ref] = {counted, c};
+    held[static_cast<size_t>(c)] += counted;
+    total += counted;
+  };
+  auto snapshot = [&](int64_t entry) {
+    const int64_t now = gpu ? sim.stats().allocated : total;
+    if (now > r.peak_allocated) {
+      r.peak_allocated = now;
+      r.peak_entry = entry;
+      r.breakdown = held;
+    }
+  };
+  for (size_t i = 0; i < p.initial.size(); ++i) {
+    if (p.initial[i] > 0) on_alloc(initial_ref(i), p.initial[i], p.initial_category[i]);
+  }
+  snapshot(-1);
+  for (size_t i = 0; i < p.entries.size(); ++i) {
+    const Entry& e = p.entries[i];
+    if (e.alloc) {
+      if (e.bytes <= 0) continue;
+      on_alloc(e.ref, e.bytes, e.category);
+      snapshot(static_cast<int64_t>(i));
+      const int64_t now = gpu ? sim.stats().allocated : total;
+      if (e.iteration == 1) r.first_peak = std::max(r.first_peak, now);
+      else r.steady_peak = std::max(r.steady_peak, now);
+    } else {
+      auto it = live.find(e.ref);
+      if (it == live.end()) continue;
+      held[static_cast<size_t>(it->second.second)] -= it->second.first;
+      total -= it->second.first;
+      if (gpu) sim.free(e.ref);
+      live.erase(it);
+    }
+  }
+  if (gpu) {
+    r.peak_reserved = sim.stats().peak_reserved;
+    r.fragmentation = r.peak_reserved > 0 ? 1.0 - static_cast<double>(r.peak_allocated) / static_cast<double>(r.peak_reserved) : 0.0;
+  } else {
+    r.peak_reserved = r.peak_allocated;
+  }
+  return r;
+}
+
+class Forecaster {
+ public:
+  Forecaster(const MemoryForecastInput& in, MemoryForecast& out) : in_(in), out_(out) {}
+
+  void run() {
+    validate();
+    const bool gpu = in_.target != "cpu";
+    if (gpu) {
+      spec_ = find_device(in_.target);
+      out_.capacity_bytes = in_.capacity_bytes > 0 ? in_.capacity_bytes : spec_.capacity_bytes;
+      out_.outside_allocator_bytes = spec_.context_bytes;
+      const int64_t world = in_.parallel.dp * in_.parallel.tp * in_.parallel.pp;
+      if (world > 1) {
+        out_.outside_allocator_bytes += 256 * kMiB;
+        out_.notes.push_back("NCCL buffers outside the allocator estimated at 256 MiB per rank");
+      }
+      if (!in_.allocator.native_backend) {
+        out_.notes.push_back(
+            "backend:cudaMallocAsync is not simulated: reserved bytes are forecast as for the native caching allocator");
+      }
+    }
+    std::unordered_set<uint64_t> exclude(in_.exclude_ptrs.begin(), in_.exclude_ptrs.end());
+    for (const Trace* t : in_.probes) streams_.push_back(extract(*t, in_.probe_device, exclude));
+    build_model();
+    out_.target = in_.target;
+    out_.batch_size = in_.target_batch;
+    const int64_t per = per_rank(in_.target_batch);
+    out_.per_rank_batch = per;
+    const Planned plan = planned(per, gpu);
+    out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
+                                                          [](const Entry& e) { return e.alloc; }));
+    const Replay r = replay(plan, gpu, in_.allocator);
+    out_.peak_allocated_bytes = r.peak_allocated;
+    out_.peak_reserved_bytes = r.peak_reserved;
+    out_.first_iteration_peak_bytes = r.first_peak;
+    out_.steady_peak_bytes = r.steady_peak;
+    out_.fragmentation = r.fragmentation;
+    for (int c = 0; c < kNumCategories; ++c) {
+      if (r.breakdown[c] != 0) out_.breakdown[std::string(to_string(static_cast<Category>(c)))] = r.breakdown[c];
+    }
+    if (r.peak_entry >= 0) {
+      const Entry& e = plan.entries[r.peak_entry];
+      out_.peak_phase = std::string(to_string(e.phase));
+      out_.peak_iteration = e.iteration;
+      if (e.op >= 0) {
+        out_.peak_op = model_.trace->ops[e.op].name;
+        out_.peak_module = model_.trace->ops[e.op].module;
+      }
+    } else {
+      out_.peak_phase = "start";
+    }
+    out_.max_batch_size = gpu ? max_batch(gpu) : 0;
+  }
+
+ private:
+  void validate() {
+    if (in_.probes.empty()) GPUCAST_USER_ERROR("forecast: no probe traces given");
+    if (in_.probes.size() != in_.probe_batch.size()) {
+      GPUCAST_USER_ERROR("forecast: {} probe traces but {} probe batch sizes", in_.probes.size(), in_.probe_batch.size());
+    }
+    for (int64_t b : in_.probe_batch) {
+      if (b < 1) GPUCAST_USER_ERROR("forecast: probe batch sizes must be at least 1, got {}", b);
+    }
+    if (in_.target_batch < 1) GPUCAST_USER_ERROR("forecast: batch_size must be at least 1, got {}", in_.target_batch);
+    if (!(in_.safety_fraction > 0.0 && in_.safety_fraction <= 1.0)) {
+      GPUCAST_USER_ERROR("forecast: safety fraction must be in (0, 1], got {}", in_.safety_fraction);
+    }
+    const ParallelConfig& p = in_.parallel;
+    if (p.dp < 1 || p.tp < 1 || p.pp < 1 || p.micro_batches < 1) {
+      GPUCAST_USER_ERROR("parallel: dp, tp, pp and micro_batches must be at least 1, got dp={}, tp={}, pp={}, micro_batches={}",
+                         p.dp, p.tp, p.pp, p.micro_batches);
+    }
+    if (p.dp_mode != "ddp" && p.dp_mode != "zero1" && p.dp_mode != "zero2" && p.dp_mode != "fsdp") {
+      GPUCAST_USER_ERROR("parallel: dp_mode expects one of ddp|zero1|zero2|fsdp, got '{}'", p.dp_mode);
+    }
+  }
+
+  int64_t per_rank(int64_t global) const {
+    const int64_t div = in_.parallel.dp * in_.parallel.micro_batches;
+    return std::max<int64_t>(1, global / div);
+  }
+
+  void build_model() {
+    // The largest probe gives the structure; the others must match it to scale.
+    size_t ref = 0;
+    for (size_t i = 1; i < in_.probes.size(); ++i) {
+      if (in_.probe_batch[i] > in_.probe_batch[ref]) ref = i;
+    }
+    model_.shape = &streams_[ref];
+    model_.trace = in_.probes[ref];
+    std::vector<size_t> usable = {ref};
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (i == ref) continue;
+      const std::string diff = structure_difference(streams_[i], *in_.probes[i], streams_[ref], *in_.probes[ref]);
+      if (!diff.empty()) {
+        out_.scaled = false;
+        out_.warnings.push_back(fmt::format(
+            "probes at batch {} and {} differ in structure ({}): data-dependent control flow? The forecast is not "
+            "scaled: it repeats the batch-{} probe",
+            in_.probe_batch[i], in_.probe_batch[ref], diff, in_.probe_batch[ref]));
+        continue;
+      }
+      usable.push_back(i);
+    }
+    if (!out_.scaled) usable = {ref};
+    std::vector<double> b;
+    for (size_t i : usable) b.push_back(static_cast<double>(in_.probe_batch[i]));
+    const Stream& s = streams_[ref];
+    for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
+      std::vector<double> v;
+      for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].initial_bytes[k]));
+      model_.initial_fits.push_back(fit(b, v));
+    }
+    for (size_t k = 0; k < s.entries.size(); ++k) {
+      if (!s.entries[k].alloc) {
+        model_.entry_fits.emplace_back();
+        continue;
+      }
+      std::vector<double> v;
+      for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].entries[k].bytes));
+      Fit f = fit(b, v);
+      if (!f.linear) ++model_.nonlinear;
+      model_.entry_fits.push_back(f);
+    }
+    for (const Fit& f : model_.initial_fits) {
+      if (!f.linear) ++model_.nonlinear;
+    }
+    out_.nonlinear_allocations = model_.nonlinear;
+    if (usable.size() == 1 && in_.probes.size() == 1) {
+      out_.notes.push_back("one probe: sizes are not scaled with the batch size");
+      out_.scaled = in_.probe_batch[0] == in_.target_batch;
+    }
+  }
+
+  Planned planned(int64_t batch, bool gpu) {
+    const Stream& s = *model_.shape;
+    const ParallelConfig& par = in_.parallel;
+    const double bb = static_cast<double>(batch);
+    const bool scale = out_.scaled || in_.probes.size() > 1;
+    auto size_of = [&](const Fit& f, int64_t fallback) { return scale ? f.at(bb) : fallback; };
+    Planned p;
+    for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
+      p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
+      p.initial_category.push_back(s.initial_category[k]);
+    }
+    for (size_t k = 0; k < s.entries.size(); ++k) {
+      Entry e = s.entries[k];
+      if (e.alloc) e.bytes = size_of(model_.entry_fits[k], e.bytes);
+      p.entries.push_back(e);
+    }
+    if (s.iterations < 2) synthesize_steady_iteration(p, s);
+    apply_parallel(p, par);
+    if (gpu && in_.probe_device == "cpu") add_device_allocations(p, s);
+    return p;
+  }
+
+  // From a one-iteration trace, the second iteration: optimizer state exists, gradients from iteration 1
+  // are freed where zero_grad runs (set_to_none, PyTorch's default) or kept and accumulated into.
+  void synthesize_steady_iteration(Planned& p, const Stream& s) {
+    std::unordered_set<int64_t> freed;
+    for (const Entry& e : p.entries) {
+      if (!e.alloc) freed.insert(e.ref);
+    }
+    std::vector<int64_t> persistent_grads, persistent_other;
+    std::unordered_set<int64_t> skip;  // iteration-1 allocations not repeated
+    for (const Entry& e : p.entries) {
+      if (!e.alloc || freed.count(e.ref) != 0) continue;
+      if (e.category == Category::OptimizerState) skip.insert(e.ref);
+      else if (e.category == Category::Gradient) persistent_grads.push_back(e.ref);
+      else persistent_other.push_back(e.ref);
+    }
+    const bool zero_grad = s.zero_grad_entry != kNone;
+    if (!zero_grad) {
+      for (int64_t r : persistent_grads) skip.insert(r);  // accumulated into, not allocated again
+    }
+    constexpr int64_t kOffset = int64_t{1} << 40;
+    const size_t n = p.entries.size();
+    std::vector<Entry> second;
+    for (size_t i = 0; i < n; ++i) {
+      if (zero_grad && static_cast<int64_t>(i) == s.zero_grad_entry) {
+        for (int64_t r : persistent_grads) {
+          Entry f;
+          f.alloc = false;
+          f.ref = r;
+          f.iteration = 2;
+          f.phase = Phase::Optimizer;
+          second.push_back(f);
+        }
+      }
+      Entry e = p.entries[i];
+      if (skip.count(e.ref) != 0) continue;
+      if (e.ref >= 0) e.ref += kOffset;
+      else if (!e.alloc) continue;  // initial blocks freed in iteration 1 are gone
+      e.iteration = 2;
+      second.push_back(e);
+    }
+    // What iteration 1 left behind besides its gradients (the loss, outputs kept by the caller) is replaced
+    // during iteration 2: conservatively, freed at its end.
+    for (int64_t r : persistent_other) {
+      Entry f;
+      f.alloc = false;
+      f.ref = r;
+      f.iteration = 2;
+      second.push_back(f);
+    }
+    p.entries.insert(p.entries.end(), second.begin(), second.end());
+  }
+
+  void apply_parallel(Planned& p, const ParallelConfig& par) {
+    const int64_t dp = par.dp;
+    auto shard = [](int64_t bytes, int64_t ways) { return (bytes + ways - 1) / ways; };
+    int64_t grad_bytes = 0;
+    for (const Entry& e : p.entries) {
+      if (e.alloc && e.category == Category::Gradient && e.iteration == 1) grad_bytes += e.bytes;
+    }
+    int64_t param_bytes = 0;
+    for (size_t i = 0; i < p.initial.size(); ++i) {
+      if (p.initial_category[i] == Category::Parameter) param_bytes += p.initial[i];
+    }
+    if (par.tp > 1 || par.pp > 1) {
+      // Model states and activations divided over tensor-parallel ranks and pipeline stages; the first stage
+      // holds activations of min(pp, micro_batches) micro-batches under 1F1B.
+      const int64_t model_ways = par.tp * par.pp;
+      const int64_t in_flight = std::min(par.pp, par.micro_batches);
+      for (size_t i = 0; i < p.initial.size(); ++i) {
+        if (p.initial_category[i] != Category::Input) p.initial[i] = shard(p.initial[i], model_ways);
+      }
+      for (Entry& e : p.entries) {
+        if (!e.alloc) continue;
+        if (e.category == Category::Activation) e.bytes = shard(e.bytes * in_flight, par.tp);
+        else if (e.category != Category::Input) e.bytes = shard(e.bytes, model_ways);
+      }
+      out_.notes.push_back(fmt::format(
+          "tp={} pp={}: model states divided by {}, activations by tp and multiplied by {} micro-batches in flight "
+          "(1F1B, first stage); a coarse rule, not yet checked against measurements",
+          par.tp, par.pp, model_ways, in_flight));
+    }
+    if (dp == 1 && par.dp_mode != "fsdp") return;
+    if (par.dp_mode == "ddp") {
+      if (!par.gradient_as_bucket_view && dp > 1) {
+        // DDP's buckets: a flat copy of every gradient (first bucket 1 MiB, the rest 25 MiB), from construction.
+        p.initial.push_back(grad_bytes > 0 ? grad_bytes : param_bytes);
+        p.initial_category.push_back(Category::Gradient);
+        out_.notes.push_back("DDP bucket buffers: a second copy of the gradients (gradient_as_bucket_view=False)");
+      }
+      return;
+    }
+    for (Entry& e : p.entries) {
+      if (!e.alloc) continue;
+      if (e.category == Category::OptimizerState) e.bytes = shard(e.bytes, dp);
+      if ((par.dp_mode == "zero2" || par.dp_mode == "fsdp") && e.category == Category::Gradient) e.bytes = shard(e.bytes, dp);
+    }
+    for (size_t i = 0; i < p.initial.size(); ++i) {
+      if (p.initial_category[i] == Category::OptimizerState ||
+          ((par.dp_mode == "zero2" || par.dp_mode == "fsdp") && p.initial_category[i] == Category::Gradient)) {
+        p.initial[i] = shard(p.initial[i], dp);
+      }
+      if (par.dp_mode == "fsdp" && p.initial_category[i] == Category::Parameter) p.initial[i] = shard(p.initial[i], dp);
+    }
+    if (par.dp_mode == "fsdp") {
+      // Unsharded parameters of the unit being computed and of the one prefetched.
+      const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
+      p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
+      p.initial_category.push_back(Category::Parameter);
+      out_.notes.push_back("FSDP: all-gather buffers for two units, sized by the largest parameter block");
+    }
+  }
+
+  // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
+  void add_device_allocations(Planned& p, const Stream& s) {
+    const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
+    constexpr int64_t kWorkspaceRef = int64_t{1} << 50;
+    std::vector<Entry> out;
+    bool fwd_done = false, bwd_done = false;
+    int64_t adam_bytes = 0;
+    for (const Entry& e : p.entries) {
+      if (e.alloc && e.category == Category::OptimizerState && e.iteration == 1) adam_bytes += e.bytes;
+    }
+    for (size_t i = 0; i < p.initial.size(); ++i) {
+      if (p.initial_category[i] == Category::OptimizerState) adam_bytes += p.initial[i];
+    }
+    adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
+    int last_optimizer_iteration = 0;
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      const bool mm = e.op >= 0 && is_matmul(model_.trace->ops[e.op].name);
+      // cuBLAS workspaces: one per handle; the autograd engine's device thread has its own handle.
+      if (mm && e.phase == Phase::Forward && !fwd_done) {
+        out.push_back(Entry{true, kWorkspaceRef, ws, Category::Other, Phase::Forward, e.op, e.iteration});
+        fwd_done = true;
+      }
+      if (mm && e.phase == Phase::Backward && !bwd_done) {
+        out.push_back(Entry{true, kWorkspaceRef + 1, ws, Category::Other, Phase::Backward, e.op, e.iteration});
+        bwd_done = true;
+      }
+      if (s.adam && e.phase == Phase::Optimizer && e.iteration != last_optimizer_iteration && adam_bytes > 0) {
+        last_optimizer_iteration = e.iteration;
+        const int64_t ref = kWorkspaceRef + 2 + e.iteration;
+        out.push_back(Entry{true, ref, adam_bytes, Category::Temporary, Phase::Optimizer, e.op, e.iteration});
+        out.push_back(e);
+        out.push_back(Entry{false, ref, 0, Category::Temporary, Phase::Optimizer, e.op, e.iteration});
+        continue;
+      }
+      out.push_back(e);
+    }
+    p.entries = std::move(out);
+    if (notes_added_) return;
+    notes_added_ = true;
+    out_.notes.push_back(fmt::format("cuBLAS workspace {} per handle (forward thread and autograd thread) added",
+                                     format_bytes(ws)));
+    if (s.adam) out_.notes.push_back("foreach Adam/AdamW on CUDA: one temporary list of exp_avg_sq's size per step added");
+    out_.notes.push_back("cuDNN convolution workspaces are not modelled yet");
+  }
+
+  int64_t max_batch(bool gpu) {
+    const auto limit = static_cast<int64_t>(static_cast<double>(out_.capacity_bytes) * in_.safety_fraction);
+    auto fits = [&](int64_t global) {
+      const Replay r = replay(planned(per_rank(global), gpu), gpu, in_.allocator);
+      return r.peak_reserved + out_.outside_allocator_bytes <= limit;
+    };
+    const int64_t step = in_.parallel.dp * in_.parallel.micro_batches;
+    if (!fits(step)) return 0;
+    if (!out_.scaled && in_.probes.size() == 1) return 0;
+    int64_t lo = step, hi = 2 * step;
+    while (hi <= (int64_t{1} << 30) && fits(hi)) {
+      lo = hi;
+      hi *= 2;
+    }
+    while (hi - lo > step) {
+      const int64_t mid = (lo + hi) / 2 / step * step;
+      if (mid <= lo) break;
+      if (fits(mid)) lo = mid;
+      else hi = mid;
+    }
+    return lo;
+  }
+
+  const MemoryForecastInput& in_;
+  MemoryForecast& out_;
+  DeviceSpec spec_;
+  std::vector<Stream> streams_;
+  Model model_;
+  bool notes_added_ = false;
+};
+
+}  // namespace
+
+MemoryForecast forecast_memory(const MemoryForecastInput& input) {
+  const auto t0 = std::chrono::steady_clock::now();
+  MemoryForecast out;
+  Forecaster(input, out).run();
+  out.forecast_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+std::string memory_forecast_to_json(const MemoryForecast& f) {
+  nlohmann::json j{{"target", f.target},
+                   {"batch_size", f.batch_size},
+                   {"per_rank_batch", f.per_rank_batch},
+                   {"peak_allocated_bytes", f.peak_allocated_bytes},
+                   {"peak_reserved_bytes", f.peak_reserved_bytes},
+                   {"first_iteration_peak_bytes", f.first_iteration_peak_bytes},
+                   {"steady_peak_bytes", f.steady_peak_bytes},
+                   {"capacity_bytes", f.capacity_bytes},
+                   {"outside_allocator_bytes", f.outside_allocator_bytes},
+                   {"max_batch_size", f.max_batch_size},
+                   {"fragmentation", f.fragmentation},
+                   {"breakdown", f.breakdown},
+                   {"peak_phase", f.peak_phase},
+                   {"peak_op", f.peak_op},
+                   {"peak_module", f.peak_module},
+                   {"peak_iteration", f.peak_iteration},
+                   {"scaled", f.scaled},
+                   {"nonlinear_allocations", f.nonlinear_allocations},
+                   {"allocations", f.allocations},
+                   {"warnings", f.warnings},
+                   {"notes", f.notes},
+                   {"forecast_ms", f.forecast_ms}};
+  return j.dump();
+}
+
+}  // namespace gpucast

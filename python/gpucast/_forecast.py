@@ -1,0 +1,210 @@
+"""gpucast.forecast(): probe a training step at small batch sizes, forecast the whole run.
+
+Python runs the probes (it owns the step function, the batches and the state to restore); the forecast
+itself is C++ (torch.classes.gpucast.MemoryForecaster).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._trace import _flatten, trace
+
+SCHEMA_VERSION = 1
+
+
+def devices() -> list[dict]:
+    """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source."""
+    rows = []
+    for line in torch.ops.gpucast.device_table().splitlines():
+        name, cap, cc, ctx, source = line.split("\t")
+        rows.append({"name": name, "capacity_bytes": int(cap), "compute_capability": int(cc) / 10,
+                     "context_bytes": int(ctx), "source": source})
+    return rows
+
+
+def _format_parallel(parallel: dict | None) -> str:
+    if not parallel:
+        return ""
+    if not isinstance(parallel, dict):
+        raise TypeError(f"parallel: expected a dict such as dict(dp=8, dp_mode='ddp'), got {type(parallel).__name__}")
+    out = []
+    for k, v in parallel.items():
+        if isinstance(v, bool):
+            v = "True" if v else "False"
+        out.append(f"{k}:{v}")
+    return ",".join(out)
+
+
+@dataclass
+class MemoryForecast:
+    """Memory of the run, as torch.cuda.max_memory_allocated()/max_memory_reserved() would report it."""
+    target: str
+    batch_size: int
+    per_rank_batch: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    first_iteration_peak_bytes: int
+    steady_peak_bytes: int
+    capacity_bytes: int
+    outside_allocator_bytes: int
+    max_batch_size: int
+    fragmentation: float
+    breakdown: dict
+    peak_phase: str
+    peak_op: str
+    peak_module: str
+    peak_iteration: int
+    scaled: bool
+    nonlinear_allocations: int
+    allocations: int
+    warnings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    forecast_ms: float = 0.0
+
+
+@dataclass
+class Forecast:
+    memory: MemoryForecast
+    probe_batch_sizes: tuple
+    probe_device: str
+    context: dict
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "context": self.context,
+                "probe_batch_sizes": list(self.probe_batch_sizes), "probe_device": self.probe_device,
+                "memory": dict(self.memory.__dict__)}
+
+    def __str__(self) -> str:
+        m = self.memory
+        mib = 1024 * 1024
+        lines = [f"gpucast forecast for {m.target}, batch {m.batch_size}"
+                 f"{f' ({m.per_rank_batch} per rank)' if m.per_rank_batch != m.batch_size else ''}:",
+                 f"  peak allocated {m.peak_allocated_bytes / mib:,.1f} MiB, reserved {m.peak_reserved_bytes / mib:,.1f} MiB"
+                 f" (iteration {m.peak_iteration}, {m.peak_phase}{', ' + m.peak_op if m.peak_op else ''})"]
+        if m.capacity_bytes:
+            lines.append(f"  capacity {m.capacity_bytes / mib:,.0f} MiB, outside the allocator {m.outside_allocator_bytes / mib:,.0f} MiB,"
+                         f" largest batch that fits: {m.max_batch_size}")
+        if m.breakdown:
+            lines.append("  at the peak: " + ", ".join(f"{k} {v / mib:,.1f} MiB" for k, v in
+                                                       sorted(m.breakdown.items(), key=lambda kv: -kv[1])))
+        lines += [f"  warning: {w}" for w in m.warnings] + [f"  note: {n}" for n in m.notes]
+        return "\n".join(lines)
+
+
+def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
+    out = []
+    for t in _flatten(list(objs), []):
+        try:
+            p = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if p:
+            out.append(p)
+    return out
+
+
+class _State:
+    """The model's and optimizer's state (and the RNG's), saved before the probes and restored after."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.rng = torch.get_rng_state()
+        self.model_state = None
+        self.grads = None
+        self.optimizer_state = None
+        if model is not None:
+            self.model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        if optimizer is not None:
+            self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+
+    def own_ptrs(self) -> list[int]:
+        """Storages of the copies, so the forecast does not count them as the job's."""
+        objs = [self.rng]
+        if self.model_state is not None:
+            objs += list(self.model_state.values()) + [g for g in self.grads if g is not None]
+        if self.optimizer_state is not None:
+            objs.append(self.optimizer_state["state"])
+        return _storage_ptrs(objs)
+
+    def restore(self):
+        torch.set_rng_state(self.rng)
+        if self.model is not None:
+            self.model.load_state_dict(self.model_state)
+            for p, g in zip(self.model.parameters(), self.grads):
+                p.grad = None if g is None else g.clone()
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)
+
+
+def _device_of(batch: Any) -> str:
+    tensors = _flatten(batch, [])
+    return str(tensors[0].device) if tensors else "cpu"
+
+
+def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch_size: int, *,
+             model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+             target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
+             capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2) -> Forecast:
+    """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
+
+    step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
+    traces `iterations` iterations (2: the first, which creates optimizer state, and a steady one). With
+    `model` and `optimizer`, their state (and the RNG's) is restored after the probes; without them, a
+    warning says that the probes changed it. `target` is "cpu" (this host's CPU allocator bytes) or a
+    GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
+    dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"forecast: batch_size must be an integer of at least 1, got {batch_size!r}")
+    probes = tuple(probe_batch_sizes)
+    if not probes or any(not isinstance(b, int) or b < 1 for b in probes):
+        raise ValueError(f"forecast: probe_batch_sizes must be integers of at least 1, got {probes!r}")
+    if iterations not in (1, 2):
+        raise ValueError(f"forecast: iterations must be 1 or 2, got {iterations!r}")
+    target = str(target)
+    if target != "cpu":
+        known = {d["name"].lower() for d in devices()}
+        if target.lower() not in known:
+            names = ", ".join(d["name"] for d in devices())
+            raise ValueError(f"forecast: unknown target '{target}'; known targets: cpu, {names}")
+    parallel_text = _format_parallel(parallel)
+    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+
+    state = _State(model, optimizer)
+    if model is None or optimizer is None:
+        warnings.warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
+                      "state; pass model= and optimizer= to have them restored", stacklevel=2)
+    forecaster = torch.classes.gpucast.MemoryForecaster()
+    probe_device = "cpu"
+    try:
+        for b in sorted(set(probes)):
+            batch = make_batch(b)
+            probe_device = _device_of(batch)
+            with trace() as t:
+                for _ in range(iterations):
+                    step(batch)
+            forecaster.add_probe(t.result.handle, b)
+            del batch, t
+            state.restore()
+    finally:
+        state.restore()
+    cap = int(capacity) if capacity is not None else 0
+    text = forecaster.run(batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
+                          alloc_conf, cublas, state.own_ptrs(), 0.0)
+    memory = MemoryForecast(**json.loads(text))
+    for w in memory.warnings:
+        warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
+    ctx = torch.ops.gpucast.context()
+    context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
+    return Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
+                    context=context)
