@@ -182,4 +182,16 @@ std::vector<ConfigKey> trace_config_keys() {
   };
 }
 
+std::vector<ConfigKey> auto_config_keys() {
+  using F = ConfigKey::Form;
+  return {
+      {"enabled", F::Bool, false, {}, "trace the first iteration by itself, forecast the run, warn on risk"},
+      {"target", F::String, std::string("auto"), {},
+       "cpu, a device table name (python -m gpucast devices), or auto: this process's GPU, else cpu"},
+      {"capacity_mb", F::PositiveInt, int64_t{0}, {}, "device memory in MiB, overriding the table (0: the table's)"},
+      {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
+      {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
+  };
+}
+
 }  // namespace gpucast

@@ -161,6 +161,18 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("tag(int[] ptrs, str device, str category) -> ()", &gpucast::tag);
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
   m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
+  m.def("parse_auto_config(str text) -> str[]", [](const std::string& text) {
+    return gpucast::translate([&] {
+      gpucast::Config cfg("GPUCAST_CONF", gpucast::auto_config_keys());
+      cfg.parse(text);
+      return std::vector<std::string>{cfg.get_bool("enabled") ? "True" : "False", cfg.get_string("target"),
+                                      std::to_string(cfg.get_int("capacity_mb")),
+                                      std::to_string(cfg.get_double("warn_fraction")), cfg.get_string("on_risk")};
+    });
+  });
+  m.def("auto_config_help() -> str", [] {
+    return gpucast::Config("GPUCAST_CONF", gpucast::auto_config_keys()).describe();
+  });
   m.def("trace_options_help() -> str", [] {
     return gpucast::Config("gpucast.trace() options", gpucast::trace_config_keys()).describe();
   });

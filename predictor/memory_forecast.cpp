@@ -241,6 +241,19 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   bool exact = true;
   for (size_t i = 0; i < n; ++i) exact = exact && std::abs(f.c0 + f.c1 * b[i] - s[i]) <= 0.5;
   if (exact || n < 3) return f;
+  // Not linear over all probes. Quadratic growth shows as slopes growing with the batch, c2 (b_i + b_j);
+  // padding and minimum sizes at small batches show as the small probes alone being off. Decide by the last
+  // two slopes; in the second case, the two largest probes give the line (the probes arrive sorted).
+  const double slope_prev = (s[n - 2] - s[n - 3]) / (b[n - 2] - b[n - 3]);
+  const double slope_last = (s[n - 1] - s[n - 2]) / (b[n - 1] - b[n - 2]);
+  const double quad_ratio = (b[n - 1] + b[n - 2]) / (b[n - 2] + b[n - 3]);
+  const bool quadratic = slope_prev > 0 && std::abs(slope_last / slope_prev - quad_ratio) < 0.25 * (quad_ratio - 1.0);
+  if (!quadratic) {
+    f.c1 = slope_last;
+    f.c0 = s[n - 1] - f.c1 * b[n - 1];
+    f.linear = false;
+    return f;
+  }
   // Quadratic least squares (normal equations, 3x3, Cramer's rule).
   double S[5] = {0, 0, 0, 0, 0}, T[3] = {0, 0, 0};
   for (size_t i = 0; i < n; ++i) {
@@ -355,6 +368,7 @@ class Forecaster {
   void run() {
     validate();
     const bool gpu = in_.target != "cpu";
+    out_.capacity_bytes = in_.capacity_bytes;
     if (gpu) {
       spec_ = find_device(in_.target);
       out_.capacity_bytes = in_.capacity_bytes > 0 ? in_.capacity_bytes : spec_.capacity_bytes;
@@ -399,7 +413,7 @@ class Forecaster {
     } else {
       out_.peak_phase = "start";
     }
-    out_.max_batch_size = gpu ? max_batch(gpu) : 0;
+    out_.max_batch_size = out_.capacity_bytes > 0 ? max_batch(gpu) : 0;
   }
 
  private:
@@ -453,9 +467,31 @@ class Forecaster {
       usable.push_back(i);
     }
     if (!out_.scaled) usable = {ref};
+    const Stream& s = streams_[ref];
+    if (in_.probes.size() == 1) {
+      // One probe: model states stay, everything else scales in proportion to the batch size.
+      const double b0 = static_cast<double>(in_.probe_batch[ref]);
+      auto proportional = [b0](int64_t bytes, Category c) {
+        Fit f;
+        if (c == Category::Parameter || c == Category::Gradient || c == Category::OptimizerState) {
+          f.c0 = static_cast<double>(bytes);
+        } else {
+          f.c1 = static_cast<double>(bytes) / b0;
+        }
+        return f;
+      };
+      for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
+        model_.initial_fits.push_back(proportional(s.initial_bytes[k], s.initial_category[k]));
+      }
+      for (const Entry& e : s.entries) model_.entry_fits.push_back(proportional(e.bytes, e.category));
+      out_.notes.push_back(
+          "one probe: parameters, gradients and optimizer state kept, all other allocations scaled in proportion "
+          "to the batch size");
+      return;
+    }
+    std::sort(usable.begin(), usable.end(), [&](size_t x, size_t y) { return in_.probe_batch[x] < in_.probe_batch[y]; });
     std::vector<double> b;
     for (size_t i : usable) b.push_back(static_cast<double>(in_.probe_batch[i]));
-    const Stream& s = streams_[ref];
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       std::vector<double> v;
       for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].initial_bytes[k]));
@@ -476,18 +512,13 @@ class Forecaster {
       if (!f.linear) ++model_.nonlinear;
     }
     out_.nonlinear_allocations = model_.nonlinear;
-    if (usable.size() == 1 && in_.probes.size() == 1) {
-      out_.notes.push_back("one probe: sizes are not scaled with the batch size");
-      out_.scaled = in_.probe_batch[0] == in_.target_batch;
-    }
   }
 
   Planned planned(int64_t batch, bool gpu) {
     const Stream& s = *model_.shape;
     const ParallelConfig& par = in_.parallel;
     const double bb = static_cast<double>(batch);
-    const bool scale = out_.scaled || in_.probes.size() > 1;
-    auto size_of = [&](const Fit& f, int64_t fallback) { return scale ? f.at(bb) : fallback; };
+    auto size_of = [&](const Fit& f, int64_t fallback) { return out_.scaled ? f.at(bb) : fallback; };
     Planned p;
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
@@ -669,8 +700,7 @@ class Forecaster {
       return r.peak_reserved + out_.outside_allocator_bytes <= limit;
     };
     const int64_t step = in_.parallel.dp * in_.parallel.micro_batches;
-    if (!fits(step)) return 0;
-    if (!out_.scaled && in_.probes.size() == 1) return 0;
+    if (!out_.scaled || !fits(step)) return 0;
     int64_t lo = step, hi = 2 * step;
     while (hi <= (int64_t{1} << 30) && fits(hi)) {
       lo = hi;

@@ -139,16 +139,13 @@ class _Hooks:
             _optimizer_module.register_optimizer_step_post_hook(self.optimizer_post),
         ]
 
-    def finish(self) -> None:
-        """Tag what is held at the end (parameters, gradients, optimizer state), then unhook."""
-        try:
-            params = [p for m in self._seen.values() for p in m._parameters.values() if p is not None]
-            _tag(params, "parameter")
-            _tag([p.grad for p in params if p.grad is not None], "gradient")
-            for opt in self._optimizers.values():
-                self.optimizer_post(opt, (), {})
-        finally:
-            self.remove()
+    def tag_final(self) -> None:
+        """Tag what is held at the end: parameters, gradients, optimizer state."""
+        params = [p for m in self._seen.values() for p in m._parameters.values() if p is not None]
+        _tag(params, "parameter")
+        _tag([p.grad for p in params if p.grad is not None], "gradient")
+        for opt in self._optimizers.values():
+            self.optimizer_post(opt, (), {})
 
     def remove(self) -> None:
         for h in self._handles:
@@ -303,11 +300,18 @@ class trace:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        try:
-            self._hooks.finish()
-        finally:
-            self._trace = Trace(_ops.stop_trace())
+        self._finish(unhook=True)
         return False
+
+    def _finish(self, unhook: bool) -> None:
+        """Stop recording. unhook=False leaves the (now inert) Python hooks installed, for callers running
+        inside an optimizer hook, whose registry may not change while PyTorch iterates over it."""
+        try:
+            self._hooks.tag_final()
+        finally:
+            if unhook:
+                self._hooks.remove()
+            self._trace = Trace(_ops.stop_trace())
 
     @property
     def result(self) -> Trace:

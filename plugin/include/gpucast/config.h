@@ -59,5 +59,7 @@ std::vector<std::pair<std::string, std::string>> split_config(std::string_view t
 
 // The options of gpucast.trace() / torch.ops.gpucast.start_trace.
 std::vector<ConfigKey> trace_config_keys();
+// The keys of GPUCAST_CONF (auto mode).
+std::vector<ConfigKey> auto_config_keys();
 
 }  // namespace gpucast

@@ -1,0 +1,198 @@
+"""Auto mode: GPUCAST_CONF="enabled:True,..." in the environment of a training script that imports gpucast.
+
+gpucast traces the first iteration by itself (from the first forward of a module to the end of the first
+optimizer step), forecasts the run, and, before the second iteration commits its memory, warns once when the
+forecast reserved bytes plus what the allocator does not count exceed warn_fraction of the capacity; with
+on_risk:raise it raises OutOfMemoryRisk from the optimizer's step post-hook instead. Each forecast is
+appended as one JSON line to the file named by GPUCAST_LOG. Internal errors become one warning and training
+goes on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optimizer_module
+
+from ._forecast import SCHEMA_VERSION, MemoryForecast
+from ._trace import _flatten, trace
+
+_ops = torch.ops.gpucast
+
+
+class OutOfMemoryRisk(RuntimeError):
+    """Raised (with on_risk:raise) when the forecast run does not fit the device."""
+
+
+class OutOfMemoryRiskWarning(UserWarning):
+    """Warned (with on_risk:warn, the default) when the forecast run does not fit the device."""
+
+
+_config: dict | None = None
+_session: "_AutoSession | None" = None
+_lock = threading.Lock()
+
+
+def config() -> dict:
+    """GPUCAST_CONF, parsed once (ValueError naming the key, the expected form and the value)."""
+    global _config
+    if _config is None:
+        enabled, target, capacity_mb, warn_fraction, on_risk = _ops.parse_auto_config(os.environ.get("GPUCAST_CONF", ""))
+        _config = {"enabled": enabled == "True", "target": target, "capacity_mb": int(capacity_mb),
+                   "warn_fraction": float(warn_fraction), "on_risk": on_risk}
+    return _config
+
+
+def _reset() -> None:
+    """For tests: forget the parsed configuration and uninstall auto mode."""
+    global _config, _session
+    if _session is not None:
+        _session.close()
+    _config, _session = None, None
+
+
+def _resolve_target(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        props_name = torch.cuda.get_device_name(0).upper()
+        for key, table_name in (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", None), ("L4", "L4"),
+                                ("V100", "V100-32GB"), ("4090", "RTX-4090")):
+            if key in props_name:
+                if table_name is None:  # A100 comes in two sizes
+                    total = torch.cuda.get_device_properties(0).total_memory
+                    return "A100-80GB" if total > 60 * 2**30 else "A100-40GB"
+                return table_name
+    return "cpu"
+
+
+def _batch_size_of(args: Any) -> int:
+    tensors = _flatten(args, [])
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+class _AutoSession:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.target = _resolve_target(cfg["target"])
+        self.trace: trace | None = None
+        self.batch = 1
+        self.done = False
+        self.forecast: MemoryForecast | None = None
+        m = torch.nn.modules.module
+        self.handles = [m.register_module_forward_pre_hook(self._on_forward),
+                        _optimizer_module.register_optimizer_step_post_hook(self._on_step_end)]
+
+    def close(self) -> None:
+        if self.trace is not None and _ops.is_tracing():
+            self.trace._finish(unhook=False)
+        self._unhook()
+
+    def _on_forward(self, module, args) -> None:
+        if self.done:
+            self._unhook()  # safe here: PyTorch iterates over a copy of the forward pre-hooks
+            return
+        if self.trace is not None:
+            return
+        try:
+            self.batch = _batch_size_of(args)
+            self.trace = trace()
+            self.trace.__enter__()
+            # The trace's own hooks were installed during this call's hooks: enter this module by hand.
+            self.trace._hooks.pre(module, args)
+        except Exception as e:  # noqa: BLE001 - fail open
+            self._fail(e)
+
+    def _on_step_end(self, optimizer, args, kwargs) -> None:
+        if self.done or self.trace is None:
+            return
+        self.done = True
+        try:
+            # Inside PyTorch's loop over optimizer hooks: stop recording, unhook at the next forward.
+            self.trace._finish(unhook=False)
+            self.forecast = self._forecast(self.trace.result)
+            self._log(self.forecast)
+        except Exception as e:  # noqa: BLE001 - fail open
+            self._fail(e)
+            return
+        self._judge(self.forecast)
+
+    def _unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.trace is not None:
+            self.trace._hooks.remove()
+            self.trace = None
+
+    def _forecast(self, t) -> MemoryForecast:
+        cap = self.cfg["capacity_mb"] * 2**20
+        forecaster = torch.classes.gpucast.MemoryForecaster()
+        forecaster.add_probe(t.handle, self.batch)
+        device = "cuda:0" if any(e.device.startswith("cuda") for e in t.events[:1]) else "cpu"
+        alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+        text = forecaster.run(self.batch, self.target, cap, self.cfg["warn_fraction"], device, "", alloc_conf,
+                              os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0)
+        return MemoryForecast(**json.loads(text))
+
+    def _log(self, f: MemoryForecast) -> None:
+        path = os.environ.get("GPUCAST_LOG")
+        if not path:
+            return
+        ctx = _ops.context()
+        record = {"schema_version": SCHEMA_VERSION, "time": time.time(), "mode": "auto",
+                  "context": {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2],
+                              "build_type": ctx[3]},
+                  "memory": dict(f.__dict__)}
+        try:
+            with open(path, "a", encoding="utf-8") as fh:  # append: an existing log is never truncated
+                fh.write(json.dumps(record) + "\n")
+        except OSError as e:
+            warnings.warn(f"gpucast: cannot append the forecast to GPUCAST_LOG={path!r}: {e.strerror}", stacklevel=3)
+
+    def _capacity(self, f: MemoryForecast) -> int:
+        return self.cfg["capacity_mb"] * 2**20 if self.cfg["capacity_mb"] else f.capacity_bytes
+
+    def _judge(self, f: MemoryForecast) -> None:
+        capacity = self._capacity(f)
+        if not capacity:
+            return
+        need = f.peak_reserved_bytes + f.outside_allocator_bytes
+        limit = self.cfg["warn_fraction"] * capacity
+        if need <= limit:
+            return
+        mib = 2**20
+        fits = (f"the largest batch that fits is {f.max_batch_size}" if f.max_batch_size
+                else "no batch size fits")
+        msg = (f"gpucast: out-of-memory risk on {f.target}: the run needs {need / mib:,.0f} MiB "
+               f"(reserved {f.peak_reserved_bytes / mib:,.0f} MiB + {f.outside_allocator_bytes / mib:,.0f} MiB outside the "
+               f"allocator) at batch {f.batch_size}, above {self.cfg['warn_fraction']:.0%} of {capacity / mib:,.0f} MiB; "
+               f"{fits}")
+        if self.cfg["on_risk"] == "raise":
+            raise OutOfMemoryRisk(msg)
+        warnings.warn(msg, OutOfMemoryRiskWarning, stacklevel=3)
+
+    def _fail(self, e: Exception) -> None:
+        self.done = True
+        if self.trace is not None and _ops.is_tracing():
+            self.trace._finish(unhook=False)
+        warnings.warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
+                      "training goes on", RuntimeWarning, stacklevel=3)
+
+
+def maybe_start() -> None:
+    """Called by `import gpucast`: start auto mode if GPUCAST_CONF enables it."""
+    global _session
+    with _lock:
+        if _session is not None or not config()["enabled"]:
+            return
+        _session = _AutoSession(config())
+
+
+def session() -> "_AutoSession | None":
+    return _session
