@@ -141,7 +141,8 @@ class _State:
             for p, g in zip(self.model.parameters(), self.grads):
                 p.grad = None if g is None else g.clone()
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.optimizer_state)
+            # load_state_dict may keep the given tensors (the step counts): hand it a copy.
+            self.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
 
 
 def _device_of(batch: Any) -> str:

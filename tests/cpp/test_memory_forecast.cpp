@@ -1,0 +1,181 @@
+// The memory forecast over hand-built probe traces: scaling, steady state, devices, parallel rules.
+#include <gtest/gtest.h>
+
+#include "gpucast/error.h"
+#include "gpucast/memory_forecast.h"
+#include "gpucast/trace_assembly.h"
+
+namespace gpucast {
+namespace {
+
+// One training step, batch b: forward mm allocates an activation of 400 b bytes, backward allocates a
+// 1000-byte gradient and frees the activation, the first optimizer step creates 1000 bytes of state.
+// Held from the start: a 1000-byte parameter and a 100 b-byte input. `iterations` 1 or 2; `extra`
+// adds an allocation to the forward (a different structure).
+Trace probe(int64_t b, int iterations, bool extra = false) {
+  AssemblyInput in;
+  RawThread th;
+  th.thread = 1;
+  uint64_t seq = 1;
+  auto op = [&](const char* name, Scope scope, Phase phase) {
+    OpRecord o;
+    o.name = name;
+    o.scope = scope;
+    o.phase = phase;
+    o.start_seq = seq++;
+    th.ops.push_back(o);
+    return static_cast<int64_t>(th.ops.size() - 1);
+  };
+  auto end = [&](int64_t i) { th.ops[i].end_seq = seq++; };
+  auto ev = [&](uint64_t ptr, int64_t bytes, int64_t o, Phase phase) {
+    MemEvent e;
+    e.seq = seq++;
+    e.ptr = ptr;
+    e.bytes = e.block_bytes = bytes;
+    e.device = "cpu";
+    e.op = o;
+    e.phase = phase;
+    th.events.push_back(e);
+  };
+  auto tag = [&](uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); };
+  tag(0x10, Category::Parameter);
+  tag(0x20, Category::Input);
+  for (int it = 0; it < iterations; ++it) {
+    const uint64_t act = 0x100 + 0x10 * it, grad = 0x200 + 0x10 * it;
+    int64_t z = op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer);
+    if (it > 0) ev(0x200, -1000, z, Phase::Optimizer);
+    end(z);
+    int64_t mm = op("aten::mm", Scope::Function, Phase::Forward);
+    ev(act, 400 * b, mm, Phase::Forward);
+    if (extra) {
+      ev(0x900, 64, mm, Phase::Forward);
+      ev(0x900, -64, mm, Phase::Forward);
+    }
+    end(mm);
+    int64_t node = op("MmBackward0", Scope::BackwardFunction, Phase::Backward);
+    ev(grad, 1000, node, Phase::Backward);
+    ev(act, -400 * b, node, Phase::Backward);
+    end(node);
+    tag(grad, Category::Gradient);
+    int64_t st = op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+    if (it == 0) ev(0x300, 1000, st, Phase::Optimizer);
+    end(st);
+    tag(0x300, Category::OptimizerState);
+  }
+  in.threads.push_back(th);
+  in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, 100 * b, 100 * b, "cpu"}};
+  in.baseline["cpu"] = DeviceBaseline{1000 + 100 * b, true};
+  return assemble_trace(std::move(in));
+}
+
+MemoryForecast run(const std::vector<Trace>& traces, std::vector<int64_t> batches, int64_t target_batch,
+                   const std::string& target = "cpu") {
+  MemoryForecastInput in;
+  for (const Trace& t : traces) in.probes.push_back(&t);
+  in.probe_batch = std::move(batches);
+  in.target_batch = target_batch;
+  in.target = target;
+  return forecast_memory(in);
+}
+
+TEST(MemoryForecast, ScalesTwoIterationProbesToTheTargetBatch) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);  // param, state, new grad, input and activation
+  EXPECT_EQ(f.peak_reserved_bytes, f.peak_allocated_bytes);
+  EXPECT_EQ(f.first_iteration_peak_bytes, 2000 + 500 * 64);
+  EXPECT_EQ(f.steady_peak_bytes, 3000 + 500 * 64);
+  EXPECT_EQ(f.peak_iteration, 2);
+  EXPECT_EQ(f.peak_phase, "backward");
+  EXPECT_EQ(f.peak_op, "MmBackward0");
+  EXPECT_EQ(f.nonlinear_allocations, 0);
+  EXPECT_EQ(f.breakdown.at("activation"), 400 * 64);
+  EXPECT_EQ(f.breakdown.at("input"), 100 * 64);
+  EXPECT_EQ(f.breakdown.at("optimizer_state"), 1000);
+}
+
+TEST(MemoryForecast, DerivesTheSteadyIterationFromTheFirst) {
+  std::vector<Trace> t = {probe(2, 1), probe(4, 1), probe(8, 1)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64);
+  EXPECT_EQ(f.first_iteration_peak_bytes, 2000 + 500 * 64);
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
+  EXPECT_EQ(f.peak_iteration, 2);
+}
+
+TEST(MemoryForecast, OneProbeScalesAllButModelStatesInProportion) {
+  std::vector<Trace> t = {probe(8, 2)};
+  MemoryForecast f = run(t, {8}, 64);
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
+}
+
+TEST(MemoryForecast, ProbesThatDifferAreNotScaled) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2, /*extra=*/true), probe(8, 2)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64);
+  EXPECT_FALSE(f.scaled);
+  ASSERT_EQ(f.warnings.size(), 1u);
+  EXPECT_EQ(f.warnings[0],
+            "probes at batch 4 and 8 differ in structure (memory event 1: allocation in aten::mm (no module) against "
+            "allocation in MmBackward0 (no module)): data-dependent control flow? The forecast is not scaled: it "
+            "repeats "
+            "the batch-8 probe");
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 8);
+}
+
+TEST(MemoryForecast, GpuTargetRoundsBlocksAndAddsTheCublasWorkspace) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64, "H100-80GB");
+  // 1024 (param) + 6656 (input 6400) + 1024 (state) + 25600 (activation) + 1024 (gradient) + 32 MiB workspace.
+  EXPECT_EQ(f.peak_allocated_bytes, 1024 + 6656 + 1024 + 25600 + 1024 + 32 * kMiB);
+  EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB + 32 * kMiB);  // one small segment, one 32 MiB segment
+  EXPECT_EQ(f.capacity_bytes, 81559 * kMiB);
+  EXPECT_EQ(f.outside_allocator_bytes, 560 * kMiB);
+  EXPECT_GT(f.max_batch_size, 1000000);
+}
+
+TEST(MemoryForecast, DataParallelRules) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 128;
+  in.parallel = ParallelConfig::parse("dp:2");
+  MemoryForecast ddp = forecast_memory(in);
+  EXPECT_EQ(ddp.per_rank_batch, 64);
+  EXPECT_EQ(ddp.peak_allocated_bytes, 3000 + 500 * 64 + 1000);  // plus DDP's bucket copy of the gradients
+  in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
+  MemoryForecast zero2 = forecast_memory(in);
+  EXPECT_EQ(zero2.peak_allocated_bytes, 1000 + 500 + 500 + 500 * 64);
+  in.parallel = ParallelConfig::parse("dp:2,micro_batches:4");
+  EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
+}
+
+TEST(MemoryForecast, BadInput) {
+  std::vector<Trace> t = {probe(2, 1)};
+  EXPECT_THROW(run(t, {2}, 0), UserError);
+  try {
+    run(t, {2}, 8, "H100");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "unknown target 'H100'; known targets: cpu, A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4, "
+                 "V100-32GB, RTX-4090 (or give capacity= for another GPU)");
+  }
+  try {
+    ParallelConfig::parse("dp:2,dp_mode:zero3");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "parallel: option 'dp_mode' expects one of ddp|zero1|zero2|fsdp, got 'zero3'");
+  }
+}
+
+TEST(CublasWorkspace, DefaultsAndOverride) {
+  EXPECT_EQ(cublas_workspace_bytes(90, ""), 32 * kMiB);
+  EXPECT_EQ(cublas_workspace_bytes(80, ""), 8 * kMiB + 128 * 1024);
+  EXPECT_EQ(cublas_workspace_bytes(90, ":4096:8"), 32 * kMiB);
+  EXPECT_EQ(cublas_workspace_bytes(80, ":4096:2:16:8"), 8 * kMiB + 128 * 1024);
+  EXPECT_THROW(cublas_workspace_bytes(80, "4096:8"), UserError);
+}
+
+}  // namespace
+}  // namespace gpucast

@@ -1,0 +1,159 @@
+"""gpucast.forecast(): the run's peak from small probes, checked against the real run."""
+import json
+import warnings
+
+import pytest
+import torch
+from torch._C._profiler import _EventType
+
+import gpucast
+from examples import zoo
+
+
+def fresh(name, optimizer="adamw"):
+    torch.manual_seed(0)
+    case = zoo.CASES[name]
+    model = case.make_model()
+    opt = zoo.make_optimizer(optimizer, model.parameters())
+    return case, model, opt, zoo.make_step(model, opt, case.loss_fn)
+
+
+def measured_peak(name, batch, iterations=3, optimizer="adamw"):
+    """CPU-allocator bytes held at the run's peak, from torch.profiler events recorded before the model exists."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        case, model, opt, step = fresh(name, optimizer)
+        for _ in range(iterations):
+            b = case.make_batch(batch)
+            step(b)
+            del b
+        del case, model, opt, step
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    allocs = []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+    held = peak = 0
+    for _, b in sorted(allocs, key=lambda a: a[0]):
+        held += b
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name,batch,optimizer", [("mlp", 128, "adamw"), ("gpt", 24, "adamw"), ("cnn", 32, "sgd"),
+                                                  ("lstm", 48, "adamw")])
+def test_cpu_forecast_equals_the_measured_run(name, batch, optimizer):
+    measured = measured_peak(name, batch, optimizer=optimizer)
+    case, model, opt, step = fresh(name, optimizer)
+    fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu")
+    assert fc.memory.scaled
+    assert fc.memory.peak_allocated_bytes == measured
+    assert fc.memory.peak_reserved_bytes == measured
+    assert sum(fc.memory.breakdown.values()) == measured
+
+
+def test_probes_restore_model_and_optimizer_state():
+    case, model, opt, step = fresh("gpt")
+    step(case.make_batch(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = json.dumps({k: v["step"].item() for k, v in opt.state_dict()["state"].items()})
+    rng = torch.get_rng_state()
+    gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert json.dumps({k: v["step"].item() for k, v in opt.state_dict()["state"].items()}) == opt_before
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_without_model_and_optimizer_it_says_the_state_changed():
+    case, model, opt, step = fresh("mlp")
+    with pytest.warns(UserWarning, match="the probes ran training steps and changed the model's and optimizer's state"):
+        gpucast.forecast(step, case.make_batch, 32)
+
+
+def test_gpu_target_reports_reserved_capacity_and_largest_batch():
+    case, model, opt, step = fresh("gpt")
+    fc = gpucast.forecast(step, case.make_batch, 32, model=model, optimizer=opt, target="H100-80GB")
+    m = fc.memory
+    assert m.capacity_bytes == 81559 * 2**20
+    assert m.peak_reserved_bytes >= m.peak_allocated_bytes > 0
+    assert m.peak_reserved_bytes % (2 * 2**20) == 0  # segments are multiples of 2 MiB
+    assert m.max_batch_size > 32
+    small = gpucast.forecast(step, case.make_batch, 32, model=model, optimizer=opt, target="H100-80GB",
+                             capacity=m.peak_reserved_bytes + m.outside_allocator_bytes)
+    assert small.memory.max_batch_size < 32  # 90 % of exactly what batch 32 needs is not enough
+    d = fc.to_dict()
+    assert d["schema_version"] == 1 and d["context"]["torch_version"] and d["memory"]["target"] == "H100-80GB"
+    assert any("cuBLAS workspace 32.00 MiB" in n for n in m.notes)
+
+
+def test_data_parallel_rules():
+    case, model, opt, step = fresh("mlp")
+    one = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="A100-80GB").memory
+    ddp = gpucast.forecast(step, case.make_batch, 128, model=model, optimizer=opt, target="A100-80GB",
+                           parallel=dict(dp=2)).memory
+    zero1 = gpucast.forecast(step, case.make_batch, 128, model=model, optimizer=opt, target="A100-80GB",
+                             parallel=dict(dp=2, dp_mode="zero1")).memory
+    assert ddp.per_rank_batch == 64
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert ddp.peak_allocated_bytes - one.peak_allocated_bytes >= params  # DDP's bucket copy of the gradients
+    assert zero1.peak_allocated_bytes < ddp.peak_allocated_bytes
+    assert ddp.outside_allocator_bytes == one.outside_allocator_bytes + 256 * 2**20
+
+
+def test_bad_input():
+    case, model, opt, step = fresh("mlp")
+    with pytest.raises(ValueError, match=r"unknown target 'H100'; known targets: cpu, A100-40GB, A100-80GB, H100-80GB"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="H100")
+    with pytest.raises(ValueError, match=r"batch_size must be an integer of at least 1, got 0"):
+        gpucast.forecast(step, case.make_batch, 0, model=model, optimizer=opt)
+    with pytest.raises(ValueError, match=r"probe_batch_sizes must be integers of at least 1, got \(0, 2\)"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, probe_batch_sizes=(0, 2))
+    with pytest.raises(ValueError, match=r"parallel: option 'dp_mode' expects one of ddp\|zero1\|zero2\|fsdp, got 'zero3'"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="H100-80GB",
+                         parallel=dict(dp=2, dp_mode="zero3"))
+    with pytest.raises(ValueError, match=r"parallel: option 'dp' expects a positive integer, got '0'"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="H100-80GB", parallel=dict(dp=0))
+
+
+def test_bad_allocator_configuration_names_the_key(monkeypatch):
+    case, model, opt, step = fresh("mlp")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:8")
+    with pytest.raises(ValueError, match=r"PYTORCH_ALLOC_CONF: option 'max_split_size_mb' expects an integer number of MiB >= 21, got '8'"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="H100-80GB")
+
+
+class Branchy(torch.nn.Module):
+    """Data-dependent control flow: an extra layer runs only for batches above 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.shape[0] > 4:
+            x = self.b(x).relu()
+        return x
+
+
+def test_probes_that_differ_give_a_warning_and_no_scaling():
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).sum().backward()
+        opt.step()
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), 64, model=model, optimizer=opt)
+    assert not fc.memory.scaled
+    msgs = [str(x.message) for x in w]
+    assert any("probes at batch 2 and 8 differ in structure (memory event" in m and "data-dependent control flow?" in m
+               for m in msgs), msgs
+    assert fc.memory.max_batch_size == 0
