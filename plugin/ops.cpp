@@ -4,6 +4,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
@@ -26,24 +28,29 @@ auto translate(F&& f) -> decltype(f()) {
 }
 
 struct TraceHolder : torch::CustomClassHolder {
-  Trace trace;
-  explicit TraceHolder(Trace t) : trace(std::move(t)) {}
+  // A trace from the tracer is assembled on first use; one loaded from a file already is.
+  mutable RecordedTrace recorded;
+  std::optional<Trace> loaded;
+  explicit TraceHolder(RecordedTrace r) : recorded(std::move(r)) {}
+  explicit TraceHolder(Trace t) : loaded(std::move(t)) {}
+  const Trace& get() const { return loaded ? *loaded : recorded.trace(); }
 
-  std::string summary(int64_t top) const { return summarize_trace(trace, static_cast<int>(top)); }
-  std::string to_json() const { return trace_to_json(trace); }
+  std::string summary(int64_t top) const { return summarize_trace(get(), static_cast<int>(top)); }
+  std::string to_json() const { return trace_to_json(get()); }
   void save(const std::string& path) const {
-    translate([&] { write_text_file(path, trace_to_json(trace)); });
+    translate([&] { write_text_file(path, trace_to_json(get())); });
   }
   void save_chrome(const std::string& path) const {
-    translate([&] { write_text_file(path, trace_to_chrome_json(trace)); });
+    translate([&] { write_text_file(path, trace_to_chrome_json(get())); });
   }
-  int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(trace, device); }
+  int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(get(), device); }
   int64_t baseline_bytes(const std::string& device) const {
-    auto it = trace.baseline.find(device);
-    return it == trace.baseline.end() ? 0 : it->second.bytes;
+    const Trace& t = get();
+    auto it = t.baseline.find(device);
+    return it == t.baseline.end() ? 0 : it->second.bytes;
   }
-  int64_t num_ops() const { return static_cast<int64_t>(trace.ops.size()); }
-  int64_t num_events() const { return static_cast<int64_t>(trace.events.size()); }
+  int64_t num_ops() const { return static_cast<int64_t>(get().ops.size()); }
+  int64_t num_events() const { return static_cast<int64_t>(get().events.size()); }
 };
 
 // Collects probe traces, then forecasts (torch.classes.gpucast.MemoryForecaster).
@@ -60,7 +67,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction) {
     return translate([&] {
       MemoryForecastInput in;
-      for (const auto& p : probes) in.probes.push_back(&p->trace);
+      for (const auto& p : probes) in.probes.push_back(&p->get());
       in.probe_batch = batches;
       in.target_batch = target_batch;
       in.target = target;
@@ -100,7 +107,7 @@ void check_options(const std::string& options) {
 }
 
 c10::intrusive_ptr<TraceHolder> stop() {
-  return translate([] { return hold(stop_trace()); });
+  return translate([] { return c10::make_intrusive<TraceHolder>(stop_recording()); });
 }
 
 void tag(const std::vector<int64_t>& ptrs, const std::string& device, const std::string& category) {

@@ -342,36 +342,6 @@ std::string device_string(c10::DeviceType type, c10::DeviceIndex index) {
   return s;
 }
 
-TensorMeta convert_tensor(const ThreadState& ts, const RawValue& r) {
-  TensorMeta m;
-  if (r.dtype < 0) return m;
-  const int64_t* d = ts.dims.data() + r.dims;
-  m.shape.assign(d, d + r.ndim);
-  if (r.strided) m.strides.assign(d + r.ndim, d + 2 * r.ndim);
-  m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
-  m.device = device_string(r.device_type, r.device_index);
-  m.storage = r.storage;
-  return m;
-}
-
-std::vector<Value> convert_values(const ThreadState& ts, uint32_t first, uint32_t n) {
-  std::vector<Value> out;
-  out.reserve(n);
-  size_t i = first;
-  for (uint32_t k = 0; k < n && i < ts.values.size(); ++k) {
-    const RawValue& r = ts.values[i++];
-    Value v;
-    v.kind = r.kind;
-    v.scalar = r.scalar;
-    if (r.kind == Value::Kind::Tensor) v.tensors.push_back(convert_tensor(ts, r));
-    if (r.kind == Value::Kind::TensorList) {
-      for (uint32_t e = 0; e < r.count && i < ts.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.values[i++]));
-    }
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
 }  // namespace
 
 namespace detail {
@@ -450,7 +420,126 @@ void start_trace(const TraceOptions& options) {
   s.active.store(true, std::memory_order_release);
 }
 
-Trace stop_trace() {
+namespace {
+
+// What stop_recording takes from each thread: moved, not converted.
+struct RawThreadRecords {
+  uint64_t tid = 0;
+  std::vector<RawOp> ops;
+  std::vector<RawValue> values;
+  std::vector<int64_t> dims;
+  std::vector<RawEvent> events;
+  std::vector<Tag> tags;
+  std::vector<std::string> names;  // the thread's interned names at stop time
+};
+
+}  // namespace
+
+struct RecordedTrace::Raw {
+  std::mutex mu;
+  bool assembled = false;
+  Trace trace;
+  std::vector<RawThreadRecords> threads;
+  std::vector<std::string> module_names;
+  AssemblyInput in;  // everything but the threads
+};
+
+RecordedTrace::RecordedTrace() : raw_(std::make_unique<Raw>()) {}
+RecordedTrace::~RecordedTrace() = default;
+RecordedTrace::RecordedTrace(RecordedTrace&&) noexcept = default;
+RecordedTrace& RecordedTrace::operator=(RecordedTrace&&) noexcept = default;
+
+namespace {
+
+TensorMeta convert_tensor(const RawThreadRecords& ts, const RawValue& r) {
+  TensorMeta m;
+  if (r.dtype < 0) return m;
+  const int64_t* d = ts.dims.data() + r.dims;
+  m.shape.assign(d, d + r.ndim);
+  if (r.strided) m.strides.assign(d + r.ndim, d + 2 * r.ndim);
+  m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
+  m.device = device_string(r.device_type, r.device_index);
+  m.storage = r.storage;
+  return m;
+}
+
+std::vector<Value> convert_values(const RawThreadRecords& ts, uint32_t first, uint32_t n) {
+  std::vector<Value> out;
+  out.reserve(n);
+  size_t i = first;
+  for (uint32_t k = 0; k < n && i < ts.values.size(); ++k) {
+    const RawValue& r = ts.values[i++];
+    Value v;
+    v.kind = r.kind;
+    v.scalar = r.scalar;
+    if (r.kind == Value::Kind::Tensor) v.tensors.push_back(convert_tensor(ts, r));
+    if (r.kind == Value::Kind::TensorList) {
+      for (uint32_t e = 0; e < r.count && i < ts.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.values[i++]));
+    }
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::string>& module_names, int64_t end) {
+  RawThread rt;
+  rt.thread = ts.tid;
+  rt.ops.reserve(ts.ops.size());
+  for (const RawOp& r : ts.ops) {
+    OpRecord op;
+    op.name = ts.names[r.name];
+    op.overload = ts.names[r.overload];
+    op.scope = r.scope;
+    op.phase = r.phase;
+    op.thread = ts.tid;
+    op.seq_nr = r.seq_nr;
+    op.fwd_thread = r.fwd_thread;
+    op.parent = r.parent;
+    op.depth = r.depth;
+    op.bwd_node = r.bwd_node;
+    op.start_ns = r.start_ns;
+    op.start_seq = r.start_seq;
+    op.complete = r.complete;
+    op.end_ns = r.complete ? r.end_ns : end;
+    op.end_seq = r.complete ? r.end_seq : ~uint64_t{0};
+    if (r.module >= 0 && static_cast<size_t>(r.module) < module_names.size()) op.module = module_names[r.module];
+    op.inputs = convert_values(ts, r.inputs, r.n_inputs);
+    op.outputs = convert_values(ts, r.outputs, r.n_outputs);
+    rt.ops.push_back(std::move(op));
+  }
+  rt.events.reserve(ts.events.size());
+  for (const RawEvent& r : ts.events) {
+    MemEvent e;
+    e.seq = r.seq;
+    e.ptr = r.ptr;
+    e.bytes = r.bytes;
+    e.block_bytes = r.block_bytes;
+    e.device = device_string(r.device_type, r.device_index);
+    e.thread = ts.tid;
+    e.op = r.op;
+    e.phase = r.phase;
+    e.time_ns = r.time_ns;
+    rt.events.push_back(std::move(e));
+  }
+  rt.tags = ts.tags;
+  return rt;
+}
+
+}  // namespace
+
+const Trace& RecordedTrace::trace() {
+  std::lock_guard<std::mutex> g(raw_->mu);
+  if (!raw_->assembled) {
+    AssemblyInput in = std::move(raw_->in);
+    for (const RawThreadRecords& t : raw_->threads) in.threads.push_back(convert_thread(t, raw_->module_names, in.end_ns));
+    raw_->threads.clear();
+    raw_->trace = assemble_trace(std::move(in));
+    raw_->assembled = true;
+  }
+  return raw_->trace;
+}
+
+RecordedTrace stop_recording() {
   TracerState& s = state();
   std::unique_lock<std::mutex> g(s.mu);
   if (!s.active.load()) GPUCAST_USER_ERROR("no gpucast trace is running; start one with gpucast.trace()");
@@ -461,70 +550,40 @@ Trace stop_trace() {
   const int64_t end = now_ns();
   const uint64_t gen = s.generation.load();
 
-  AssemblyInput in;
-  in.start_ns = s.start_ns;
-  in.end_ns = end;
+  RecordedTrace out;
+  RecordedTrace::Raw& raw = *out.raw_;
+  raw.in.start_ns = s.start_ns;
+  raw.in.end_ns = end;
   std::vector<std::shared_ptr<ThreadState>> threads = s.threads;
-  std::vector<std::string> module_names = s.module_names;
-  g.unlock();  // thread buffers are drained under their own locks
+  raw.module_names = s.module_names;
+  g.unlock();  // thread buffers are handed over under their own locks
 
   for (const auto& ts : threads) {
     std::lock_guard<std::mutex> tl(ts->mu);
     if (ts->generation != gen) continue;
-    RawThread rt;
-    rt.thread = ts->tid;
-    rt.ops.reserve(ts->ops.size());
-    for (RawOp& r : ts->ops) {
-      OpRecord op;
-      op.name = ts->names[r.name];
-      op.overload = ts->names[r.overload];
-      op.scope = r.scope;
-      op.phase = r.phase;
-      op.thread = ts->tid;
-      op.seq_nr = r.seq_nr;
-      op.fwd_thread = r.fwd_thread;
-      op.parent = r.parent;
-      op.depth = r.depth;
-      op.bwd_node = r.bwd_node;
-      op.start_ns = r.start_ns;
-      op.start_seq = r.start_seq;
-      op.complete = r.complete;
-      op.end_ns = r.complete ? r.end_ns : end;
-      op.end_seq = r.complete ? r.end_seq : ~uint64_t{0};
-      if (r.module >= 0 && static_cast<size_t>(r.module) < module_names.size()) op.module = module_names[r.module];
-      op.inputs = convert_values(*ts, r.inputs, r.n_inputs);
-      op.outputs = convert_values(*ts, r.outputs, r.n_outputs);
-      rt.ops.push_back(std::move(op));
-    }
-    rt.events.reserve(ts->events.size());
-    for (const RawEvent& r : ts->events) {
-      MemEvent e;
-      e.seq = r.seq;
-      e.ptr = r.ptr;
-      e.bytes = r.bytes;
-      e.block_bytes = r.block_bytes;
-      e.device = device_string(r.device_type, r.device_index);
-      e.thread = ts->tid;
-      e.op = r.op;
-      e.phase = r.phase;
-      e.time_ns = r.time_ns;
-      rt.events.push_back(std::move(e));
-    }
-    rt.tags = std::move(ts->tags);
+    RawThreadRecords r;
+    r.tid = ts->tid;
+    r.ops = std::move(ts->ops);
+    r.values = std::move(ts->values);
+    r.dims = std::move(ts->dims);
+    r.events = std::move(ts->events);
+    r.tags = std::move(ts->tags);
+    r.names.assign(ts->names.begin(), ts->names.end());
     ts->reset(gen);
-    in.threads.push_back(std::move(rt));
+    raw.threads.push_back(std::move(r));
   }
   g.lock();
-  in.baseline_blocks = std::move(s.baseline_blocks);
-  in.baseline = std::move(s.baseline);
-  in.notes = std::move(s.notes);
-  in.counters.dropped_ops = s.dropped_ops.load();
-  in.counters.dropped_events = s.dropped_events.load();
-  in.counters.callback_errors = s.callback_errors.load();
-  in.context = current_context();
-  g.unlock();
-  return assemble_trace(std::move(in));
+  raw.in.baseline_blocks = std::move(s.baseline_blocks);
+  raw.in.baseline = std::move(s.baseline);
+  raw.in.notes = std::move(s.notes);
+  raw.in.counters.dropped_ops = s.dropped_ops.load();
+  raw.in.counters.dropped_events = s.dropped_events.load();
+  raw.in.counters.callback_errors = s.callback_errors.load();
+  raw.in.context = current_context();
+  return out;
 }
+
+Trace stop_trace() { return stop_recording().trace(); }
 
 bool trace_active() { return state().active.load(); }
 int installed_callbacks() { return state().installed.load(); }

@@ -22,10 +22,28 @@ struct TraceOptions {
   int64_t max_events = 4000000;
 };
 
+// A stopped trace whose records are not assembled yet: stopping only hands the per-thread buffers over,
+// and the Trace is assembled (ordered, linked, categorized) on first use, outside the training step.
+class RecordedTrace {
+ public:
+  RecordedTrace();
+  ~RecordedTrace();
+  RecordedTrace(RecordedTrace&&) noexcept;
+  RecordedTrace& operator=(RecordedTrace&&) noexcept;
+  // Assembles on the first call (thread-safe); later calls return the same Trace.
+  const Trace& trace();
+
+ private:
+  friend RecordedTrace stop_recording();
+  struct Raw;
+  std::unique_ptr<Raw> raw_;
+};
+
 // Throws UserError if a trace is already running.
 void start_trace(const TraceOptions& options);
 // Throws UserError if no trace is running.
-Trace stop_trace();
+RecordedTrace stop_recording();
+Trace stop_trace();  // stop_recording().trace(), for callers that want the Trace at once
 bool trace_active();
 // Number of RecordFunction callbacks gpucast has installed right now (0 outside a trace).
 int installed_callbacks();
