@@ -107,6 +107,7 @@ struct Entry {
   Phase phase = Phase::Forward;
   int64_t op = kNone;       // op in the probe's trace
   int iteration = 1;
+  uint64_t ptr = 0;         // alloc: the block's address in the probe
 };
 
 struct Stream {
@@ -116,6 +117,7 @@ struct Stream {
   int iterations = 1;
   int64_t zero_grad_entry = kNone;  // first entry inside an Optimizer.zero_grad scope before backward
   bool adam = false;
+  bool fused_optimizer = false;     // aten::_fused_adam(w)_ in the trace: no foreach temporaries on CUDA either
 };
 
 int64_t initial_ref(size_t i) { return -2 - static_cast<int64_t>(i); }
@@ -135,6 +137,7 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
       zero_grad_end = op.end_seq;
     }
     if (op.phase == Phase::Backward) first_backward = std::min(first_backward, op.start_seq);
+    if (op.name.rfind("aten::_fused_adam", 0) == 0) s.fused_optimizer = true;
   }
   s.iterations = std::max<int>(1, static_cast<int>(ends.size()));
   std::unordered_map<int64_t, int64_t> position;  // allocation index -> position
@@ -162,6 +165,7 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
     if (en.alloc) {
       en.ref = next++;
       en.bytes = al.block_bytes;
+      en.ptr = e.ptr;
       position[e.allocation] = en.ref;
     } else {
       auto it = position.find(e.allocation);
@@ -647,6 +651,51 @@ class Forecaster {
     }
   }
 
+  // The tensors scaled-dot-product attention saves for backward differ between the CPU kernels the probes
+  // ran and the CUDA kernels the target runs. Rule (from the kernels' output shapes): q is [B, H, L, E];
+  //  - CPU flash (_scaled_dot_product_flash_attention_for_cpu) saves logsumexp [B, H, L] float32. On CUDA,
+  //    16-bit inputs run flash attention, which saves the same; float32 inputs run memory-efficient
+  //    attention, whose logsumexp is [B, H, ceil(L / 32) * 32].
+  //  - The CPU math path (_scaled_dot_product_attention_math) saves the attention weights [B, H, L, S]; CUDA
+  //    runs memory-efficient attention instead, which saves a logsumexp [B, H, ceil(L / 32) * 32] float32.
+  // Returns the number of allocations resized.
+  int64_t adjust_attention(Planned& p) {
+    const Trace& t = *model_.trace;
+    std::unordered_map<uint64_t, double> factor;  // saved output's storage -> size factor
+    for (const OpRecord& op : t.ops) {
+      const bool flash = op.name == "aten::_scaled_dot_product_flash_attention_for_cpu";
+      const bool math = op.name == "aten::_scaled_dot_product_attention_math";
+      if ((!flash && !math) || op.phase != Phase::Forward || op.inputs.empty() || op.outputs.size() < 2) continue;
+      const Value& q = op.inputs[0];
+      const Value& saved = op.outputs[1];
+      if (q.kind != Value::Kind::Tensor || saved.kind != Value::Kind::Tensor || q.tensors[0].shape.size() != 4) continue;
+      const TensorMeta& qt = q.tensors[0];
+      const TensorMeta& st = saved.tensors[0];
+      const double L = static_cast<double>(qt.shape[2]);
+      const double padded = std::ceil(L / 32.0) * 32.0;
+      if (flash) {
+        if (qt.dtype == "float32") factor[st.storage] = padded / L;
+      } else if (st.shape.size() == 4) {
+        const double elem = st.dtype == "float32" ? 4.0 : st.dtype == "float64" ? 8.0 : 2.0;
+        factor[st.storage] = padded * 4.0 / (L * static_cast<double>(st.shape[3]) * elem);
+      }
+    }
+    if (factor.empty()) return 0;
+    int64_t changed = 0;
+    for (Entry& e : p.entries) {
+      if (!e.alloc || e.ptr == 0) continue;
+      auto it = factor.find(e.ptr);
+      if (it == factor.end() || it->second == 1.0 || e.op < 0) continue;
+      // Only the allocation made by that attention call (the address may be reused later).
+      const OpRecord* op = &t.ops[e.op];
+      while (op->parent >= 0 && op->name.find("scaled_dot_product") == std::string::npos) op = &t.ops[op->parent];
+      if (op->name.find("scaled_dot_product") == std::string::npos) continue;
+      e.bytes = static_cast<int64_t>(std::llround(static_cast<double>(e.bytes) * it->second));
+      ++changed;
+    }
+    return changed;
+  }
+
   // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
   void add_device_allocations(Planned& p, const Stream& s) {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
@@ -661,6 +710,7 @@ class Forecaster {
       if (p.initial_category[i] == Category::OptimizerState) adam_bytes += p.initial[i];
     }
     adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
+    const int64_t sdpa_changed = adjust_attention(p);
     int last_optimizer_iteration = 0;
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
@@ -674,7 +724,8 @@ class Forecaster {
         out.push_back(Entry{true, kWorkspaceRef + 1, ws, Category::Other, Phase::Backward, e.op, e.iteration});
         bwd_done = true;
       }
-      if (s.adam && e.phase == Phase::Optimizer && e.iteration != last_optimizer_iteration && adam_bytes > 0) {
+      if (s.adam && !s.fused_optimizer && e.phase == Phase::Optimizer && e.iteration != last_optimizer_iteration &&
+          adam_bytes > 0) {
         last_optimizer_iteration = e.iteration;
         const int64_t ref = kWorkspaceRef + 2 + e.iteration;
         out.push_back(Entry{true, ref, adam_bytes, Category::Temporary, Phase::Optimizer, e.op, e.iteration});
@@ -689,7 +740,16 @@ class Forecaster {
     notes_added_ = true;
     out_.notes.push_back(fmt::format("cuBLAS workspace {} per handle (forward thread and autograd thread) added",
                                      format_bytes(ws)));
-    if (s.adam) out_.notes.push_back("foreach Adam/AdamW on CUDA: one temporary list of exp_avg_sq's size per step added");
+    if (s.adam && !s.fused_optimizer) {
+      out_.notes.push_back("foreach Adam/AdamW on CUDA: one temporary list of exp_avg_sq's size per step added");
+    }
+    if (sdpa_changed > 0) {
+      out_.notes.push_back(fmt::format(
+          "scaled-dot-product attention: {} saved tensor(s) resized to what CUDA's kernel saves (memory-efficient "
+          "attention for float32: logsumexp rows padded to 32; flash for 16-bit: unchanged; the math path's "
+          "attention weights replaced by a logsumexp)",
+          sdpa_changed));
+    }
     out_.notes.push_back("cuDNN convolution workspaces are not modelled yet");
   }
 
