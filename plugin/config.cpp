@@ -179,6 +179,9 @@ std::vector<ConfigKey> trace_config_keys() {
       {"module_paths", F::Bool, true, {}, "attribute ops to module paths through global module forward hooks"},
       {"max_ops", F::PositiveInt, int64_t{2000000}, {}, "bound on recorded ops; more are counted as dropped"},
       {"max_events", F::PositiveInt, int64_t{4000000}, {}, "bound on recorded memory events; more are counted as dropped"},
+      {"device_timing", F::Bool, true, {}, "time device work (CUPTI, else CUDA events) where a CUDA device is present"},
+      {"external_profiler", F::Bool, false, {},
+       "another client records CUDA activity (set by gpucast.trace() while torch.profiler runs): leave CUPTI alone"},
   };
 }
 

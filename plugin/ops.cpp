@@ -95,6 +95,8 @@ void start(const std::string& options) {
     o.memory = cfg.get_bool("memory");
     o.max_ops = cfg.get_int("max_ops");
     o.max_events = cfg.get_int("max_events");
+    o.device_timing = cfg.get_bool("device_timing");
+    o.external_profiler = cfg.get_bool("external_profiler");
     start_trace(o);
   });
 }

@@ -41,6 +41,8 @@ bool install_cuda_allocator_hook(std::string* why) {
   return true;
 }
 
+bool cuda_device_present() { return c10::cuda::device_count() > 0; }
+
 namespace detail {
 void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<std::string>& notes) {
   namespace cca = c10::cuda::CUDACachingAllocator;

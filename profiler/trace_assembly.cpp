@@ -163,6 +163,7 @@ Trace assemble_trace(AssemblyInput input) {
   trace.baseline = std::move(input.baseline);
   trace.counters = input.counters;
   trace.notes = std::move(input.notes);
+  trace.timing_source = std::move(input.timing_source);
   trace.counters.threads = 0;
 
   // Global op order: by start sequence.

@@ -141,6 +141,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                    {"unmatched_frees", c.unmatched_frees},     {"callback_errors", c.callback_errors},
                    {"threads", c.threads}};
   j["notes"] = trace.notes;
+  j["timing_source"] = trace.timing_source;
   json ops = json::array();
   for (const OpRecord& op : trace.ops) {
     ops.push_back({{"id", op.id},
@@ -161,6 +162,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                    {"module", op.module},
                    {"fwd_op", op.fwd_op},
                    {"bwd_node", op.bwd_node},
+                   {"device_ns", op.device_ns},
                    {"inputs", values_to_json(op.inputs)},
                    {"outputs", values_to_json(op.outputs)}});
   }
@@ -243,6 +245,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     k.threads = r.get_or<int64_t>(c, "threads", "counters", 0);
   }
   t.notes = r.get_or<std::vector<std::string>>(j, "notes", "", {});
+  t.timing_source = r.get_or<std::string>(j, "timing_source", "", "cpu_clock");
 
   const json& ops = r.field(j, "ops", "");
   if (!ops.is_array()) r.fail("ops", "a list", ops);
@@ -274,6 +277,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     op.module = r.get_or<std::string>(o, "module", w, "");
     op.fwd_op = r.get_or<int64_t>(o, "fwd_op", w, -1);
     op.bwd_node = r.get_or<int64_t>(o, "bwd_node", w, -1);
+    op.device_ns = r.get_or<int64_t>(o, "device_ns", w, -1);
     if (o.contains("inputs")) op.inputs = values_from_json(r, o["inputs"], w + ".inputs");
     if (o.contains("outputs")) op.outputs = values_from_json(r, o["outputs"], w + ".outputs");
     t.ops.push_back(std::move(op));
@@ -350,6 +354,7 @@ std::string trace_to_chrome_json(const Trace& trace) {
     if (!op.module.empty()) args["module"] = op.module;
     if (op.seq_nr >= 0) args["seq_nr"] = op.seq_nr;
     if (op.fwd_op >= 0) args["fwd_op"] = op.fwd_op;
+    if (op.device_ns >= 0) args["device_us"] = static_cast<double>(op.device_ns) / 1000.0;
     json shapes = json::array();
     for (const Value& v : op.inputs) {
       if (v.kind == Value::Kind::Tensor && !v.tensors.empty()) shapes.push_back(v.tensors.front().shape);

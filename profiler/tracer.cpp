@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "gpucast/device_timer.h"
 #include "gpucast/error.h"
 #include "memory_sink.h"
 
@@ -78,6 +79,7 @@ struct ThreadState {
   std::mutex mu;  // uncontended while recording; taken by stop_trace when draining
   bool busy = false;  // set while this thread is inside gpucast code holding `mu`
   uint64_t tid = 0;
+  uint64_t slot = 0;  // position in the registry: the high half of this thread's op keys
   uint64_t generation = 0;
   std::vector<RawOp> ops;
   std::vector<RawValue> values;
@@ -139,6 +141,11 @@ struct TracerState {
   std::vector<BaselineBlock> baseline_blocks;
   std::map<std::string, DeviceBaseline> baseline;
   std::vector<std::string> notes;
+  // Device timer of the running trace; kept after stop until the next start, since RecordFunctions that
+  // began before the stop may still end and call it.
+  std::unique_ptr<DeviceTimer> timer;
+  std::atomic<DeviceTimer*> active_timer{nullptr};
+  std::string timing_source = "cpu_clock";
 };
 
 TracerState& state() {
@@ -154,6 +161,7 @@ ThreadState* thread_state() {
     ts->tid = at::RecordFunction::currentThreadId();
     TracerState& s = state();
     std::lock_guard<std::mutex> g(s.mu);
+    ts->slot = s.threads.size();
     s.threads.push_back(ts);
     tls_state = ts.get();
   }
@@ -290,6 +298,9 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     op.phase = ts->phase();  // a region's own record belongs to the region
     if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
     ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer});
+    if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
+      timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
+    }
     op.start_ns = now_ns();
     op.start_seq = s.seq.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
@@ -315,6 +326,9 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
     while (stack.size() >= pos) {
       const OpenOp open = stack.back();
       stack.pop_back();
+      if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
+        timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
+      }
       RawOp& op = ts->ops[open.index];
       if (open.backward) --ts->backward_depth;
       if (open.optimizer) --ts->optimizer_depth;
@@ -408,6 +422,15 @@ void start_trace(const TraceOptions& options) {
       s.notes.push_back(why);
     }
   }
+  s.timer.reset();
+  s.timing_source = "cpu_clock";
+  if (options.device_timing && cuda_device_present()) {
+    TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer());
+    s.timer = std::move(choice.timer);
+    s.timing_source = choice.source;
+    for (std::string& n : choice.notes) s.notes.push_back(std::move(n));
+  }
+  s.active_timer.store(s.timer.get(), std::memory_order_release);
   s.generation.fetch_add(1, std::memory_order_acq_rel);
   s.start_ns = now_ns();
   s.handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end)
@@ -425,6 +448,7 @@ namespace {
 // What stop_recording takes from each thread: moved, not converted.
 struct RawThreadRecords {
   uint64_t tid = 0;
+  uint64_t slot = 0;
   std::vector<RawOp> ops;
   std::vector<RawValue> values;
   std::vector<int64_t> dims;
@@ -440,6 +464,7 @@ struct RecordedTrace::Raw {
   bool assembled = false;
   Trace trace;
   std::vector<RawThreadRecords> threads;
+  std::unordered_map<uint64_t, int64_t> device_ns;  // op key -> device time
   std::vector<std::string> module_names;
   AssemblyInput in;  // everything but the threads
 };
@@ -481,12 +506,18 @@ std::vector<Value> convert_values(const RawThreadRecords& ts, uint32_t first, ui
   return out;
 }
 
-RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::string>& module_names, int64_t end) {
+RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::string>& module_names, int64_t end,
+                         const std::unordered_map<uint64_t, int64_t>& device_ns) {
   RawThread rt;
   rt.thread = ts.tid;
   rt.ops.reserve(ts.ops.size());
-  for (const RawOp& r : ts.ops) {
+  for (size_t i = 0; i < ts.ops.size(); ++i) {
+    const RawOp& r = ts.ops[i];
     OpRecord op;
+    if (!device_ns.empty()) {
+      auto it = device_ns.find((ts.slot << 32) | i);
+      op.device_ns = it == device_ns.end() ? 0 : it->second;
+    }
     op.name = ts.names[r.name];
     op.overload = ts.names[r.overload];
     op.scope = r.scope;
@@ -531,7 +562,9 @@ const Trace& RecordedTrace::trace() {
   std::lock_guard<std::mutex> g(raw_->mu);
   if (!raw_->assembled) {
     AssemblyInput in = std::move(raw_->in);
-    for (const RawThreadRecords& t : raw_->threads) in.threads.push_back(convert_thread(t, raw_->module_names, in.end_ns));
+    for (const RawThreadRecords& t : raw_->threads) {
+      in.threads.push_back(convert_thread(t, raw_->module_names, in.end_ns, raw_->device_ns));
+    }
     raw_->threads.clear();
     raw_->trace = assemble_trace(std::move(in));
     raw_->assembled = true;
@@ -552,6 +585,9 @@ RecordedTrace stop_recording() {
 
   RecordedTrace out;
   RecordedTrace::Raw& raw = *out.raw_;
+  s.active_timer.store(nullptr, std::memory_order_release);
+  if (s.timer) raw.device_ns = device_time_by_op(s.timer->stop());
+  raw.in.timing_source = s.timing_source;
   raw.in.start_ns = s.start_ns;
   raw.in.end_ns = end;
   std::vector<std::shared_ptr<ThreadState>> threads = s.threads;
@@ -563,6 +599,7 @@ RecordedTrace stop_recording() {
     if (ts->generation != gen) continue;
     RawThreadRecords r;
     r.tid = ts->tid;
+    r.slot = ts->slot;
     r.ops = std::move(ts->ops);
     r.values = std::move(ts->values);
     r.dims = std::move(ts->dims);

@@ -292,8 +292,12 @@ class trace:
     def __enter__(self) -> "trace":
         self._hooks = _Hooks(self._module_paths)
         self._hooks.install()
+        options = self._options
+        if torch.autograd.profiler._is_profiler_enabled and "external_profiler" not in options:
+            # torch.profiler may hold CUPTI: gpucast then times device work with CUDA events.
+            options = ",".join(o for o in (options, "external_profiler:True") if o)
         try:
-            _ops.start_trace(self._options)
+            _ops.start_trace(options)
         except BaseException:
             self._hooks.remove()
             raise

@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "gpucast/cuda_block.h"
+#include "gpucast/device_timer.h"
 #include "gpucast/error.h"
 #include "gpucast/trace_assembly.h"
 #include "gpucast/trace_json.h"
@@ -215,6 +216,93 @@ TEST(CudaBlock, RoundsLikeTheCachingAllocator) {
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->block_bytes, -1024);
   EXPECT_FALSE(cuda_trace_delta("segment_alloc", 2097152).has_value());
+}
+
+}  // namespace
+}  // namespace gpucast
+
+namespace gpucast {
+namespace {
+
+// A timer that starts with a given result and reports fixed spans.
+class FakeTimer final : public DeviceTimer {
+ public:
+  FakeTimer(std::string name, TimerStart result, int* starts) : name_(std::move(name)), result_(result), starts_(starts) {}
+  std::string name() const override { return name_; }
+  TimerStart start() override {
+    ++*starts_;
+    return result_;
+  }
+  void op_begin(uint64_t) noexcept override {}
+  void op_end(uint64_t) noexcept override {}
+  std::vector<DeviceSpan> stop() override { return {{7, 100, 350}, {7, 400, 450}, {9, 0, 10}}; }
+
+ private:
+  std::string name_;
+  TimerStart result_;
+  int* starts_;
+};
+
+class TimerChoiceTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<DeviceTimer> cupti(TimerStart r) { return std::make_unique<FakeTimer>("cupti", r, &cupti_starts); }
+  std::unique_ptr<DeviceTimer> events(TimerStart r = {}) {
+    return std::make_unique<FakeTimer>("cuda_events", r, &event_starts);
+  }
+  int cupti_starts = 0, event_starts = 0;
+};
+
+TEST_F(TimerChoiceTest, CuptiWhenItStarts) {
+  TimerChoice c = choose_device_timer(true, false, cupti({}), events());
+  EXPECT_EQ(c.source, "cupti");
+  EXPECT_EQ(c.timer->name(), "cupti");
+  EXPECT_TRUE(c.notes.empty());
+  EXPECT_EQ(event_starts, 0);
+}
+
+TEST_F(TimerChoiceTest, AnotherSubscriberMeansCudaEvents) {
+  TimerChoice c = choose_device_timer(
+      true, false, cupti({TimerStart::Status::Busy, "CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED"}), events());
+  EXPECT_EQ(c.source, "cuda_events");
+  ASSERT_EQ(c.notes.size(), 1u);
+  EXPECT_EQ(c.notes[0],
+            "CUPTI is held by another client (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED): device time measured "
+            "with CUDA events");
+}
+
+TEST_F(TimerChoiceTest, TorchProfilerRunningLeavesCuptiAlone) {
+  TimerChoice c = choose_device_timer(true, /*other_holder=*/true, cupti({}), events());
+  EXPECT_EQ(cupti_starts, 0);
+  EXPECT_EQ(c.source, "cuda_events");
+  EXPECT_EQ(c.notes[0], "CUPTI is held by another client (torch.profiler): device time measured with CUDA events");
+}
+
+TEST_F(TimerChoiceTest, UnavailableCuptiFallsBackToEvents) {
+  TimerChoice c = choose_device_timer(true, false, nullptr, events());
+  EXPECT_EQ(c.source, "cuda_events");
+  EXPECT_EQ(c.notes[0], "CUPTI is not available (libcupti not found): device time measured with CUDA events");
+}
+
+TEST_F(TimerChoiceTest, NoCudaMeansCpuClocksWithoutTouchingTimers) {
+  TimerChoice c = choose_device_timer(false, false, cupti({}), events());
+  EXPECT_EQ(c.source, "cpu_clock");
+  EXPECT_EQ(c.timer, nullptr);
+  EXPECT_EQ(cupti_starts + event_starts, 0);
+}
+
+TEST_F(TimerChoiceTest, NothingStartsMeansCpuClocksAndSaysWhy) {
+  TimerChoice c = choose_device_timer(true, false, cupti({TimerStart::Status::Unavailable, "no driver"}),
+                                      events({TimerStart::Status::Unavailable, "no CUDA device"}));
+  EXPECT_EQ(c.source, "cpu_clock");
+  EXPECT_EQ(c.notes[0],
+            "CUPTI could not start (no driver); CUDA events could not start either (no CUDA device): no device time, "
+            "CPU clocks only");
+}
+
+TEST_F(TimerChoiceTest, SpansAddUpPerOp) {
+  auto by_op = device_time_by_op(events()->stop());
+  EXPECT_EQ(by_op.at(7), 300);
+  EXPECT_EQ(by_op.at(9), 10);
 }
 
 }  // namespace

@@ -134,3 +134,14 @@ def test_save_and_load_round_trip(tmp_path):
     ev = json.loads(chrome.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in ev) == len(t.ops)
     assert sum(e["ph"] == "C" for e in ev) == len(t.events)
+
+
+def test_without_a_gpu_ops_carry_cpu_clock_times_only():
+    model, opt, step, batch = build(zoo.CASES["mlp"], "sgd")
+    with gpucast.trace() as t:
+        step(batch)
+    doc = json.loads(t.to_json())
+    assert doc["timing_source"] == "cpu_clock"
+    assert all(o["device_ns"] == -1 for o in doc["ops"])
+    assert all(o["end_ns"] >= o["start_ns"] for o in doc["ops"])
+    assert "device timing: none (CPU clocks only)" in t.summary()

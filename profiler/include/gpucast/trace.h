@@ -75,6 +75,7 @@ struct OpRecord {
   std::string module;      // module path ("" outside any module)
   int64_t fwd_op = -1;     // backward: the linked forward op (node's own link, inherited inside it)
   int64_t bwd_node = -1;   // ops inside a backward node: that node
+  int64_t device_ns = -1;  // device time of the work it launched (CUPTI or CUDA events); -1 if not timed
   std::vector<Value> inputs;
   std::vector<Value> outputs;
 };
@@ -139,6 +140,7 @@ struct Trace {
   std::vector<Allocation> allocations;
   std::map<std::string, DeviceBaseline> baseline;  // by device
   TraceCounters counters;
+  std::string timing_source = "cpu_clock";  // device time from "cupti", "cuda_events", or none ("cpu_clock")
   std::vector<std::string> notes;  // backends unavailable, fallbacks taken
 };
 

@@ -44,6 +44,7 @@ struct AssemblyInput {
   TraceContext context;
   TraceCounters counters;  // counters gathered while recording (dropped, callback errors)
   std::vector<std::string> notes;
+  std::string timing_source = "cpu_clock";
   int64_t start_ns = 0;
   int64_t end_ns = 0;
 };

@@ -20,6 +20,8 @@ struct TraceOptions {
   bool memory = true;
   int64_t max_ops = 2000000;
   int64_t max_events = 4000000;
+  bool device_timing = true;       // time device work where a CUDA device is present
+  bool external_profiler = false;  // another client (torch.profiler) records CUDA activity: leave CUPTI alone
 };
 
 // A stopped trace whose records are not assembled yet: stopping only hands the per-thread buffers over,
@@ -61,6 +63,7 @@ bool install_cpu_allocator_hook(std::string* why);
 bool cpu_allocator_hook_installed();
 // Attaches to the CUDA caching allocator when CUDA is compiled in and a device is present.
 bool install_cuda_allocator_hook(std::string* why);
+bool cuda_device_present();
 
 TraceContext current_context();
 

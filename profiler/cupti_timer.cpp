@@ -1,0 +1,191 @@
+// CUPTI activity timing, with libcupti found at run time (dlopen): the library loads on machines without
+// CUDA, and never links libcupti at build time. Kernel, memcpy and memset records are attributed to the op
+// that launched them through external correlation ids pushed and popped around each op.
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include <cupti.h>
+
+#include "gpucast/device_timer.h"
+
+// Kernel, memcpy and memset record layouts of the CUPTI this is compiled against.
+#if CUPTI_API_VERSION >= 130000
+using KernelRecord = CUpti_ActivityKernel10;
+#else
+using KernelRecord = CUpti_ActivityKernel9;
+#endif
+using MemcpyRecord = CUpti_ActivityMemcpy6;
+using MemsetRecord = CUpti_ActivityMemset4;
+
+namespace gpucast {
+namespace {
+
+struct CuptiApi {
+  void* lib = nullptr;
+  decltype(&cuptiSubscribe) subscribe = nullptr;
+  decltype(&cuptiUnsubscribe) unsubscribe = nullptr;
+  decltype(&cuptiActivityEnable) enable = nullptr;
+  decltype(&cuptiActivityDisable) disable = nullptr;
+  decltype(&cuptiActivityRegisterCallbacks) register_callbacks = nullptr;
+  decltype(&cuptiActivityFlushAll) flush_all = nullptr;
+  decltype(&cuptiActivityGetNextRecord) next_record = nullptr;
+  decltype(&cuptiActivityPushExternalCorrelationId) push = nullptr;
+  decltype(&cuptiActivityPopExternalCorrelationId) pop = nullptr;
+  decltype(&cuptiGetResultString) result_string = nullptr;
+
+  static const CuptiApi* load() {
+    static const CuptiApi* api = [] () -> const CuptiApi* {
+      auto* a = new CuptiApi();
+      for (const char* name : {"libcupti.so", "libcupti.so.13", "libcupti.so.12"}) {
+        a->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+        if (a->lib != nullptr) break;
+      }
+      if (a->lib == nullptr) return nullptr;
+      auto sym = [&](auto& fn, const char* name) { fn = reinterpret_cast<std::decay_t<decltype(fn)>>(dlsym(a->lib, name)); };
+      sym(a->subscribe, "cuptiSubscribe");
+      sym(a->unsubscribe, "cuptiUnsubscribe");
+      sym(a->enable, "cuptiActivityEnable");
+      sym(a->disable, "cuptiActivityDisable");
+      sym(a->register_callbacks, "cuptiActivityRegisterCallbacks");
+      sym(a->flush_all, "cuptiActivityFlushAll");
+      sym(a->next_record, "cuptiActivityGetNextRecord");
+      sym(a->push, "cuptiActivityPushExternalCorrelationId");
+      sym(a->pop, "cuptiActivityPopExternalCorrelationId");
+      sym(a->result_string, "cuptiGetResultString");
+      const bool complete = a->subscribe && a->unsubscribe && a->enable && a->disable && a->register_callbacks &&
+                            a->flush_all && a->next_record && a->push && a->pop && a->result_string;
+      return complete ? a : nullptr;
+    }();
+    return api;
+  }
+
+  std::string error(CUptiResult r) const {
+    const char* s = nullptr;
+    if (result_string == nullptr || result_string(r, &s) != CUPTI_SUCCESS || s == nullptr) return std::to_string(r);
+    return s;
+  }
+};
+
+constexpr size_t kBufferBytes = 8 * 1024 * 1024;
+constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                         CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION};
+
+// Completed buffers, filled by CUPTI's thread.
+std::mutex g_buffers_mu;
+std::vector<std::pair<uint8_t*, size_t>> g_buffers;
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = *buffer != nullptr ? kBufferBytes : 0;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  std::lock_guard<std::mutex> g(g_buffers_mu);
+  g_buffers.emplace_back(buffer, valid);
+}
+
+void CUPTIAPI no_callback(void*, CUpti_CallbackDomain, CUpti_CallbackId, const void*) {}
+
+class CuptiTimer final : public DeviceTimer {
+ public:
+  explicit CuptiTimer(const CuptiApi* api) : api_(api) {}
+  std::string name() const override { return "cupti"; }
+
+  TimerStart start() override {
+    // A subscriber is the sign of another CUPTI client (Nsight, a profiler): CUPTI allows only one.
+    CUptiResult r = api_->subscribe(&subscriber_, &no_callback, nullptr);
+    if (r == CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED) {
+      return {TimerStart::Status::Busy, api_->error(r)};
+    }
+    if (r != CUPTI_SUCCESS) return {TimerStart::Status::Unavailable, "cuptiSubscribe: " + api_->error(r)};
+    r = api_->register_callbacks(&buffer_requested, &buffer_completed);
+    for (CUpti_ActivityKind k : kKinds) {
+      if (r == CUPTI_SUCCESS) r = api_->enable(k);
+    }
+    if (r != CUPTI_SUCCESS) {
+      release();
+      return {TimerStart::Status::Unavailable, "cuptiActivityEnable: " + api_->error(r)};
+    }
+    return {};
+  }
+
+  void op_begin(uint64_t key) noexcept override { api_->push(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, key); }
+  void op_end(uint64_t) noexcept override {
+    uint64_t last = 0;
+    api_->pop(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &last);
+  }
+
+  std::vector<DeviceSpan> stop() override {
+    api_->flush_all(1 /* CUPTI_ACTIVITY_FLAG_FLUSH_FORCED */);
+    release();
+    std::vector<std::pair<uint8_t*, size_t>> buffers;
+    {
+      std::lock_guard<std::mutex> g(g_buffers_mu);
+      buffers.swap(g_buffers);
+    }
+    std::unordered_map<uint32_t, uint64_t> external;  // CUPTI correlation id -> op key
+    struct Pending { uint32_t correlation; int64_t start, end; };
+    std::vector<Pending> pending;
+    for (auto& [buf, valid] : buffers) {
+      CUpti_Activity* rec = nullptr;
+      while (api_->next_record(buf, valid, &rec) == CUPTI_SUCCESS) {
+        switch (rec->kind) {
+          case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+            auto* k = reinterpret_cast<const KernelRecord*>(rec);
+            pending.push_back({k->correlationId, static_cast<int64_t>(k->start), static_cast<int64_t>(k->end)});
+            break;
+          }
+          case CUPTI_ACTIVITY_KIND_MEMCPY: {
+            auto* m = reinterpret_cast<const MemcpyRecord*>(rec);
+            pending.push_back({m->correlationId, static_cast<int64_t>(m->start), static_cast<int64_t>(m->end)});
+            break;
+          }
+          case CUPTI_ACTIVITY_KIND_MEMSET: {
+            auto* m = reinterpret_cast<const MemsetRecord*>(rec);
+            pending.push_back({m->correlationId, static_cast<int64_t>(m->start), static_cast<int64_t>(m->end)});
+            break;
+          }
+          case CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION: {
+            auto* e = reinterpret_cast<const CUpti_ActivityExternalCorrelation*>(rec);
+            if (e->externalKind == CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0) external[e->correlationId] = e->externalId;
+            break;
+          }
+          default:
+            break;
+        }
+      }
+      std::free(buf);
+    }
+    std::vector<DeviceSpan> out;
+    for (const Pending& p : pending) {
+      auto it = external.find(p.correlation);
+      if (it != external.end()) out.push_back(DeviceSpan{it->second, p.start, p.end});
+    }
+    return out;
+  }
+
+ private:
+  void release() {
+    for (CUpti_ActivityKind k : kKinds) api_->disable(k);
+    if (subscriber_ != nullptr) api_->unsubscribe(subscriber_);
+    subscriber_ = nullptr;
+  }
+
+  const CuptiApi* api_;
+  CUpti_SubscriberHandle subscriber_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceTimer> make_cupti_timer() {
+  const CuptiApi* api = CuptiApi::load();
+  if (api == nullptr) return nullptr;
+  return std::make_unique<CuptiTimer>(api);
+}
+
+}  // namespace gpucast

@@ -1,0 +1,60 @@
+// gpucast/device_timer.h: device-side time of ops, behind a small interface.
+//
+// Only one client can hold CUPTI's activity API in a process. gpucast holds it only during its own timing
+// window (the trace), detects another holder (torch.profiler, Nsight) and then times with CUDA events, and
+// says which source it used in the trace. Without a CUDA device, ops carry CPU clock times only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace gpucast {
+
+// Device activity attributed to the op (key) that launched it.
+struct DeviceSpan {
+  uint64_t op_key = 0;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+};
+
+struct TimerStart {
+  enum class Status { Ok, Busy, Unavailable };
+  Status status = Status::Ok;
+  std::string detail;  // why not, for Busy and Unavailable
+};
+
+class DeviceTimer {
+ public:
+  virtual ~DeviceTimer() = default;
+  virtual std::string name() const = 0;
+  // Takes the timing resource for the trace window.
+  virtual TimerStart start() = 0;
+  // Called inside RecordFunction callbacks: no exception, no allocation through torch, no dispatch.
+  virtual void op_begin(uint64_t op_key) noexcept = 0;
+  virtual void op_end(uint64_t op_key) noexcept = 0;
+  // Releases the resource; returns what was measured.
+  virtual std::vector<DeviceSpan> stop() = 0;
+};
+
+struct TimerChoice {
+  std::unique_ptr<DeviceTimer> timer;  // null: CPU clocks only
+  std::string source;                  // "cupti", "cuda_events" or "cpu_clock"
+  std::vector<std::string> notes;      // why a fallback was taken
+};
+
+// cupti / events: the available timers (null when not built or not loadable). other_holder: another CUPTI
+// client is known to be active (torch.profiler recording CUDA activity).
+TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::unique_ptr<DeviceTimer> cupti,
+                                std::unique_ptr<DeviceTimer> events);
+
+// Device nanoseconds per op key (sum of its spans).
+std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans);
+
+// Factories for the real timers; null where CUDA (or CUPTI) is not compiled in or cannot be loaded.
+std::unique_ptr<DeviceTimer> make_cupti_timer();
+std::unique_ptr<DeviceTimer> make_cuda_event_timer();
+
+}  // namespace gpucast
