@@ -46,6 +46,28 @@ def build(name):
     return case, model, opt, zoo.make_step(model, opt, case.loss_fn)
 
 
+def measure_cuda(name, batch, iterations):
+    """Fresh process on a GPU: torch.cuda.max_memory_allocated() / max_memory_reserved() over the run."""
+    import torch
+    from examples import zoo
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    case = cases()[name]
+    model = case.make_model().cuda()
+    opt = zoo.make_optimizer("adamw", model.parameters())
+    step = zoo.make_step(model, opt, case.loss_fn)
+    for _ in range(iterations):
+        b = to_cuda(case.make_batch(batch))
+        step(b)
+        del b
+    torch.cuda.synchronize()
+    return [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+
+
+def to_cuda(batch):
+    return tuple(t.cuda() for t in batch)
+
+
 def measure(name, batch, iterations):
     """Fresh process: peak CPU-allocator bytes from before the model exists, over `iterations` iterations."""
     import torch
@@ -100,11 +122,16 @@ def main():
     ap.add_argument("--iterations", type=int, default=3, help="measured iterations (>= 3)")
     ap.add_argument("--measure", metavar="NAME:BATCH", help=argparse.SUPPRESS)
     ap.add_argument("--memtracker", metavar="NAME:BATCH", help=argparse.SUPPRESS)
+    ap.add_argument("--target", default="cpu",
+                    help="cpu (default), or a GPU of the device table: probes and measurement then run on CUDA")
     args = ap.parse_args()
     if args.measure:
         name, batch = args.measure.split(":")
-        print(json.dumps(measure(name, int(batch), args.iterations)))
+        fn = measure if args.target == "cpu" else measure_cuda
+        print(json.dumps(fn(name, int(batch), args.iterations)))
         return 0
+    if args.target != "cpu":
+        return main_cuda(args)
     if args.memtracker:
         name, batch = args.memtracker.split(":")
         print(json.dumps(memtracker_estimate(name, int(batch))))
@@ -154,6 +181,40 @@ def main():
                "cases": rows}
     print(f"median |error| {summary['median_abs_err_pct']:.2f} %, max {summary['max_abs_err_pct']:.2f} %, "
           f"under-estimates beyond 1 %: {summary['underestimates']}")
+    print(json.dumps(summary))
+    return 0
+
+
+def main_cuda(args):
+    """The same cases on a GPU: forecast allocated and reserved from CUDA probes, measure in a fresh process."""
+    import torch
+    import gpucast
+    rows = []
+    print(f"{'case':<20} {'batch':>5} {'alloc MiB':>10} {'fc MiB':>8} {'err %':>7} {'reserved MiB':>12} {'fc MiB':>8} {'err %':>7}")
+    for name in args.cases.split(","):
+        batch = DEFAULT_CASES.get(name, 32)
+        case, model, opt, step = build(name)
+        model.cuda()
+        opt = __import__("examples.zoo", fromlist=["zoo"]).make_optimizer("adamw", model.parameters())
+        step = __import__("examples.zoo", fromlist=["zoo"]).make_step(model, opt, case.loss_fn)
+        fc = gpucast.forecast(step, lambda n: to_cuda(case.make_batch(n)), batch, model=model, optimizer=opt,
+                              target=args.target)
+        del model, opt, step
+        torch.cuda.empty_cache()
+        alloc, reserved = run_child(["--measure", f"{name}:{batch}", "--iterations", str(args.iterations),
+                                     "--target", args.target])
+        ea = 100.0 * (fc.memory.peak_allocated_bytes - alloc) / alloc
+        er = 100.0 * (fc.memory.peak_reserved_bytes - reserved) / reserved
+        rows.append({"case": name, "batch": batch, "measured_allocated": alloc, "measured_reserved": reserved,
+                     "forecast_allocated": fc.memory.peak_allocated_bytes,
+                     "forecast_reserved": fc.memory.peak_reserved_bytes,
+                     "allocated_err_pct": round(ea, 3), "reserved_err_pct": round(er, 3)})
+        print(f"{name:<20} {batch:>5} {alloc / 2**20:>10.1f} {fc.memory.peak_allocated_bytes / 2**20:>8.1f} {ea:>+7.2f} "
+              f"{reserved / 2**20:>12.1f} {fc.memory.peak_reserved_bytes / 2**20:>8.1f} {er:>+7.2f}")
+    summary = {"bench": "memory_accuracy", "target": args.target,
+               "median_abs_allocated_err_pct": round(statistics.median(abs(r["allocated_err_pct"]) for r in rows), 3),
+               "median_abs_reserved_err_pct": round(statistics.median(abs(r["reserved_err_pct"]) for r in rows), 3),
+               "cases": rows}
     print(json.dumps(summary))
     return 0
 

@@ -148,6 +148,18 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
     s.initial_bytes.push_back(al.block_bytes);
     s.initial_category.push_back(al.category);
   }
+  // The CUDA allocator reports what is held at the start but not block by block: one block stands for the rest.
+  auto base = t.baseline.find(device);
+  if (base != t.baseline.end() && base->second.known) {
+    int64_t listed = 0;  // every block the allocator listed, excluded ones too
+    for (const Allocation& al : t.allocations) {
+      if (al.baseline && al.device == device) listed += al.block_bytes;
+    }
+    if (base->second.bytes > listed) {
+      s.initial_bytes.push_back(base->second.bytes - listed);
+      s.initial_category.push_back(Category::Other);
+    }
+  }
   int64_t next = 0;
   for (const MemEvent& e : t.events) {
     if (e.device != device || e.allocation < 0) continue;

@@ -110,6 +110,16 @@ def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
     return out
 
 
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu", copy=True) if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
 class _State:
     """The model's and optimizer's state (and the RNG's), saved before the probes and restored after."""
 
@@ -119,11 +129,12 @@ class _State:
         self.model_state = None
         self.grads = None
         self.optimizer_state = None
+        # Copies live on the CPU, so that a GPU's baseline holds the job's memory only.
         if model is not None:
-            self.model_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+            self.model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
         if optimizer is not None:
-            self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+            self.optimizer_state = _to_cpu(copy.deepcopy(optimizer.state_dict()))
 
     def own_ptrs(self) -> list[int]:
         """Storages of the copies, so the forecast does not count them as the job's."""
@@ -139,7 +150,7 @@ class _State:
         if self.model is not None:
             self.model.load_state_dict(self.model_state)
             for p, g in zip(self.model.parameters(), self.grads):
-                p.grad = None if g is None else g.clone()
+                p.grad = None if g is None else g.to(p.device, copy=True)
         if self.optimizer is not None:
             # load_state_dict may keep the given tensors (the step counts): hand it a copy.
             self.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for the lent GPU machine (no network, no apt: builds from the tree, tests off).
+# Writes results under bench/results/gpu/ and allocator histories under tests/data/. Budget: under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=bench/results/gpu
+mkdir -p "$out"
+PY=${PYTHON:-python3}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+} > "$out/machine.txt" 2>&1
+cmake -S . -B build-gpu -G Ninja -DGPUCAST_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')" > "$out/build.txt" 2>&1 \
+  && cmake --build build-gpu -j16 >> "$out/build.txt" 2>&1 || { echo "build failed"; tail -30 "$out/build.txt"; exit 1; }
+export GPUCAST_LIBRARY=$PWD/build-gpu/lib/libgpucast.so PYTHONPATH=$PWD/python:$PWD
+target=$($PY - <<'PY'
+import torch
+n = torch.cuda.get_device_name(0).upper()
+print("H200-141GB" if "H200" in n else "H100-80GB" if "H100" in n else "A100-80GB")
+PY
+)
+timeout 150 $PY bench/gpu/record_histories.py > "$out/histories.txt" 2>&1; echo "histories rc=$?"
+timeout 240 $PY bench/memory_accuracy.py --target "$target" --cases mlp,cnn,gpt,resnet18,bert > "$out/memory_accuracy.txt" 2>&1
+echo "memory_accuracy rc=$?"
+tail -3 "$out"/*.txt
