@@ -7,7 +7,6 @@ allocator reported: torch.cuda.max_memory_allocated() and max_memory_reserved().
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import sys
@@ -46,9 +45,9 @@ def record(name: str, batch: int, out_dir: Path) -> None:
            "max_memory_allocated": torch.cuda.max_memory_allocated(),
            "max_memory_reserved": torch.cuda.max_memory_reserved(),
            "events": events}
-    path = out_dir / f"alloc_history_{name}.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump(doc, f)
+    path = out_dir / f"alloc_history_{name}.json"
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
     print(f"{name}: {len(events)} events, allocated {doc['max_memory_allocated']}, reserved {doc['max_memory_reserved']}"
           f" -> {path}")
 

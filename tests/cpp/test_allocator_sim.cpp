@@ -275,3 +275,53 @@ TEST(Simulate, OutOfMemoryIsReportedAndItsFreeSkipped) {
 
 }  // namespace
 }  // namespace gpucast
+
+// Real allocator histories recorded on a GPU (bench/gpu/record_histories.py) replayed through the model:
+// the simulated peaks must equal what torch.cuda.max_memory_allocated() / max_memory_reserved() reported.
+#include <filesystem>
+#include <map>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace gpucast {
+namespace {
+
+std::vector<std::filesystem::path> histories() {
+  std::vector<std::filesystem::path> out;
+  const std::filesystem::path dir(GPUCAST_TEST_DATA);
+  if (!std::filesystem::exists(dir)) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("alloc_history_", 0) == 0 && name.size() > 5 && name.substr(name.size() - 5) == ".json") {
+      out.push_back(e.path());
+    }
+  }
+  return out;
+}
+
+TEST(AllocatorHistory, RecordedRunsReplayToTheirRealPeaks) {
+  const auto files = histories();
+  if (files.empty()) GTEST_SKIP() << "no allocator histories recorded on a GPU yet (bench/gpu/run.sh records them)";
+  for (const auto& path : files) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const auto doc = nlohmann::json::parse(ss.str());
+    AllocatorConfig cfg = AllocatorConfig::parse(doc.value("alloc_conf", std::string()));
+    std::vector<SimRequest> reqs;
+    std::map<int64_t, int> streams;  // CUDA stream handles -> small ids
+    for (const auto& e : doc["events"]) {
+      const bool alloc = e[0].get<std::string>() == "a";
+      const int stream = streams.emplace(e[3].get<int64_t>(), static_cast<int>(streams.size())).first->second;
+      reqs.push_back(SimRequest{e[1].get<int64_t>(), alloc ? e[2].get<int64_t>() : 0, stream});
+    }
+    const SimResult r = simulate(reqs, cfg);
+    EXPECT_EQ(r.stats.peak_allocated, doc["max_memory_allocated"].get<int64_t>()) << path;
+    EXPECT_EQ(r.stats.peak_reserved, doc["max_memory_reserved"].get<int64_t>()) << path;
+  }
+}
+
+}  // namespace
+}  // namespace gpucast
