@@ -157,3 +157,58 @@ def test_probes_that_differ_give_a_warning_and_no_scaling():
     assert any("probes at batch 2 and 8 differ in structure (memory event" in m and "data-dependent control flow?" in m
                for m in msgs), msgs
     assert fc.memory.max_batch_size == 0
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing and autocast, as training code uses them: the forecast takes both from the trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(3))
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for b in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            return self.head(x).float()
+
+
+def test_checkpointing_and_autocast_are_taken_from_the_trace():
+    def make(n):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    def build_step():
+        torch.manual_seed(0)
+        model = Checkpointed()
+        opt = torch.optim.AdamW(model.parameters())
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+            opt.step()
+        return model, opt, step
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, opt, step = build_step()
+        for _ in range(3):
+            b = make(96)
+            step(b)
+            del b
+        del model, opt, step
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    allocs = []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+    held = measured = 0
+    for _, n in sorted(allocs, key=lambda a: a[0]):
+        held += n
+        measured = max(measured, held)
+    model, opt, step = build_step()
+    fc = gpucast.forecast(step, make, 96, model=model, optimizer=opt)
+    assert fc.memory.peak_allocated_bytes == measured
