@@ -8,6 +8,7 @@
 
 #include "gpucast/config.h"
 #include "gpucast/error.h"
+#include "gpucast/exporters.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
 #include "gpucast/trace_json.h"
@@ -49,6 +50,8 @@ struct TraceHolder : torch::CustomClassHolder {
     auto it = t.baseline.find(device);
     return it == t.baseline.end() ? 0 : it->second.bytes;
   }
+  std::string memory_snapshot_json() const { return trace_to_memory_snapshot_json(get()); }
+  std::string memory_series(const std::string& device) const { return memory_series_json(get(), device); }
   int64_t num_ops() const { return static_cast<int64_t>(get().ops.size()); }
   int64_t num_events() const { return static_cast<int64_t>(get().events.size()); }
 };
@@ -143,6 +146,8 @@ TORCH_LIBRARY(gpucast, m) {
       .def("save_chrome", &TraceHolder::save_chrome)
       .def("peak_bytes", &TraceHolder::peak_bytes)
       .def("baseline_bytes", &TraceHolder::baseline_bytes)
+      .def("memory_snapshot_json", &TraceHolder::memory_snapshot_json)
+      .def("memory_series", &TraceHolder::memory_series)
       .def("num_ops", &TraceHolder::num_ops)
       .def("num_events", &TraceHolder::num_events);
   using gpucast::MemoryForecasterHolder;

@@ -258,6 +258,25 @@ class Trace:
     def to_json(self) -> str:
         return self._h.to_json()
 
+    def save_memory_png(self, path: str, device: str = "cpu", **lines: Any) -> None:
+        """Memory timeline stacked by category (forecast_peak=, measured_peak=, capacity= draw lines)."""
+        from ._pictures import save_memory_png
+        save_memory_png(self, path, device, **lines)
+
+    def save_html(self, path: str, device: str = "cpu", **lines: Any) -> None:
+        """Self-contained HTML report: summary and memory timeline."""
+        from ._pictures import save_html_report
+        save_html_report(self, path, device, **lines)
+
+    def save_memory_snapshot(self, path: str) -> None:
+        """PyTorch's memory-snapshot format (pickle): opens in PyTorch's memory_viz."""
+        from ._pictures import save_memory_snapshot
+        save_memory_snapshot(self, path)
+
+    def memory_snapshot(self) -> dict:
+        from ._pictures import memory_snapshot
+        return memory_snapshot(self)
+
     @property
     def handle(self) -> Any:
         """The torch.classes.gpucast.Trace underneath, for torch.ops.gpucast.* calls."""

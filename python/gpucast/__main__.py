@@ -1,0 +1,100 @@
+"""python -m gpucast: the command line.
+
+  python -m gpucast run [--target T] [--log FILE] -- train.py args...   run a script with auto mode on
+  python -m gpucast report trace.json [--html out.html] [--png out.png] [--snapshot out.pickle]
+  python -m gpucast devices                                             the device table
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+
+def _devices(args) -> int:
+    import gpucast
+    rows = gpucast.devices()
+    print(f"{'name':<12} {'capacity':>12} {'cc':>5} {'context':>9}  source")
+    for d in rows:
+        print(f"{d['name']:<12} {d['capacity_bytes'] / 2**20:>8,.0f} MiB {d['compute_capability']:>5.1f} "
+              f"{d['context_bytes'] / 2**20:>5.0f} MiB  {d['source']}")
+    return 0
+
+
+def _report(args) -> int:
+    import gpucast
+    t = gpucast.load_trace(args.trace)
+    print(t.summary(), end="")
+    if args.html:
+        t.save_html(args.html, device=args.device)
+        print(f"wrote {args.html}")
+    if args.png:
+        t.save_memory_png(args.png, device=args.device)
+        print(f"wrote {args.png}")
+    if args.snapshot:
+        t.save_memory_snapshot(args.snapshot)
+        print(f"wrote {args.snapshot}")
+    return 0
+
+
+def _run(args) -> int:
+    if not args.command:
+        print("python -m gpucast run: give the script after --, e.g. python -m gpucast run -- train.py --lr 0.1",
+              file=sys.stderr)
+        return 2
+    conf = os.environ.get("GPUCAST_CONF", "")
+    if "enabled:" not in conf:
+        conf = ",".join(x for x in ("enabled:True", conf) if x)
+    if args.target and "target:" not in conf:
+        conf += f",target:{args.target}"
+    os.environ["GPUCAST_CONF"] = conf
+    if args.log:
+        os.environ["GPUCAST_LOG"] = args.log
+    import gpucast
+    # `python -m gpucast` imported the package before this function set GPUCAST_CONF: read it again.
+    gpucast._auto._reset()
+    gpucast._auto.maybe_start()
+    script, *rest = args.command
+    sys.argv = [script, *rest]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:  # the script's own exit: report, then exit the same way
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    session = gpucast._auto.session()
+    if session is not None and session.forecast is not None and not args.quiet:
+        from ._forecast import Forecast
+        print(str(Forecast(memory=session.forecast, probe_batch_sizes=(session.batch,), probe_device="",
+                           context={})), file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpucast", description="gpucast: forecast GPU memory from one iteration")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a training script with auto mode on (GPUCAST_CONF enabled)")
+    r.add_argument("--target", help="device table name or cpu (default: GPUCAST_CONF's, else auto)")
+    r.add_argument("--log", help="append forecasts to this JSON Lines file (GPUCAST_LOG)")
+    r.add_argument("--quiet", action="store_true", help="do not print the forecast when the script ends")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")
+    rep = sub.add_parser("report", help="summary of a saved trace; --html / --png / --snapshot write pictures")
+    rep.add_argument("trace")
+    rep.add_argument("--device", default="cpu")
+    rep.add_argument("--html")
+    rep.add_argument("--png")
+    rep.add_argument("--snapshot", help="PyTorch memory-snapshot pickle for torch.cuda._memory_viz / memory_viz")
+    sub.add_parser("devices", help="the device table")
+    args = p.parse_args(argv)
+    if args.cmd == "run" and args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    try:
+        return {"run": _run, "report": _report, "devices": _devices}[args.cmd](args)
+    except (ValueError, OSError) as e:
+        print(f"gpucast: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""python -m gpucast: devices, report, run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gpucast
+from conftest import build
+from examples import zoo
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args, cwd=None, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}{os.pathsep}{ROOT}")
+    env.pop("GPUCAST_CONF", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "gpucast", *args], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=300)
+
+
+def test_devices_lists_the_table():
+    out = cli("devices")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["name", "capacity", "cc", "context", "source"]
+    assert [ln.split()[0] for ln in lines[1:]] == [d["name"] for d in gpucast.devices()]
+    assert "H100-80GB      81,559 MiB   9.0   560 MiB" in out.stdout
+
+
+def test_report_of_a_saved_trace(tmp_path):
+    model, opt, step, batch = build(zoo.CASES["gpt"], "adamw")
+    with gpucast.trace() as t:
+        step(batch)
+    t.save(str(tmp_path / "trace.json"))
+    out = cli("report", "trace.json", "--html", "r.html", "--png", "r.png", "--snapshot", "s.pickle", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(t.summary())
+    for name in ("r.html", "r.png", "s.pickle"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+
+
+def test_report_of_a_bad_file_names_it(tmp_path):
+    (tmp_path / "bad.json").write_text('{"schema_version": 2}')
+    out = cli("report", "bad.json", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gpucast: bad.json: trace schema_version 2 is not supported by this gpucast "
+                                  "(reads version 1); record the trace again with this version")
+
+
+def test_run_an_unmodified_script_from_another_directory(tmp_path):
+    log = tmp_path / "f.jsonl"
+    out = cli("run", "--target", "H100-80GB", "--log", str(log), "--", str(ROOT / "examples" / "gpt.py"),
+              "--no-trace", "--steps", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "step 2 loss" in out.stdout
+    assert "gpucast forecast for H100-80GB, batch 8:" in out.stderr
+    rec = json.loads(log.read_text().splitlines()[0])
+    assert rec["memory"]["target"] == "H100-80GB" and rec["memory"]["peak_reserved_bytes"] > 0
