@@ -27,10 +27,26 @@ def library_path() -> str:
         "build it with `make build` or set GPUCAST_LIBRARY")
 
 
+def check_torch(built_with: str | None, running: str) -> None:
+    """An installed gpucast works only with the torch it was built against: say so before the loader fails."""
+    if built_with is None:
+        return
+    base = running.split("+")[0]
+    if built_with.split("+")[0] != base:
+        raise ImportError(
+            f"gpucast was built against torch {built_with}, but this is torch {running}; rebuild it against this "
+            "torch: pip install --no-build-isolation --force-reinstall --no-deps <gpucast source>")
+
+
 def load() -> str:
     """Load the plugin once (torch.ops.load_library); return its path."""
     global _loaded
     if _loaded is None:
+        try:
+            from ._build_info import torch_version as built_with
+        except ImportError:  # a source tree: built by `make`, against the venv's torch
+            built_with = None
+        check_torch(built_with, torch.__version__)
         path = library_path()
         torch.ops.load_library(path)
         _loaded = path
