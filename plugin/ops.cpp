@@ -169,6 +169,10 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });
   m.def("installed_callbacks() -> int", [] { return static_cast<int64_t>(gpucast::installed_callbacks()); });
   m.def("global_callbacks_present() -> bool", [] { return at::hasGlobalCallbacks(); });
+  m.def("cpu_memory_stats(bool reset_peak=False) -> int[]", [](bool reset) {
+    auto [held, peak] = gpucast::cpu_memory_stats(reset);
+    return std::vector<int64_t>{held, peak};
+  });
   m.def("cpu_allocator_hooked() -> bool", [] { return gpucast::cpu_allocator_hook_installed(); });
   m.def("push_module(str path) -> ()", [](const std::string& p) { gpucast::push_module(p); });
   m.def("pop_module() -> ()", [] { gpucast::pop_module(); });

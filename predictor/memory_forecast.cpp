@@ -182,6 +182,9 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
     } else {
       auto it = position.find(e.allocation);
       if (it == position.end()) continue;  // an excluded block
+      // Blocks held at the start that no hook claimed, freed meanwhile: garbage collection or other threads of
+      // the process, not the training step. Leaving them out keeps probes comparable (and errs high).
+      if (it->second < 0 && al.category == Category::Other) continue;
       en.ref = it->second;
     }
     if (zero_grad_start != 0 && s.zero_grad_entry == kNone && e.seq > zero_grad_start && e.seq < zero_grad_end &&
@@ -204,16 +207,15 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
 
 // Where two probes' structures first differ; empty when they match.
 std::string structure_difference(const Stream& a, const Trace& ta, const Stream& b, const Trace& tb) {
-  if (a.initial_bytes.size() != b.initial_bytes.size()) {
-    return fmt::format("{} blocks held at the start against {}", a.initial_bytes.size(), b.initial_bytes.size());
-  }
   const size_t n = std::min(a.entries.size(), b.entries.size());
   auto op_name = [](const Trace& t, int64_t op) { return op >= 0 ? t.ops[op].name : std::string("<no op>"); };
   for (size_t i = 0; i < n; ++i) {
     const Entry& x = a.entries[i];
     const Entry& y = b.entries[i];
     const bool same_op = op_name(ta, x.op) == op_name(tb, y.op);
-    if (x.alloc != y.alloc || x.ref != y.ref || !same_op) {
+    // Blocks held at the start are compared by category: their number may differ between probes.
+    const bool same_ref = x.ref < 0 || y.ref < 0 ? (x.ref < 0 && y.ref < 0 && x.category == y.category) : x.ref == y.ref;
+    if (x.alloc != y.alloc || !same_ref || !same_op) {
       const std::string where_a = x.op >= 0 ? ta.ops[x.op].module : "";
       return fmt::format("memory event {}: {} in {} ({}) against {} in {} ({})", i, x.alloc ? "allocation" : "free",
                          op_name(ta, x.op), where_a.empty() ? "no module" : where_a, y.alloc ? "allocation" : "free",
@@ -506,6 +508,15 @@ class Forecaster {
       return;
     }
     std::sort(usable.begin(), usable.end(), [&](size_t x, size_t y) { return in_.probe_batch[x] < in_.probe_batch[y]; });
+    bool same_initial = true;
+    for (size_t i : usable) same_initial = same_initial && streams_[i].initial_bytes.size() == s.initial_bytes.size();
+    if (!same_initial) {
+      // Match what each probe held at the start by category; frees of such blocks are then left out.
+      for (size_t i : usable) aggregate_initial(streams_[i]);
+      out_.notes.push_back(
+          "the probes held different numbers of blocks at the start (the process allocated or freed memory between "
+          "them): matched by category");
+    }
     std::vector<double> b;
     for (size_t i : usable) b.push_back(static_cast<double>(in_.probe_batch[i]));
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
@@ -528,6 +539,20 @@ class Forecaster {
       if (!f.linear) ++model_.nonlinear;
     }
     out_.nonlinear_allocations = model_.nonlinear;
+  }
+
+  static void aggregate_initial(Stream& st) {
+    std::vector<int64_t> bytes(kNumCategories, 0);
+    for (size_t i = 0; i < st.initial_bytes.size(); ++i) bytes[static_cast<size_t>(st.initial_category[i])] += st.initial_bytes[i];
+    st.initial_bytes = bytes;
+    st.initial_category.clear();
+    for (int c = 0; c < kNumCategories; ++c) st.initial_category.push_back(static_cast<Category>(c));
+    std::vector<Entry> kept;
+    for (const Entry& e : st.entries) {
+      if (e.alloc || e.ref >= 0) kept.push_back(e);
+    }
+    st.entries = std::move(kept);
+    if (st.zero_grad_entry >= static_cast<int64_t>(st.entries.size())) st.zero_grad_entry = kNone;
   }
 
   Planned planned(int64_t batch, bool gpu) {

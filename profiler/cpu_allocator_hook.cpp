@@ -43,6 +43,10 @@ class CpuAllocatorHook final : public c10::Allocator {
       std::lock_guard<std::mutex> g(sh.mu);
       sh.blocks.insert_or_assign(data, Block{n, next_order_.fetch_add(1, std::memory_order_relaxed), std::move(original)});
     }
+    const int64_t now = held_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
     if (detail::memory_recording()) {
       detail::record_memory_event(data, static_cast<int64_t>(n), static_cast<int64_t>(n), c10::Device(c10::kCPU));
     }
@@ -65,6 +69,7 @@ class CpuAllocatorHook final : public c10::Allocator {
       block = std::move(it->second);
       sh.blocks.erase(it);
     }
+    held_.fetch_sub(static_cast<int64_t>(block.bytes), std::memory_order_relaxed);
     if (detail::memory_recording()) {
       detail::record_memory_event(data, -static_cast<int64_t>(block.bytes), -static_cast<int64_t>(block.bytes),
                                   c10::Device(c10::kCPU));
@@ -97,6 +102,11 @@ class CpuAllocatorHook final : public c10::Allocator {
 
   c10::Allocator* wrapped_;
   static inline std::atomic<uint64_t> next_order_{0};
+
+ public:
+  // Bytes held through the wrapper now, and the most held since the last reset (like max_memory_allocated).
+  static inline std::atomic<int64_t> held_{0};
+  static inline std::atomic<int64_t> peak_{0};
 };
 
 std::mutex g_install_mu;
@@ -129,5 +139,12 @@ bool cpu_allocator_hook_installed() {
 namespace detail {
 std::vector<BaselineBlock> cpu_live_blocks() { return CpuAllocatorHook::live_blocks(); }
 }  // namespace detail
+
+std::pair<int64_t, int64_t> cpu_memory_stats(bool reset_peak) {
+  const int64_t held = CpuAllocatorHook::held_.load();
+  const int64_t peak = CpuAllocatorHook::peak_.load();
+  if (reset_peak) CpuAllocatorHook::peak_.store(held);
+  return {held, peak};
+}
 
 }  // namespace gpucast

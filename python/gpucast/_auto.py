@@ -117,6 +117,7 @@ class _AutoSession:
             self.trace._finish(unhook=False)
             self.forecast = self._forecast(self.trace.result)
             self._log(self.forecast)
+            self._track(self.forecast)
         except Exception as e:  # noqa: BLE001 - fail open
             self._fail(e)
             return
@@ -131,14 +132,7 @@ class _AutoSession:
             self.trace = None
 
     def _forecast(self, t) -> MemoryForecast:
-        cap = self.cfg["capacity_mb"] * 2**20
-        forecaster = torch.classes.gpucast.MemoryForecaster()
-        forecaster.add_probe(t.handle, self.batch)
-        device = "cuda:0" if any(e.device.startswith("cuda") for e in t.events[:1]) else "cpu"
-        alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-        text = forecaster.run(self.batch, self.target, cap, self.cfg["warn_fraction"], device, "", alloc_conf,
-                              os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0)
-        return MemoryForecast(**json.loads(text))
+        return forecast_traced_step(t, self.batch, self.target, self.cfg["capacity_mb"], self.cfg["warn_fraction"])
 
     def _log(self, f: MemoryForecast) -> None:
         path = os.environ.get("GPUCAST_LOG")
@@ -155,27 +149,20 @@ class _AutoSession:
         except OSError as e:
             warnings.warn(f"gpucast: cannot append the forecast to GPUCAST_LOG={path!r}: {e.strerror}", stacklevel=3)
 
-    def _capacity(self, f: MemoryForecast) -> int:
-        return self.cfg["capacity_mb"] * 2**20 if self.cfg["capacity_mb"] else f.capacity_bytes
+    def _track(self, f: MemoryForecast) -> None:
+        """Loggers from gpucast.log_to(), and trackers with an active run (MLflow, W&B), get the forecast."""
+        from . import trackers
+        from ._forecast import Forecast
+        ctx = _ops.context()
+        fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context={
+            "gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]})
+        trackers.publish(fc)
+        found = trackers.active_trackers()
+        if found:
+            trackers.Logger(found).log_forecast(fc)
 
     def _judge(self, f: MemoryForecast) -> None:
-        capacity = self._capacity(f)
-        if not capacity:
-            return
-        need = f.peak_reserved_bytes + f.outside_allocator_bytes
-        limit = self.cfg["warn_fraction"] * capacity
-        if need <= limit:
-            return
-        mib = 2**20
-        fits = (f"the largest batch that fits is {f.max_batch_size}" if f.max_batch_size
-                else "no batch size fits")
-        msg = (f"gpucast: out-of-memory risk on {f.target}: the run needs {need / mib:,.0f} MiB "
-               f"(reserved {f.peak_reserved_bytes / mib:,.0f} MiB + {f.outside_allocator_bytes / mib:,.0f} MiB outside the "
-               f"allocator) at batch {f.batch_size}, above {self.cfg['warn_fraction']:.0%} of {capacity / mib:,.0f} MiB; "
-               f"{fits}")
-        if self.cfg["on_risk"] == "raise":
-            raise OutOfMemoryRisk(msg)
-        warnings.warn(msg, OutOfMemoryRiskWarning, stacklevel=3)
+        judge(f, self.cfg["capacity_mb"], self.cfg["warn_fraction"], self.cfg["on_risk"], stacklevel=4)
 
     def _fail(self, e: Exception) -> None:
         self.done = True
@@ -183,6 +170,36 @@ class _AutoSession:
             self.trace._finish(unhook=False)
         warnings.warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
                       "training goes on", RuntimeWarning, stacklevel=3)
+
+
+def forecast_traced_step(t, batch: int, target: str, capacity_mb: int = 0, safety: float = 0.9) -> MemoryForecast:
+    """The run's forecast from one traced iteration at the real batch size (model states kept, the rest as traced)."""
+    forecaster = torch.classes.gpucast.MemoryForecaster()
+    forecaster.add_probe(t.handle, batch)
+    device = "cuda:0" if any(e.device.startswith("cuda") for e in t.events[:1]) else "cpu"
+    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    text = forecaster.run(batch, _resolve_target(target), capacity_mb * 2**20, safety, device, "", alloc_conf,
+                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0)
+    return MemoryForecast(**json.loads(text))
+
+
+def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str, stacklevel: int = 2) -> bool:
+    """Warn (or raise OutOfMemoryRisk) when the forecast needs more than warn_fraction of the capacity."""
+    capacity = capacity_mb * 2**20 if capacity_mb else f.capacity_bytes
+    if not capacity:
+        return False
+    need = f.peak_reserved_bytes + f.outside_allocator_bytes
+    if need <= warn_fraction * capacity:
+        return False
+    mib = 2**20
+    fits = f"the largest batch that fits is {f.max_batch_size}" if f.max_batch_size else "no batch size fits"
+    msg = (f"gpucast: out-of-memory risk on {f.target}: the run needs {need / mib:,.0f} MiB "
+           f"(reserved {f.peak_reserved_bytes / mib:,.0f} MiB + {f.outside_allocator_bytes / mib:,.0f} MiB outside the "
+           f"allocator) at batch {f.batch_size}, above {warn_fraction:.0%} of {capacity / mib:,.0f} MiB; {fits}")
+    if on_risk == "raise":
+        raise OutOfMemoryRisk(msg)
+    warnings.warn(msg, OutOfMemoryRiskWarning, stacklevel=stacklevel)
+    return True
 
 
 def maybe_start() -> None:

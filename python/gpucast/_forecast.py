@@ -6,6 +6,7 @@ itself is C++ (torch.classes.gpucast.MemoryForecaster).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import warnings
@@ -199,7 +200,15 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     forecaster = torch.classes.gpucast.MemoryForecaster()
     probe_device = "cpu"
     try:
+        # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
+        # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
+        warm = make_batch(min(probes))
+        for _ in range(iterations):
+            step(warm)
+        del warm
+        state.restore()
         for b in sorted(set(probes)):
+            gc.collect()  # garbage freed during a probe would change what it records
             batch = make_batch(b)
             probe_device = _device_of(batch)
             with trace() as t:
@@ -218,5 +227,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
-    return Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
-                    context=context)
+    fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
+                  context=context)
+    from . import trackers
+    trackers.publish(fc)
+    return fc

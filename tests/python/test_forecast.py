@@ -1,6 +1,9 @@
 """gpucast.forecast(): the run's peak from small probes, checked against the real run."""
 import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,8 @@ from torch._C._profiler import _EventType
 
 import gpucast
 from examples import zoo
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fresh(name, optimizer="adamw"):
@@ -41,16 +46,35 @@ def measured_peak(name, batch, iterations=3, optimizer="adamw"):
     return peak
 
 
+def in_fresh_process(name, batch, optimizer):
+    """Measure, then forecast, in a new process: the CPU target counts everything the process holds, so earlier
+    tests' leftovers must not be there."""
+    code = f"""
+import sys, json
+sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
+import torch
+torch.set_num_threads(1)
+import gpucast
+from test_forecast import fresh, measured_peak
+measured = measured_peak({name!r}, {batch}, optimizer={optimizer!r})
+case, model, opt, step = fresh({name!r}, {optimizer!r})
+fc = gpucast.forecast(step, case.make_batch, {batch}, model=model, optimizer=opt, target="cpu")
+print(json.dumps([measured, fc.memory.peak_allocated_bytes, fc.memory.peak_reserved_bytes,
+                  sum(fc.memory.breakdown.values()), fc.memory.scaled]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("name,batch,optimizer", [("mlp", 128, "adamw"), ("gpt", 24, "adamw"), ("cnn", 32, "sgd"),
                                                   ("lstm", 48, "adamw")])
 def test_cpu_forecast_equals_the_measured_run(name, batch, optimizer):
-    measured = measured_peak(name, batch, optimizer=optimizer)
-    case, model, opt, step = fresh(name, optimizer)
-    fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu")
-    assert fc.memory.scaled
-    assert fc.memory.peak_allocated_bytes == measured
-    assert fc.memory.peak_reserved_bytes == measured
-    assert sum(fc.memory.breakdown.values()) == measured
+    measured, allocated, reserved, breakdown_total, scaled = in_fresh_process(name, batch, optimizer)
+    assert scaled
+    assert allocated == measured
+    assert reserved == measured
+    assert breakdown_total == measured
 
 
 def test_probes_restore_model_and_optimizer_state():
@@ -175,7 +199,7 @@ class Checkpointed(torch.nn.Module):
             return self.head(x).float()
 
 
-def test_checkpointing_and_autocast_are_taken_from_the_trace():
+def checkpoint_numbers():
     def make(n):
         g = torch.Generator().manual_seed(0)
         return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
@@ -211,4 +235,19 @@ def test_checkpointing_and_autocast_are_taken_from_the_trace():
         measured = max(measured, held)
     model, opt, step = build_step()
     fc = gpucast.forecast(step, make, 96, model=model, optimizer=opt)
-    assert fc.memory.peak_allocated_bytes == measured
+    return measured, fc.memory.peak_allocated_bytes
+
+
+def test_checkpointing_and_autocast_are_taken_from_the_trace():
+    code = f"""
+import sys, json
+sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
+import torch
+torch.set_num_threads(1)
+from test_forecast import checkpoint_numbers
+print(json.dumps(checkpoint_numbers()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured, forecast = json.loads(out.stdout.strip().splitlines()[-1])
+    assert forecast == measured

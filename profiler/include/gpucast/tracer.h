@@ -61,6 +61,8 @@ void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Cat
 // `why`) when another allocator with a higher priority holds the CPU slot.
 bool install_cpu_allocator_hook(std::string* why);
 bool cpu_allocator_hook_installed();
+// CPU bytes held through the wrapper (allocated since gpucast was loaded) and the peak since the last reset.
+std::pair<int64_t, int64_t> cpu_memory_stats(bool reset_peak);
 // Attaches to the CUDA caching allocator when CUDA is compiled in and a device is present.
 bool install_cuda_allocator_hook(std::string* why);
 bool cuda_device_present();

@@ -1,0 +1,1 @@
+"""Framework callbacks: gpucast.integrations.lightning.GpucastCallback, gpucast.integrations.transformers.GpucastCallback."""
