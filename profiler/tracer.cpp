@@ -68,6 +68,15 @@ struct RawEvent {
   c10::DeviceType device_type;
   c10::DeviceIndex device_index;
 };
+// What a thread records during a trace; handed over as a whole when the trace stops.
+struct ThreadRecords {
+  std::vector<RawOp> ops;
+  std::vector<RawValue> values;
+  std::vector<int64_t> dims;
+  std::vector<RawEvent> events;
+  std::vector<Tag> tags;
+};
+
 struct OpenOp {
   int32_t index;
   uint64_t handle;
@@ -81,11 +90,7 @@ struct ThreadState {
   uint64_t tid = 0;
   uint64_t slot = 0;  // position in the registry: the high half of this thread's op keys
   uint64_t generation = 0;
-  std::vector<RawOp> ops;
-  std::vector<RawValue> values;
-  std::vector<int64_t> dims;
-  std::vector<RawEvent> events;
-  std::vector<Tag> tags;
+  ThreadRecords rec;
   std::vector<OpenOp> stack;
   std::vector<int32_t> open_bwd_nodes;
   std::vector<int32_t> modules;  // module stack (interned ids)
@@ -107,11 +112,7 @@ struct ThreadState {
 
   void reset(uint64_t gen) {
     generation = gen;
-    ops.clear();
-    values.clear();
-    dims.clear();
-    events.clear();
-    tags.clear();
+    rec = ThreadRecords();
     stack.clear();
     open_bwd_nodes.clear();
     modules.clear();
@@ -201,15 +202,15 @@ void fill_tensor(ThreadState& ts, RawValue& r, const at::Tensor& t) {
   r.device_index = t.device().index();
   const auto sizes = t.sym_sizes();
   r.ndim = static_cast<uint8_t>(std::min<size_t>(sizes.size(), 255));
-  r.dims = static_cast<uint32_t>(ts.dims.size());
+  r.dims = static_cast<uint32_t>(ts.rec.dims.size());
   for (size_t i = 0; i < r.ndim; ++i) {
-    ts.dims.push_back(sizes[i].is_heap_allocated() ? -1 : sizes[i].as_int_unchecked());
+    ts.rec.dims.push_back(sizes[i].is_heap_allocated() ? -1 : sizes[i].as_int_unchecked());
   }
   if (t.layout() == c10::kStrided && !t.is_nested()) {
     r.strided = true;
     const auto strides = t.sym_strides();
     for (size_t i = 0; i < r.ndim; ++i) {
-      ts.dims.push_back(strides[i].is_heap_allocated() ? -1 : strides[i].as_int_unchecked());
+      ts.rec.dims.push_back(strides[i].is_heap_allocated() ? -1 : strides[i].as_int_unchecked());
     }
   }
   if (t.has_storage()) r.storage = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
@@ -217,17 +218,17 @@ void fill_tensor(ThreadState& ts, RawValue& r, const at::Tensor& t) {
 
 // Appends one value (a tensor list: its header, then its elements) to the thread's arena.
 void fill_value(ThreadState& ts, const c10::IValue& iv) {
-  RawValue& v = ts.values.emplace_back();
+  RawValue& v = ts.rec.values.emplace_back();
   if (iv.isTensor()) {
     v.kind = Value::Kind::Tensor;
     fill_tensor(ts, v, iv.toTensor());
   } else if (iv.isTensorList()) {
     v.kind = Value::Kind::TensorList;
     const auto list = iv.toTensorList();
-    const size_t header = ts.values.size() - 1;
-    ts.values[header].count = static_cast<uint32_t>(list.size());
+    const size_t header = ts.rec.values.size() - 1;
+    ts.rec.values[header].count = static_cast<uint32_t>(list.size());
     for (size_t i = 0; i < list.size(); ++i) {
-      RawValue& e = ts.values.emplace_back();
+      RawValue& e = ts.rec.values.emplace_back();
       e.kind = Value::Kind::Tensor;
       e.element = true;
       fill_tensor(ts, e, list.get(i));
@@ -251,7 +252,7 @@ void fill_value(ThreadState& ts, const c10::IValue& iv) {
 // Records a range of values; returns {first, number of top-level values}.
 template <typename Range>
 std::pair<uint32_t, uint32_t> fill_values(ThreadState& ts, const Range& range) {
-  const auto first = static_cast<uint32_t>(ts.values.size());
+  const auto first = static_cast<uint32_t>(ts.rec.values.size());
   uint32_t n = 0;
   for (const c10::IValue& iv : range) {
     fill_value(ts, iv);
@@ -275,8 +276,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       s.dropped_ops.fetch_add(1, std::memory_order_relaxed);
       return nullptr;
     }
-    RawOp& op = ts->ops.emplace_back();
-    const auto index = static_cast<int32_t>(ts->ops.size() - 1);
+    RawOp& op = ts->rec.ops.emplace_back();
+    const auto index = static_cast<int32_t>(ts->rec.ops.size() - 1);
     op.scope = fn.scope() == at::RecordScope::BACKWARD_FUNCTION ? Scope::BackwardFunction
                : fn.scope() == at::RecordScope::USER_SCOPE   ? Scope::UserScope
                                                               : Scope::Function;
@@ -329,7 +330,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
       if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
         timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
       }
-      RawOp& op = ts->ops[open.index];
+      RawOp& op = ts->rec.ops[open.index];
       if (open.backward) --ts->backward_depth;
       if (open.optimizer) --ts->optimizer_depth;
       if (op.scope == Scope::BackwardFunction && !ts->open_bwd_nodes.empty()) ts->open_bwd_nodes.pop_back();
@@ -379,7 +380,7 @@ void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c1
       s.dropped_events.fetch_add(1, std::memory_order_relaxed);
       return;
     }
-    ts->events.push_back(RawEvent{s.seq.fetch_add(1, std::memory_order_relaxed), reinterpret_cast<uint64_t>(ptr), bytes,
+    ts->rec.events.push_back(RawEvent{s.seq.fetch_add(1, std::memory_order_relaxed), reinterpret_cast<uint64_t>(ptr), bytes,
                                   block_bytes, now_ns(), ts->stack.empty() ? -1 : ts->stack.back().index, ts->phase(),
                                   device.type(), device.index()});
   } catch (...) {
@@ -449,11 +450,7 @@ namespace {
 struct RawThreadRecords {
   uint64_t tid = 0;
   uint64_t slot = 0;
-  std::vector<RawOp> ops;
-  std::vector<RawValue> values;
-  std::vector<int64_t> dims;
-  std::vector<RawEvent> events;
-  std::vector<Tag> tags;
+  ThreadRecords rec;
   std::vector<std::string> names;  // the thread's interned names at stop time
 };
 
@@ -479,7 +476,7 @@ namespace {
 TensorMeta convert_tensor(const RawThreadRecords& ts, const RawValue& r) {
   TensorMeta m;
   if (r.dtype < 0) return m;
-  const int64_t* d = ts.dims.data() + r.dims;
+  const int64_t* d = ts.rec.dims.data() + r.dims;
   m.shape.assign(d, d + r.ndim);
   if (r.strided) m.strides.assign(d + r.ndim, d + 2 * r.ndim);
   m.dtype = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(r.dtype)).first);
@@ -492,14 +489,14 @@ std::vector<Value> convert_values(const RawThreadRecords& ts, uint32_t first, ui
   std::vector<Value> out;
   out.reserve(n);
   size_t i = first;
-  for (uint32_t k = 0; k < n && i < ts.values.size(); ++k) {
-    const RawValue& r = ts.values[i++];
+  for (uint32_t k = 0; k < n && i < ts.rec.values.size(); ++k) {
+    const RawValue& r = ts.rec.values[i++];
     Value v;
     v.kind = r.kind;
     v.scalar = r.scalar;
     if (r.kind == Value::Kind::Tensor) v.tensors.push_back(convert_tensor(ts, r));
     if (r.kind == Value::Kind::TensorList) {
-      for (uint32_t e = 0; e < r.count && i < ts.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.values[i++]));
+      for (uint32_t e = 0; e < r.count && i < ts.rec.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.rec.values[i++]));
     }
     out.push_back(std::move(v));
   }
@@ -510,9 +507,9 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
                          const std::unordered_map<uint64_t, int64_t>& device_ns) {
   RawThread rt;
   rt.thread = ts.tid;
-  rt.ops.reserve(ts.ops.size());
-  for (size_t i = 0; i < ts.ops.size(); ++i) {
-    const RawOp& r = ts.ops[i];
+  rt.ops.reserve(ts.rec.ops.size());
+  for (size_t i = 0; i < ts.rec.ops.size(); ++i) {
+    const RawOp& r = ts.rec.ops[i];
     OpRecord op;
     if (!device_ns.empty()) {
       auto it = device_ns.find((ts.slot << 32) | i);
@@ -538,8 +535,8 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
     op.outputs = convert_values(ts, r.outputs, r.n_outputs);
     rt.ops.push_back(std::move(op));
   }
-  rt.events.reserve(ts.events.size());
-  for (const RawEvent& r : ts.events) {
+  rt.events.reserve(ts.rec.events.size());
+  for (const RawEvent& r : ts.rec.events) {
     MemEvent e;
     e.seq = r.seq;
     e.ptr = r.ptr;
@@ -552,7 +549,7 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
     e.time_ns = r.time_ns;
     rt.events.push_back(std::move(e));
   }
-  rt.tags = ts.tags;
+  rt.tags = ts.rec.tags;
   return rt;
 }
 
@@ -600,11 +597,7 @@ RecordedTrace stop_recording() {
     RawThreadRecords r;
     r.tid = ts->tid;
     r.slot = ts->slot;
-    r.ops = std::move(ts->ops);
-    r.values = std::move(ts->values);
-    r.dims = std::move(ts->dims);
-    r.events = std::move(ts->events);
-    r.tags = std::move(ts->tags);
+    r.rec = std::move(ts->rec);
     r.names.assign(ts->names.begin(), ts->names.end());
     ts->reset(gen);
     raw.threads.push_back(std::move(r));
@@ -660,7 +653,7 @@ void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Cat
   if (!lock) return;
   const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
   for (int64_t p : ptrs) {
-    if (p != 0) ts->tags.push_back(Tag{static_cast<uint64_t>(p), device, category, seq});
+    if (p != 0) ts->rec.tags.push_back(Tag{static_cast<uint64_t>(p), device, category, seq});
   }
 }
 

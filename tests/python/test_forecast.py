@@ -32,6 +32,11 @@ def measured_peak(name, batch, iterations=3, optimizer="adamw"):
             step(b)
             del b
         del case, model, opt, step
+    return profiler_peak(prof)
+
+
+def profiler_peak(prof):
+    """Most CPU bytes held at once, from torch.profiler's allocation events."""
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     allocs = []
     while stack:
@@ -222,17 +227,7 @@ def checkpoint_numbers():
             step(b)
             del b
         del model, opt, step
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    allocs = []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
-    held = measured = 0
-    for _, n in sorted(allocs, key=lambda a: a[0]):
-        held += n
-        measured = max(measured, held)
+    measured = profiler_peak(prof)
     model, opt, step = build_step()
     fc = gpucast.forecast(step, make, 96, model=model, optimizer=opt)
     return measured, fc.memory.peak_allocated_bytes

@@ -65,3 +65,16 @@ class FirstStep:
         if self.trace is not None:
             self.trace.__exit__(None, None, None)
             self.trace = None
+
+
+class CallbackBase:
+    """What the framework callbacks share: their options and the forecast they made."""
+
+    def __init__(self, target: str = "auto", capacity_mb: int = 0, warn_fraction: float = 0.9, on_risk: str = "warn",
+                 log: list | None = None, steps: int = 5):
+        self.state = FirstStep(target, capacity_mb, warn_fraction, on_risk, log, steps)
+        self.step = 0
+
+    @property
+    def forecast(self) -> Forecast | None:
+        return self.state.forecast

@@ -13,7 +13,7 @@ try:
 except ImportError:
     from pytorch_lightning.callbacks import Callback
 
-from ._first_step import FirstStep
+from ._first_step import CallbackBase
 
 
 def _batch_size(batch: Any) -> int:
@@ -35,16 +35,7 @@ def _experiments(trainer) -> list:
     return out
 
 
-class GpucastCallback(Callback):
-    def __init__(self, target: str = "auto", capacity_mb: int = 0, warn_fraction: float = 0.9, on_risk: str = "warn",
-                 log: list | None = None, steps: int = 5):
-        self.state = FirstStep(target, capacity_mb, warn_fraction, on_risk, log, steps)
-        self.step = 0
-
-    @property
-    def forecast(self):
-        return self.state.forecast
-
+class GpucastCallback(CallbackBase, Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.is_global_zero:
             self.state.begin(_batch_size(batch))

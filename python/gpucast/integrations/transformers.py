@@ -8,19 +8,10 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from ._first_step import FirstStep
+from ._first_step import CallbackBase
 
 
-class GpucastCallback(TrainerCallback):
-    def __init__(self, target: str = "auto", capacity_mb: int = 0, warn_fraction: float = 0.9, on_risk: str = "warn",
-                 log: list | None = None, steps: int = 5):
-        self.state = FirstStep(target, capacity_mb, warn_fraction, on_risk, log, steps)
-        self.step = 0
-
-    @property
-    def forecast(self):
-        return self.state.forecast
-
+class GpucastCallback(CallbackBase, TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             batch = args.per_device_train_batch_size * max(1, args.gradient_accumulation_steps)
