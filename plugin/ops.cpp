@@ -60,11 +60,18 @@ struct TraceHolder : torch::CustomClassHolder {
 struct MemoryForecasterHolder : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<TraceHolder>> probes;
   std::vector<int64_t> batches;
+  std::vector<int64_t> seqs;
+  int64_t target_seq = 0;
 
   void add_probe(const c10::intrusive_ptr<TraceHolder>& t, int64_t batch) {
     probes.push_back(t);
     batches.push_back(batch);
   }
+  void add_probe_seq(const c10::intrusive_ptr<TraceHolder>& t, int64_t batch, int64_t seq) {
+    add_probe(t, batch);
+    seqs.push_back(seq);
+  }
+  void set_target_seq(int64_t seq) { target_seq = seq; }
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction) {
@@ -72,6 +79,8 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       MemoryForecastInput in;
       for (const auto& p : probes) in.probes.push_back(&p->get());
       in.probe_batch = batches;
+      in.probe_seq = seqs;
+      in.target_seq = target_seq;
       in.target_batch = target_batch;
       in.target = target;
       in.capacity_bytes = capacity_bytes;
@@ -154,6 +163,8 @@ TORCH_LIBRARY(gpucast, m) {
   m.class_<MemoryForecasterHolder>("MemoryForecaster")
       .def(torch::init<>())
       .def("add_probe", &MemoryForecasterHolder::add_probe)
+      .def("add_probe_seq", &MemoryForecasterHolder::add_probe_seq)
+      .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
       .def("run", &MemoryForecasterHolder::run);
   m.def("device_table() -> str", [] {
     std::string out;

@@ -231,9 +231,62 @@ std::string structure_difference(const Stream& a, const Trace& ta, const Stream&
 // Size as a function of the batch: exact linear fit when the probes allow, else least-squares quadratic.
 struct Fit {
   double c0 = 0, c1 = 0, c2 = 0;
+  double cl = 0, cbl = 0, cbll = 0;  // sequence-length terms: L, b L, b L^2
   bool linear = true;
-  int64_t at(double b) const { return std::max<int64_t>(0, std::llround(c0 + c1 * b + c2 * b * b)); }
+  int64_t at(double b, double l = 0) const {
+    return std::max<int64_t>(0, std::llround(c0 + c1 * b + c2 * b * b + cl * l + cbl * b * l + cbll * b * l * l));
+  }
 };
+
+// Least squares over {1, b, L, b L, b L^2}; linear = exact at every probe.
+Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l, const std::vector<double>& s) {
+  Fit f;
+  const size_t n = b.size();
+  if (std::all_of(s.begin(), s.end(), [&](double v) { return v == s[0]; })) {
+    f.c0 = s[0];
+    return f;
+  }
+  constexpr int K = 5;
+  auto phi = [&](size_t i) {
+    return std::array<double, K>{1.0, b[i], l[i], b[i] * l[i], b[i] * l[i] * l[i]};
+  };
+  double A[K][K + 1] = {};
+  for (size_t i = 0; i < n; ++i) {
+    const auto p = phi(i);
+    for (int r = 0; r < K; ++r) {
+      for (int c = 0; c < K; ++c) A[r][c] += p[r] * p[c];
+      A[r][K] += p[r] * s[i];
+    }
+  }
+  // Gaussian elimination with partial pivoting; a singular design leaves the unresolved terms at zero.
+  std::array<double, K> x{};
+  int rank_ok = 1;
+  for (int c = 0; c < K; ++c) {
+    int piv = c;
+    for (int r = c + 1; r < K; ++r) {
+      if (std::abs(A[r][c]) > std::abs(A[piv][c])) piv = r;
+    }
+    if (std::abs(A[piv][c]) < 1e-9) {
+      rank_ok = 0;
+      continue;
+    }
+    for (int k = 0; k <= K; ++k) std::swap(A[c][k], A[piv][k]);
+    for (int r = 0; r < K; ++r) {
+      if (r == c) continue;
+      const double m = A[r][c] / A[c][c];
+      for (int k = c; k <= K; ++k) A[r][k] -= m * A[c][k];
+    }
+  }
+  for (int c = 0; c < K; ++c) x[c] = std::abs(A[c][c]) < 1e-9 ? 0.0 : A[c][K] / A[c][c];
+  f.c0 = x[0];
+  f.c1 = x[1];
+  f.cl = x[2];
+  f.cbl = x[3];
+  f.cbll = x[4];
+  for (size_t i = 0; i < n; ++i) f.linear = f.linear && std::abs(f.at(b[i], l[i]) - s[i]) <= 0.5;
+  f.linear = f.linear && rank_ok;
+  return f;
+}
 
 Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   Fit f;
@@ -408,6 +461,7 @@ class Forecaster {
     out_.batch_size = in_.target_batch;
     const int64_t per = per_rank(in_.target_batch);
     out_.per_rank_batch = per;
+    out_.seq_len = in_.target_seq;
     const Planned plan = planned(per, gpu);
     out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
                                                           [](const Entry& e) { return e.alloc; }));
@@ -444,6 +498,17 @@ class Forecaster {
       if (b < 1) GPUCAST_USER_ERROR("forecast: probe batch sizes must be at least 1, got {}", b);
     }
     if (in_.target_batch < 1) GPUCAST_USER_ERROR("forecast: batch_size must be at least 1, got {}", in_.target_batch);
+    if (seq_scaling()) {
+      if (in_.probe_seq.size() != in_.probes.size()) {
+        GPUCAST_USER_ERROR("forecast: {} probe traces but {} probe sequence lengths", in_.probes.size(), in_.probe_seq.size());
+      }
+      for (int64_t l : in_.probe_seq) {
+        if (l < 1) GPUCAST_USER_ERROR("forecast: probe sequence lengths must be at least 1, got {}", l);
+      }
+      if (in_.probes.size() < 5) {
+        GPUCAST_USER_ERROR("forecast: scaling by sequence length needs at least 5 probes, got {}", in_.probes.size());
+      }
+    }
     if (!(in_.safety_fraction > 0.0 && in_.safety_fraction <= 1.0)) {
       GPUCAST_USER_ERROR("forecast: safety fraction must be in (0, 1], got {}", in_.safety_fraction);
     }
@@ -457,6 +522,8 @@ class Forecaster {
     }
   }
 
+  bool seq_scaling() const { return in_.target_seq > 0; }
+
   int64_t per_rank(int64_t global) const {
     const int64_t div = in_.parallel.dp * in_.parallel.micro_batches;
     return std::max<int64_t>(1, global / div);
@@ -465,8 +532,9 @@ class Forecaster {
   void build_model() {
     // The largest probe gives the structure; the others must match it to scale.
     size_t ref = 0;
+    auto size_of_probe = [&](size_t i) { return in_.probe_batch[i] * (seq_scaling() ? in_.probe_seq[i] : 1); };
     for (size_t i = 1; i < in_.probes.size(); ++i) {
-      if (in_.probe_batch[i] > in_.probe_batch[ref]) ref = i;
+      if (size_of_probe(i) > size_of_probe(ref)) ref = i;
     }
     model_.shape = &streams_[ref];
     model_.trace = in_.probes[ref];
@@ -517,12 +585,20 @@ class Forecaster {
           "the probes held different numbers of blocks at the start (the process allocated or freed memory between "
           "them): matched by category");
     }
-    std::vector<double> b;
-    for (size_t i : usable) b.push_back(static_cast<double>(in_.probe_batch[i]));
+    std::vector<double> b, l;
+    for (size_t i : usable) {
+      b.push_back(static_cast<double>(in_.probe_batch[i]));
+      l.push_back(seq_scaling() ? static_cast<double>(in_.probe_seq[i]) : 0.0);
+    }
+    auto fit_any = [&](const std::vector<double>& v) { return seq_scaling() ? fit_batch_and_seq(b, l, v) : fit(b, v); };
+    if (seq_scaling() && usable.size() < 5) {
+      out_.warnings.push_back("scaling by sequence length needs five probes of the same structure: sizes not scaled");
+      out_.scaled = false;
+    }
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       std::vector<double> v;
       for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].initial_bytes[k]));
-      model_.initial_fits.push_back(fit(b, v));
+      model_.initial_fits.push_back(fit_any(v));
     }
     for (size_t k = 0; k < s.entries.size(); ++k) {
       if (!s.entries[k].alloc) {
@@ -531,7 +607,7 @@ class Forecaster {
       }
       std::vector<double> v;
       for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].entries[k].bytes));
-      Fit f = fit(b, v);
+      Fit f = fit_any(v);
       if (!f.linear) ++model_.nonlinear;
       model_.entry_fits.push_back(f);
     }
@@ -559,7 +635,8 @@ class Forecaster {
     const Stream& s = *model_.shape;
     const ParallelConfig& par = in_.parallel;
     const double bb = static_cast<double>(batch);
-    auto size_of = [&](const Fit& f, int64_t fallback) { return out_.scaled ? f.at(bb) : fallback; };
+    const double ll = static_cast<double>(in_.target_seq);
+    auto size_of = [&](const Fit& f, int64_t fallback) { return out_.scaled ? f.at(bb, ll) : fallback; };
     Planned p;
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
@@ -835,6 +912,7 @@ std::string memory_forecast_to_json(const MemoryForecast& f) {
   nlohmann::json j{{"target", f.target},
                    {"batch_size", f.batch_size},
                    {"per_rank_batch", f.per_rank_batch},
+                   {"seq_len", f.seq_len},
                    {"peak_allocated_bytes", f.peak_allocated_bytes},
                    {"peak_reserved_bytes", f.peak_reserved_bytes},
                    {"first_iteration_peak_bytes", f.first_iteration_peak_bytes},

@@ -49,6 +49,7 @@ class MemoryForecast:
     target: str
     batch_size: int
     per_rank_batch: int
+    seq_len: int
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     first_iteration_peak_bytes: int
@@ -165,7 +166,8 @@ def _device_of(batch: Any) -> str:
 def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch_size: int, *,
              model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
-             capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2) -> Forecast:
+             capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
+             seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -175,12 +177,28 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
+
+    With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
+    that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
+    batch sizes (six probes for three batch sizes and three lengths).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"forecast: batch_size must be an integer of at least 1, got {batch_size!r}")
     probes = tuple(probe_batch_sizes)
     if not probes or any(not isinstance(b, int) or b < 1 for b in probes):
         raise ValueError(f"forecast: probe_batch_sizes must be integers of at least 1, got {probes!r}")
+    design = [(b, None) for b in sorted(set(probes))]
+    if seq_len is not None:
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"forecast: seq_len must be an integer of at least 1, got {seq_len!r}")
+        lens = tuple(sorted(set(probe_seq_lens or (max(1, seq_len // 4), max(1, seq_len // 2), seq_len))))
+        if len(lens) < 3 or any(not isinstance(x, int) or x < 1 for x in lens):
+            raise ValueError(f"forecast: probe_seq_lens must be at least 3 distinct integers >= 1, got {lens!r}")
+        bs = sorted(set(probes))
+        if len(bs) < 3:
+            raise ValueError(f"forecast: scaling by sequence length needs 3 probe batch sizes, got {tuple(bs)!r}")
+        # Every batch size at the shortest length, every length at the smallest batch, and one cross point.
+        design = sorted({(b, lens[0]) for b in bs} | {(bs[0], x) for x in lens} | {(bs[1], lens[-1])})
     if iterations not in (1, 2):
         raise ValueError(f"forecast: iterations must be 1 or 2, got {iterations!r}")
     target = str(target)
@@ -202,24 +220,29 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
-        warm = make_batch(min(probes))
+        warm = make_batch(*[x for x in design[0] if x is not None])
         for _ in range(iterations):
             step(warm)
         del warm
         state.restore()
-        for b in sorted(set(probes)):
+        for b, length in design:
             gc.collect()  # garbage freed during a probe would change what it records
-            batch = make_batch(b)
+            batch = make_batch(b) if length is None else make_batch(b, length)
             probe_device = _device_of(batch)
             with trace() as t:
                 for _ in range(iterations):
                     step(batch)
-            forecaster.add_probe(t.result.handle, b)
+            if length is None:
+                forecaster.add_probe(t.result.handle, b)
+            else:
+                forecaster.add_probe_seq(t.result.handle, b, length)
             del batch, t
             state.restore()
     finally:
         state.restore()
     cap = int(capacity) if capacity is not None else 0
+    if seq_len is not None:
+        forecaster.set_target_seq(seq_len)
     text = forecaster.run(batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
                           alloc_conf, cublas, state.own_ptrs(), 0.0)
     memory = MemoryForecast(**json.loads(text))

@@ -179,3 +179,71 @@ TEST(CublasWorkspace, DefaultsAndOverride) {
 
 }  // namespace
 }  // namespace gpucast
+
+namespace gpucast {
+namespace {
+
+// Probe (b, L): an activation of 10 b L + 3 b L^2 bytes (attention weights grow with L^2), a 64 L-byte
+// position buffer, and a 1000-byte parameter held from the start.
+Trace seq_probe(int64_t b, int64_t l) {
+  AssemblyInput in;
+  RawThread th;
+  th.thread = 1;
+  OpRecord fwd;
+  fwd.name = "aten::bmm";
+  fwd.start_seq = 1;
+  fwd.end_seq = 6;
+  OpRecord step;
+  step.name = "Optimizer.step#SGD.step";
+  step.scope = Scope::UserScope;
+  step.phase = Phase::Optimizer;
+  step.start_seq = 7;
+  step.end_seq = 8;
+  th.ops = {fwd, step};
+  auto ev = [](uint64_t seq, uint64_t ptr, int64_t bytes) {
+    MemEvent e;
+    e.seq = seq;
+    e.ptr = ptr;
+    e.bytes = e.block_bytes = bytes;
+    e.device = "cpu";
+    e.op = 0;
+    return e;
+  };
+  th.events = {ev(2, 0x100, 64 * l), ev(3, 0x200, 10 * b * l + 3 * b * l * l),
+               ev(4, 0x200, -(10 * b * l + 3 * b * l * l)), ev(5, 0x100, -64 * l)};
+  th.tags.push_back(Tag{0x10, "cpu", Category::Parameter, 1});
+  in.threads.push_back(th);
+  in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}};
+  return assemble_trace(std::move(in));
+}
+
+TEST(MemoryForecast, ScalesBySequenceLength) {
+  const std::vector<std::pair<int64_t, int64_t>> design = {{2, 8}, {4, 8}, {8, 8}, {2, 16}, {2, 24}, {4, 24}};
+  std::vector<Trace> traces;
+  for (auto [b, l] : design) traces.push_back(seq_probe(b, l));
+  MemoryForecastInput in;
+  for (size_t i = 0; i < design.size(); ++i) {
+    in.probes.push_back(&traces[i]);
+    in.probe_batch.push_back(design[i].first);
+    in.probe_seq.push_back(design[i].second);
+  }
+  in.target_batch = 64;
+  in.target_seq = 100;
+  MemoryForecast f = forecast_memory(in);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_EQ(f.nonlinear_allocations, 0);
+  EXPECT_EQ(f.seq_len, 100);
+  EXPECT_EQ(f.peak_allocated_bytes, 1000 + 64 * 100 + 10 * 64 * 100 + 3 * 64 * 100 * 100);
+  in.probes.resize(4);
+  in.probe_batch.resize(4);
+  in.probe_seq.resize(4);
+  try {
+    forecast_memory(in);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "forecast: scaling by sequence length needs at least 5 probes, got 4");
+  }
+}
+
+}  // namespace
+}  // namespace gpucast

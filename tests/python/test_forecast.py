@@ -246,3 +246,56 @@ print(json.dumps(checkpoint_numbers()))
     assert out.returncode == 0, out.stderr[-3000:]
     measured, forecast = json.loads(out.stdout.strip().splitlines()[-1])
     assert forecast == measured
+
+
+def seq_numbers():
+    """Forecast at (batch 16, length 96) from probes no longer than 48, and the measured run."""
+    def make(n, length):
+        g = torch.Generator().manual_seed(0)
+        t = torch.randint(0, 512, (n, length + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def loss(logits, y):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def build_step():
+        torch.manual_seed(0)
+        model = zoo.GPT(seq_len=128)
+        opt = torch.optim.AdamW(model.parameters())
+        return model, opt, zoo.make_step(model, opt, loss)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, opt, step = build_step()
+        for _ in range(3):
+            b = make(16, 96)
+            step(b)
+            del b
+        del model, opt, step
+    measured = profiler_peak(prof)
+    model, opt, step = build_step()
+    fc = gpucast.forecast(step, make, 16, model=model, optimizer=opt, seq_len=96, probe_seq_lens=(16, 32, 48))
+    return measured, fc.memory.peak_allocated_bytes, fc.memory.seq_len, fc.memory.scaled
+
+
+def test_scaling_by_sequence_length():
+    code = f"""
+import sys, json
+sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
+import torch
+torch.set_num_threads(1)
+from test_forecast import seq_numbers
+print(json.dumps(seq_numbers()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured, forecast, seq_len, scaled = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (seq_len, scaled) == (96, True)
+    assert forecast == measured
+
+
+def test_sequence_scaling_bad_input():
+    case, model, opt, step = fresh("gpt")
+    with pytest.raises(ValueError, match=r"forecast: seq_len must be an integer of at least 1, got 0"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, seq_len=0)
+    with pytest.raises(ValueError, match=r"probe_seq_lens must be at least 3 distinct integers >= 1, got \(8, 16\)"):
+        gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, seq_len=32, probe_seq_lens=(8, 16))

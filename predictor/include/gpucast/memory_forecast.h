@@ -48,6 +48,10 @@ struct MemoryForecastInput {
   std::vector<const Trace*> probes;     // same step at probe_batch sizes
   std::vector<int64_t> probe_batch;
   int64_t target_batch = 0;             // global batch: each rank runs target_batch / (dp * micro_batches)
+  // Sequence-length scaling, when asked: the probes' sequence lengths (one per probe) and the target's. Sizes
+  // are then fitted over {1, b, L, b L, b L^2} (at least five probes with three lengths and three batches).
+  std::vector<int64_t> probe_seq;
+  int64_t target_seq = 0;
   std::string probe_device = "cpu";     // device whose events the probes recorded ("cpu", "cuda:0")
   std::string target = "cpu";           // "cpu" or a device table name
   int64_t capacity_bytes = 0;           // overrides the table's capacity when > 0
@@ -63,6 +67,7 @@ struct MemoryForecast {
   std::string target;
   int64_t batch_size = 0;
   int64_t per_rank_batch = 0;
+  int64_t seq_len = 0;                // target sequence length when scaled by it, else 0
   int64_t peak_allocated_bytes = 0;   // torch.cuda.max_memory_allocated() over the run (cpu: bytes held)
   int64_t peak_reserved_bytes = 0;    // torch.cuda.max_memory_reserved() (cpu: == allocated)
   int64_t first_iteration_peak_bytes = 0;
