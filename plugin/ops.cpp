@@ -9,6 +9,7 @@
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 #include "gpucast/exporters.h"
+#include "gpucast/job.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
 #include "gpucast/trace_json.h"
@@ -166,6 +167,16 @@ TORCH_LIBRARY(gpucast, m) {
       .def("add_probe_seq", &MemoryForecasterHolder::add_probe_seq)
       .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
       .def("run", &MemoryForecasterHolder::run);
+  m.def("predict_job(str job_json) -> str", [](const std::string& text) {
+    return gpucast::translate([&] {
+      gpucast::JobEstimate e = gpucast::analytical_job_estimate(gpucast::job_from_json(text, "job"));
+      e.notes.insert(e.notes.begin(), "no trained job-level model is shipped yet: analytical estimate");
+      return gpucast::job_estimate_to_json(e);
+    });
+  });
+  m.def("validate_job(str job_json) -> str", [](const std::string& text) {
+    return gpucast::translate([&] { return gpucast::job_to_json(gpucast::job_from_json(text, "job")); });
+  });
   m.def("device_table() -> str", [] {
     std::string out;
     for (const auto& d : gpucast::device_table()) {

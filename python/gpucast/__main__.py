@@ -3,6 +3,7 @@
   python -m gpucast run [--target T] [--log FILE] -- train.py args...   run a script with auto mode on
   python -m gpucast report trace.json [--html out.html] [--png out.png] [--snapshot out.pickle]
   python -m gpucast devices                                             the device table
+  python -m gpucast predict-job job.json                                the job-level memory estimate
 """
 from __future__ import annotations
 
@@ -35,6 +36,18 @@ def _report(args) -> int:
     if args.snapshot:
         t.save_memory_snapshot(args.snapshot)
         print(f"wrote {args.snapshot}")
+    return 0
+
+
+def _predict_job(args) -> int:
+    import gpucast
+    e = gpucast.predict_job(args.job)
+    mib = 2**20
+    print(f"{args.job}: {e['bytes'] / mib:,.1f} MiB per rank ({e['method']})")
+    for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes"):
+        print(f"  {k.replace('_bytes', ''):<12} {e[k] / mib:>12,.1f} MiB")
+    for n in e["notes"]:
+        print(f"  note: {n}")
     return 0
 
 
@@ -86,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--png")
     rep.add_argument("--snapshot", help="PyTorch memory-snapshot pickle for torch.cuda._memory_viz / memory_viz")
     sub.add_parser("devices", help="the device table")
+    pj = sub.add_parser("predict-job", help="memory of a job from its description (gpucast.describe writes one)")
+    pj.add_argument("job")
     args = p.parse_args(argv)
     if args.cmd == "run" and args.command and args.command[0] == "--":
         args.command = args.command[1:]
     try:
-        return {"run": _run, "report": _report, "devices": _devices}[args.cmd](args)
+        return {"run": _run, "report": _report, "devices": _devices, "predict-job": _predict_job}[args.cmd](args)
     except (ValueError, OSError) as e:
         print(f"gpucast: {e}", file=sys.stderr)
         return 2

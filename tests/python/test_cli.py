@@ -58,3 +58,17 @@ def test_run_an_unmodified_script_from_another_directory(tmp_path):
     assert "gpucast forecast for H100-80GB, batch 8:" in out.stderr
     rec = json.loads(log.read_text().splitlines()[0])
     assert rec["memory"]["target"] == "H100-80GB" and rec["memory"]["peak_reserved_bytes"] > 0
+
+
+def test_predict_job(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"schema_version": 1, "family": "mlp", "batch_size": 8, "layers": [
+        {"kind": "linear", "dims": [16, 32], "params": 544, "activation_bytes_per_sample": 64}]}))
+    out = cli("predict-job", str(path))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == f"{path}: 0.0 MiB per rank (analytical)"
+    assert "note: no trained job-level model is shipped yet: analytical estimate" in out.stdout
+    path.write_text('{"schema_version": 1, "layers": []}')
+    bad = cli("predict-job", str(path))
+    assert bad.returncode == 2
+    assert "field 'layers' is empty" in bad.stderr

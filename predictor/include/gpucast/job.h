@@ -1,0 +1,63 @@
+// gpucast/job.h: a training job described without its code (what a scheduler sees), and the job-level
+// memory estimate from that description.
+//
+// The description is JSON (schema in README, "Job description"); gpucast.describe(model, make_batch) writes
+// it from a model and one small probe. The analytical estimate counts, from the description alone:
+// parameters, gradients, optimizer state (per optimizer), the input batch, and activations per layer
+// (bytes per sample saved for backward, as the probe measured them; from layer dimensions where it did not).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace gpucast {
+
+inline constexpr int kJobSchemaVersion = 1;
+
+struct JobLayer {
+  std::string kind;                  // linear, conv, norm, embedding, attention, rnn, activation, pool, dropout, other
+  std::string name;                  // module path
+  std::vector<int64_t> dims;         // kind-specific: linear [in, out], conv [in, out, k...], embedding [num, dim], ...
+  int64_t params = 0;                // parameter count
+  int64_t activation_bytes_per_sample = -1;  // measured by describe(); -1: derive from dims
+};
+
+struct JobDescription {
+  int schema_version = kJobSchemaVersion;
+  std::string family;                // mlp, cnn, rnn, transformer-encoder, transformer-decoder, vit, other
+  std::vector<JobLayer> layers;
+  int64_t batch_size = 0;
+  int64_t seq_len = 0;               // tokens per sample (0 if not a sequence model)
+  std::vector<int64_t> input_shape;  // per sample, e.g. [3, 224, 224]
+  int64_t input_bytes_per_sample = 0;
+  std::string dtype = "float32";     // parameter dtype
+  bool autocast = false;
+  std::string optimizer = "adamw";   // sgd, sgd_momentum, adam, adamw, other
+  int64_t grad_accumulation = 1;
+  bool activation_checkpointing = false;
+  int64_t world_size = 1;
+  std::string strategy = "single";   // single, ddp, zero1, zero2, fsdp
+};
+
+// Parses and validates: errors name the field, what was expected and what was given (unknown layer kinds,
+// empty layer lists, absurd sizes, another schema version).
+JobDescription job_from_json(std::string_view text, std::string_view source = "<job>");
+std::string job_to_json(const JobDescription& job);
+
+struct JobEstimate {
+  int64_t bytes = 0;                 // peak bytes of one rank
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_bytes = 0;
+  int64_t activation_bytes = 0;
+  int64_t input_bytes = 0;
+  std::string method;                // "analytical" or "learned"
+  std::vector<std::string> notes;
+};
+
+JobEstimate analytical_job_estimate(const JobDescription& job);
+std::string job_estimate_to_json(const JobEstimate& e);
+
+}  // namespace gpucast

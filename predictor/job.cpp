@@ -1,0 +1,221 @@
+#include "gpucast/job.h"
+
+#include <algorithm>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/error.h"
+
+namespace gpucast {
+namespace {
+
+using nlohmann::json;
+
+const std::set<std::string> kKinds = {"linear", "conv", "norm", "embedding", "attention", "rnn",
+                                      "activation", "pool", "dropout", "other"};
+const std::set<std::string> kFamilies = {"mlp", "cnn", "rnn", "transformer-encoder", "transformer-decoder", "vit",
+                                         "other"};
+const std::set<std::string> kOptimizers = {"sgd", "sgd_momentum", "adam", "adamw", "other"};
+const std::set<std::string> kStrategies = {"single", "ddp", "zero1", "zero2", "fsdp"};
+constexpr int64_t kMaxCount = int64_t{1} << 44;  // 17.6 trillion: anything above is not a real job
+
+std::string join(const std::set<std::string>& s) {
+  std::string out;
+  for (const auto& x : s) out += (out.empty() ? "" : "|") + x;
+  return out;
+}
+
+class Fields {
+ public:
+  explicit Fields(std::string source) : source_(std::move(source)) {}
+
+  [[noreturn]] void fail(const std::string& field, std::string_view expected, const json& got) const {
+    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, field, expected, got.dump());
+  }
+  const json& at(const json& obj, const char* key, const std::string& where) const {
+    if (!obj.contains(key)) GPUCAST_USER_ERROR("{}: missing field '{}{}'", source_, where, key);
+    return obj[key];
+  }
+  int64_t count(const json& obj, const char* key, const std::string& where, int64_t min, int64_t fallback,
+                bool required = false) const {
+    if (!obj.contains(key)) {
+      if (required) GPUCAST_USER_ERROR("{}: missing field '{}{}'", source_, where, key);
+      return fallback;
+    }
+    const json& v = obj[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < min || v.get<int64_t>() > kMaxCount) {
+      fail(where + key, fmt::format("an integer from {} to {}", min, kMaxCount), v);
+    }
+    return v.get<int64_t>();
+  }
+  std::string choice(const json& obj, const char* key, const std::string& where, const std::set<std::string>& allowed,
+                     const std::string& fallback) const {
+    if (!obj.contains(key)) return fallback;
+    const json& v = obj[key];
+    if (!v.is_string() || allowed.count(v.get<std::string>()) == 0) fail(where + key, "one of " + join(allowed), v);
+    return v.get<std::string>();
+  }
+  bool flag(const json& obj, const char* key, const std::string& where) const {
+    if (!obj.contains(key)) return false;
+    if (!obj[key].is_boolean()) fail(where + key, "true or false", obj[key]);
+    return obj[key].get<bool>();
+  }
+  std::vector<int64_t> ints(const json& obj, const char* key, const std::string& where) const {
+    std::vector<int64_t> out;
+    if (!obj.contains(key)) return out;
+    const json& v = obj[key];
+    if (!v.is_array()) fail(where + key, "a list of integers", v);
+    for (const json& x : v) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > kMaxCount) {
+        fail(where + key, "a list of integers from 0 to " + std::to_string(kMaxCount), v);
+      }
+      out.push_back(x.get<int64_t>());
+    }
+    return out;
+  }
+
+ private:
+  std::string source_;
+};
+
+int64_t element_bytes(const std::string& dtype) {
+  if (dtype == "float32") return 4;
+  if (dtype == "float16" || dtype == "bfloat16") return 2;
+  if (dtype == "float64") return 8;
+  GPUCAST_USER_ERROR("job: field 'dtype' should be one of float32|float16|bfloat16|float64, got \"{}\"", dtype);
+}
+
+}  // namespace
+
+JobDescription job_from_json(std::string_view text, std::string_view source) {
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    GPUCAST_USER_ERROR("{}: not a job description: malformed JSON at byte {}", source, e.byte);
+  }
+  if (!j.is_object()) GPUCAST_USER_ERROR("{}: not a job description: expected a JSON object", source);
+  Fields f{std::string(source)};
+  JobDescription job;
+  job.schema_version = static_cast<int>(f.count(j, "schema_version", "", 0, 0, true));
+  if (job.schema_version != kJobSchemaVersion) {
+    GPUCAST_USER_ERROR("{}: job schema_version {} is not supported (reads version {})", source, job.schema_version,
+                       kJobSchemaVersion);
+  }
+  job.family = f.choice(j, "family", "", kFamilies, "other");
+  const json& layers = f.at(j, "layers", "");
+  if (!layers.is_array()) f.fail("layers", "a list of layers", layers);
+  if (layers.empty()) GPUCAST_USER_ERROR("{}: field 'layers' is empty: a job needs at least one layer", source);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string w = fmt::format("layers[{}].", i);
+    const json& l = layers[i];
+    if (!l.is_object()) f.fail(w.substr(0, w.size() - 1), "an object", l);
+    JobLayer layer;
+    layer.kind = f.choice(l, "kind", w, kKinds, "");
+    if (layer.kind.empty()) GPUCAST_USER_ERROR("{}: missing field '{}kind'", source, w);
+    if (l.contains("name")) {
+      if (!l["name"].is_string()) f.fail(w + "name", "a string", l["name"]);
+      layer.name = l["name"].get<std::string>();
+    }
+    layer.dims = f.ints(l, "dims", w);
+    layer.params = f.count(l, "params", w, 0, 0);
+    layer.activation_bytes_per_sample = f.count(l, "activation_bytes_per_sample", w, -1, -1);
+    job.layers.push_back(std::move(layer));
+  }
+  job.batch_size = f.count(j, "batch_size", "", 1, 0, true);
+  job.seq_len = f.count(j, "seq_len", "", 0, 0);
+  job.input_shape = f.ints(j, "input_shape", "");
+  job.input_bytes_per_sample = f.count(j, "input_bytes_per_sample", "", 0, 0);
+  if (j.contains("dtype")) {
+    if (!j["dtype"].is_string()) f.fail("dtype", "a string", j["dtype"]);
+    job.dtype = j["dtype"].get<std::string>();
+    element_bytes(job.dtype);
+  }
+  job.autocast = f.flag(j, "autocast", "");
+  job.optimizer = f.choice(j, "optimizer", "", kOptimizers, "adamw");
+  job.grad_accumulation = f.count(j, "grad_accumulation", "", 1, 1);
+  job.activation_checkpointing = f.flag(j, "activation_checkpointing", "");
+  job.world_size = f.count(j, "world_size", "", 1, 1);
+  job.strategy = f.choice(j, "strategy", "", kStrategies, "single");
+  return job;
+}
+
+std::string job_to_json(const JobDescription& job) {
+  json layers = json::array();
+  for (const JobLayer& l : job.layers) {
+    layers.push_back({{"kind", l.kind}, {"name", l.name}, {"dims", l.dims}, {"params", l.params},
+                      {"activation_bytes_per_sample", l.activation_bytes_per_sample}});
+  }
+  return json{{"schema_version", job.schema_version}, {"family", job.family}, {"layers", layers},
+              {"batch_size", job.batch_size}, {"seq_len", job.seq_len}, {"input_shape", job.input_shape},
+              {"input_bytes_per_sample", job.input_bytes_per_sample}, {"dtype", job.dtype}, {"autocast", job.autocast},
+              {"optimizer", job.optimizer}, {"grad_accumulation", job.grad_accumulation},
+              {"activation_checkpointing", job.activation_checkpointing}, {"world_size", job.world_size},
+              {"strategy", job.strategy}}
+      .dump(1);
+}
+
+JobEstimate analytical_job_estimate(const JobDescription& job) {
+  JobEstimate e;
+  e.method = "analytical";
+  const int64_t elem = element_bytes(job.dtype);
+  int64_t params = 0, param_tensors = 0;
+  for (const JobLayer& l : job.layers) {
+    params += l.params;
+    if (l.params > 0) param_tensors += 2;  // weight and (usually) bias
+  }
+  const int64_t world = std::max<int64_t>(1, job.world_size);
+  const int64_t micro = std::max<int64_t>(1, job.batch_size / (world * std::max<int64_t>(1, job.grad_accumulation)));
+  e.parameter_bytes = params * elem;
+  e.gradient_bytes = params * elem;
+  const int64_t moments = job.optimizer == "sgd" ? 0 : job.optimizer == "sgd_momentum" ? 1 : 2;
+  e.optimizer_bytes = moments * params * elem + (moments == 2 ? 4 * param_tensors : 0);
+  if (job.strategy == "ddp" && world > 1) {
+    e.gradient_bytes *= 2;  // the buckets' copy of the gradients
+    e.notes.push_back("DDP: a second copy of the gradients in its buckets");
+  }
+  if (job.strategy == "zero1" || job.strategy == "zero2" || job.strategy == "fsdp") e.optimizer_bytes /= world;
+  if (job.strategy == "zero2" || job.strategy == "fsdp") e.gradient_bytes /= world;
+  if (job.strategy == "fsdp") e.parameter_bytes /= world;
+  int64_t act_total = 0, act_max = 0, unknown = 0;
+  for (const JobLayer& l : job.layers) {
+    int64_t per_sample = l.activation_bytes_per_sample;
+    if (per_sample < 0) {
+      // From dimensions: a linear layer saves its input (in features per token), others are not derived.
+      const int64_t tokens = std::max<int64_t>(1, job.seq_len);
+      if (l.kind == "linear" && l.dims.size() >= 2) per_sample = l.dims[0] * tokens * elem;
+      else {
+        ++unknown;
+        continue;
+      }
+    }
+    act_total += per_sample * micro;
+    act_max = std::max(act_max, per_sample * micro);
+  }
+  if (unknown > 0) e.notes.push_back(fmt::format("{} layer(s) without an activation size: not counted", unknown));
+  if (job.activation_checkpointing) {
+    // Recomputation keeps one layer's activations plus what crosses checkpoint boundaries (taken as 10 %).
+    e.activation_bytes = act_max + act_total / 10;
+    e.notes.push_back("activation checkpointing: one layer's activations plus 10 % of the rest");
+  } else {
+    e.activation_bytes = act_total;
+  }
+  e.input_bytes = job.input_bytes_per_sample * micro;
+  e.bytes = e.parameter_bytes + e.gradient_bytes + e.optimizer_bytes + e.activation_bytes + e.input_bytes;
+  return e;
+}
+
+std::string job_estimate_to_json(const JobEstimate& e) {
+  return json{{"bytes", e.bytes},
+              {"parameter_bytes", e.parameter_bytes},
+              {"gradient_bytes", e.gradient_bytes},
+              {"optimizer_bytes", e.optimizer_bytes},
+              {"activation_bytes", e.activation_bytes},
+              {"input_bytes", e.input_bytes},
+              {"method", e.method},
+              {"notes", e.notes}}
+      .dump();
+}
+
+}  // namespace gpucast
