@@ -9,6 +9,7 @@ import copy
 import gc
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -225,7 +226,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             step(warm)
         del warm
         state.restore()
-        for b, length in design:
+        show = sys.stderr.isatty()  # progress on a terminal, quiet otherwise
+        for i, (b, length) in enumerate(design, 1):
+            if show:
+                what = f"batch {b}" + (f", length {length}" if length is not None else "")
+                print(f"\rgpucast: probe {i}/{len(design)} ({what})   ", end="", file=sys.stderr, flush=True)
             gc.collect()  # garbage freed during a probe would change what it records
             batch = make_batch(b) if length is None else make_batch(b, length)
             probe_device = _device_of(batch)
@@ -240,6 +245,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             state.restore()
     finally:
         state.restore()
+        if sys.stderr.isatty():
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)

@@ -173,6 +173,7 @@ def test_lightning_trainer_fit(tmp_path):
         warnings.simplefilter("always")
         trainer.fit(LitMLP(), loader)
     m = cb.forecast.memory
+    assert cb.forecast.probe_batch_sizes == (2, 4, 8)  # probed at train start, before the first full step
     assert m.target == "cpu" and m.batch_size == 32 and m.peak_allocated_bytes > 1 * MIB
     assert sum("out-of-memory risk on cpu" in str(x.message) for x in w) == 1
     logger.experiment.flush()
@@ -199,9 +200,10 @@ def test_transformers_trainer_train(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     trainer.train()
     m = cb.forecast.memory
+    assert cb.forecast.probe_batch_sizes == (2, 4, 8)
     assert m.target == "H100-80GB" and m.batch_size == 8 and m.peak_reserved_bytes >= m.peak_allocated_bytes > 0
     entries = [e for e in trainer.state.log_history if "gpucast/forecast_peak_allocated_bytes" in e]
-    assert entries == [{"step": 1, "gpucast/forecast_peak_allocated_bytes": m.peak_allocated_bytes,
+    assert entries == [{"step": 0, "gpucast/forecast_peak_allocated_bytes": m.peak_allocated_bytes,
                         "gpucast/forecast_peak_reserved_bytes": m.peak_reserved_bytes, "gpucast/target": "H100-80GB"}]
     kinds = [json.loads(x)["kind"] for x in (tmp_path / "f.jsonl").read_text().splitlines()]
     assert kinds == ["forecast", "measured", "measured", "measured"]

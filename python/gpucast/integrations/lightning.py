@@ -1,7 +1,8 @@
 """Lightning: trainer = Trainer(callbacks=[GpucastCallback(target="H100-80GB")]).
 
-Traces the first training step, forecasts the run, warns (or raises with on_risk="raise") before the second
-step when it will not fit, and logs forecast and measured peaks to the trainer's logger (TensorBoard, MLflow,
+At train start, probes training_step on slices of the first batch and forecasts the run; warns (or raises with
+on_risk="raise") before the first full step when it will not fit (where probing cannot run, it traces the first
+step and judges before the second); logs forecast and measured peaks to the trainer's logger (TensorBoard, MLflow,
 W&B) and to gpucast.log_to() targets. Acts on rank 0 only.
 """
 from __future__ import annotations
@@ -13,13 +14,7 @@ try:
 except ImportError:
     from pytorch_lightning.callbacks import Callback
 
-from ._first_step import CallbackBase
-
-
-def _batch_size(batch: Any) -> int:
-    from .._trace import _flatten
-    tensors = _flatten(batch, [])
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+from ._first_step import CallbackBase, batch_size_of
 
 
 def _experiments(trainer) -> list:
@@ -36,9 +31,24 @@ def _experiments(trainer) -> list:
 
 
 class GpucastCallback(CallbackBase, Callback):
+    def on_train_start(self, trainer, pl_module):
+        if not trainer.is_global_zero or not trainer.optimizers:
+            return
+        first = trainer.strategy.batch_to_device(next(iter(trainer.train_dataloader)))
+        opt = trainer.optimizers[0]
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            out = pl_module.training_step(batch, 0)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss.backward()
+            opt.step()
+
+        self.state.at_train_start(step, first, pl_module, opt, _experiments(trainer))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.is_global_zero:
-            self.state.begin(_batch_size(batch))
+            self.state.begin(batch_size_of(batch))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not trainer.is_global_zero:
