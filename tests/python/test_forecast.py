@@ -51,31 +51,35 @@ def profiler_peak(prof):
     return peak
 
 
-def in_fresh_process(name, batch, optimizer):
-    """Measure, then forecast, in a new process: the CPU target counts everything the process holds, so earlier
-    tests' leftovers must not be there."""
+def run_fresh(call: str):
+    """Evaluate `call` (an expression over this module) in a new process and return its JSON result: the CPU
+    target counts everything the process holds, so earlier tests' leftovers must not be there."""
     code = f"""
 import sys, json
 sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
 import torch
 torch.set_num_threads(1)
-import gpucast
-from test_forecast import fresh, measured_peak
-measured = measured_peak({name!r}, {batch}, optimizer={optimizer!r})
-case, model, opt, step = fresh({name!r}, {optimizer!r})
-fc = gpucast.forecast(step, case.make_batch, {batch}, model=model, optimizer=opt, target="cpu")
-print(json.dumps([measured, fc.memory.peak_allocated_bytes, fc.memory.peak_reserved_bytes,
-                  sum(fc.memory.breakdown.values()), fc.memory.scaled]))
+import test_forecast
+print(json.dumps(test_forecast.{call}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def forecast_and_measure(name, batch, optimizer):
+    measured = measured_peak(name, batch, optimizer=optimizer)
+    case, model, opt, step = fresh(name, optimizer)
+    fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu")
+    return [measured, fc.memory.peak_allocated_bytes, fc.memory.peak_reserved_bytes,
+            sum(fc.memory.breakdown.values()), fc.memory.scaled]
+
+
 @pytest.mark.parametrize("name,batch,optimizer", [("mlp", 128, "adamw"), ("gpt", 24, "adamw"), ("cnn", 32, "sgd"),
                                                   ("lstm", 48, "adamw")])
 def test_cpu_forecast_equals_the_measured_run(name, batch, optimizer):
-    measured, allocated, reserved, breakdown_total, scaled = in_fresh_process(name, batch, optimizer)
+    measured, allocated, reserved, breakdown_total, scaled = run_fresh(
+        f"forecast_and_measure({name!r}, {batch}, {optimizer!r})")
     assert scaled
     assert allocated == measured
     assert reserved == measured
@@ -234,17 +238,7 @@ def checkpoint_numbers():
 
 
 def test_checkpointing_and_autocast_are_taken_from_the_trace():
-    code = f"""
-import sys, json
-sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
-import torch
-torch.set_num_threads(1)
-from test_forecast import checkpoint_numbers
-print(json.dumps(checkpoint_numbers()))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    measured, forecast = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, forecast = run_fresh("checkpoint_numbers()")
     assert forecast == measured
 
 
@@ -278,17 +272,7 @@ def seq_numbers():
 
 
 def test_scaling_by_sequence_length():
-    code = f"""
-import sys, json
-sys.path[:0] = {[str(ROOT), str(ROOT / 'python'), str(ROOT / 'tests' / 'python')]!r}
-import torch
-torch.set_num_threads(1)
-from test_forecast import seq_numbers
-print(json.dumps(seq_numbers()))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    measured, forecast, seq_len, scaled = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, forecast, seq_len, scaled = run_fresh("seq_numbers()")
     assert (seq_len, scaled) == (96, True)
     assert forecast == measured
 
