@@ -167,6 +167,7 @@ class Logger:
         self.step = 0
         self.memory = None
         self._hook = None
+        self._last_step_time: float | None = None
 
     def log_forecast(self, forecast) -> None:
         memory = getattr(forecast, "memory", forecast)
@@ -174,12 +175,17 @@ class Logger:
         self.memory = memory
         self._each(lambda a: a.forecast(fc_dict, memory))
         self.step = 0
+        self._last_step_time = time.perf_counter()
         measured_peak(reset=True)
         if self._hook is None and self.steps > 0:
             self._hook = _optimizer_module.register_optimizer_step_post_hook(self._after_step)
 
     def log_measured(self, step: int) -> None:
         values = measured_peak(reset=True)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            values["gpucast/measured_step_ms"] = (now - self._last_step_time) * 1e3
+        self._last_step_time = now
         if self.memory is not None:
             values.update(_scalars(self.memory))
         self._each(lambda a: a.measured(values, step))
