@@ -138,6 +138,7 @@ def test_json_lines_and_a_tracker_without_a_run(tmp_path, monkeypatch):
     assert [x["kind"] for x in lines] == ["forecast", "measured", "measured"]
     assert lines[0]["memory"]["peak_allocated_bytes"] == fc.memory.peak_allocated_bytes
     assert lines[1]["gpucast/forecast_peak_allocated_mib"] == pytest.approx(fc.memory.peak_allocated_bytes / MIB)
+    assert lines[1]["gpucast/measured_step_ms"] > 0 and lines[2]["gpucast/measured_step_ms"] > 0
 
 
 def test_unwritable_jsonl_path_is_named():
