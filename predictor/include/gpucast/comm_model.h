@@ -1,0 +1,42 @@
+// gpucast/comm_model.h: the cost of collectives, from alpha-beta models per algorithm.
+//
+// Ring all-reduce over N ranks moves 2(N-1)/N of the message over each link and takes 2(N-1) latency steps:
+//   T = 2(N-1)/N * S / B + 2(N-1) * alpha
+// (ScaleDL's T_comm). Tree all-reduce: 2 log2(N) steps of the whole message (pipelined: S / B + 2 log2 N alpha).
+// A link's alpha and B come from a documented table or are fitted on measurements (nccl-tests output, or
+// gpucast.calibrate() on a live process group).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gpucast {
+
+struct Link {
+  double alpha_us = 0.0;        // latency per step
+  double bytes_per_us = 0.0;    // bandwidth of one link (bus bandwidth as nccl-tests reports it)
+};
+
+enum class Algorithm { Ring, Tree };
+
+// Time of one all-reduce of `bytes` over `ranks` ranks.
+double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo = Algorithm::Ring);
+// Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
+double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
+double all_gather_us(double bytes, int64_t ranks, const Link& link);
+
+struct CollectiveSample {
+  double bytes = 0.0;
+  double us = 0.0;
+};
+
+// Least-squares fit of a ring all-reduce link to measured times (weighted by 1/time, so that small and large
+// messages count alike). Throws UserError for fewer than two samples or a non-positive fit.
+Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ranks);
+
+// nccl-tests all_reduce_perf output as vTrain stores it: "size(B),count,type,time(ns),busbw(GB/s),..." (the
+// first time column is out-of-place). Errors name the path and the line.
+std::vector<CollectiveSample> parse_nccl_tests_csv(const std::string& text, const std::string& source);
+
+}  // namespace gpucast

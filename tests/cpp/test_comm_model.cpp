@@ -1,0 +1,70 @@
+// Collective cost models: formulas by hand, and a fit to nccl-tests measurements of A100 all-reduce (vTrain).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "gpucast/comm_model.h"
+#include "gpucast/error.h"
+
+namespace gpucast {
+namespace {
+
+TEST(CommModel, RingAllReduceByHand) {
+  const Link link{5.0, 100.0};  // 5 us per step, 100 bytes per us
+  // 4 ranks, 1000 bytes: 2*3/4*1000/100 = 15 us of transfer, 6 steps * 5 us = 30 us.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, link), 45.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 1, link), 0.0);
+  // Tree: 1000/100 + 2*log2(4)*5 = 30 us.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, link, Algorithm::Tree), 30.0);
+  EXPECT_DOUBLE_EQ(reduce_scatter_us(1000, 4, link), 7.5 + 15.0);
+  EXPECT_DOUBLE_EQ(all_gather_us(1000, 4, link), 22.5);
+}
+
+TEST(CommModel, FitRecoversAKnownLink) {
+  const Link truth{12.0, 250.0};
+  std::vector<CollectiveSample> samples;
+  for (double s = 1 << 20; s <= (1 << 30); s *= 2) samples.push_back({s, allreduce_us(s, 8, truth)});
+  const Link fit = fit_ring_allreduce(samples, 8);
+  EXPECT_NEAR(fit.alpha_us, 12.0, 1e-6);
+  EXPECT_NEAR(fit.bytes_per_us, 250.0, 1e-6);
+  EXPECT_THROW(fit_ring_allreduce({{1, 1}}, 8), UserError);
+}
+
+TEST(CommModel, BadNcclTestsLinesAreNamed) {
+  try {
+    parse_nccl_tests_csv("size(B),count,type,time(ns)\n1048576,262144\n", "ar.csv");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "ar.csv: line 2: expected size(B),count,type,time(ns),...; got '1048576,262144'");
+  }
+}
+
+// vTrain's nccl-tests tables for 2-8 A100s in one node: the fitted ring model over 1 MiB - 1 GiB.
+TEST(CommModel, A100AllReduceTablesFitWithinTenPercent) {
+  const std::filesystem::path dir = std::filesystem::path(GPUCAST_TEST_DATA) / "../../../shared/data/vtrain/trace/a100";
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "../shared/data not present";
+  for (int n = 2; n <= 8; ++n) {
+    const auto path = dir / ("AR_GPU" + std::to_string(n) + "_1M_1024M_LUT");
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const auto samples = parse_nccl_tests_csv(ss.str(), path.string());
+    ASSERT_EQ(samples.size(), 1024u) << path;
+    const Link link = fit_ring_allreduce(samples, n);
+    double worst = 0, sum = 0;
+    for (const auto& s : samples) {
+      const double err = std::abs(allreduce_us(s.bytes, n, link) - s.us) / s.us;
+      worst = std::max(worst, err);
+      sum += err;
+    }
+    const double mean = sum / static_cast<double>(samples.size());
+    EXPECT_LT(mean, 0.10) << n << " GPUs: mean relative error " << mean;
+    RecordProperty("gpus_" + std::to_string(n) + "_mean_rel_err", std::to_string(mean));
+    RecordProperty("gpus_" + std::to_string(n) + "_max_rel_err", std::to_string(worst));
+  }
+}
+
+}  // namespace
+}  // namespace gpucast
