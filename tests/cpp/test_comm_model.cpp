@@ -42,7 +42,7 @@ TEST(CommModel, BadNcclTestsLinesAreNamed) {
 }
 
 // vTrain's nccl-tests tables for 2-8 A100s in one node: the fitted ring model over 1 MiB - 1 GiB.
-TEST(CommModel, A100AllReduceTablesFitWithinTenPercent) {
+TEST(CommModel, A100AllReduceTablesFitWithinTwoAndAHalfPercentOnAverage) {
   const std::filesystem::path dir = std::filesystem::path(GPUCAST_TEST_DATA) / "../../../shared/data/vtrain/trace/a100";
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "../shared/data not present";
   for (int n = 2; n <= 8; ++n) {
@@ -60,7 +60,7 @@ TEST(CommModel, A100AllReduceTablesFitWithinTenPercent) {
       sum += err;
     }
     const double mean = sum / static_cast<double>(samples.size());
-    EXPECT_LT(mean, 0.10) << n << " GPUs: mean relative error " << mean;
+    EXPECT_LT(mean, 0.025) << n << " GPUs: mean relative error " << mean;  // measured: 1.3-1.8 %
     RecordProperty("gpus_" + std::to_string(n) + "_mean_rel_err", std::to_string(mean));
     RecordProperty("gpus_" + std::to_string(n) + "_max_rel_err", std::to_string(worst));
   }
