@@ -9,6 +9,7 @@
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 #include "gpucast/exporters.h"
+#include "gpucast/comm_model.h"
 #include "gpucast/job.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
@@ -177,6 +178,17 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("validate_job(str job_json) -> str", [](const std::string& text) {
     return gpucast::translate([&] { return gpucast::job_to_json(gpucast::job_from_json(text, "job")); });
   });
+  m.def("fit_allreduce(float[] bytes, float[] us, int ranks) -> float[]",
+        [](const std::vector<double>& bytes, const std::vector<double>& us, int64_t ranks) {
+          return gpucast::translate([&] {
+            TORCH_CHECK_VALUE(bytes.size() == us.size(), "fit_allreduce: ", bytes.size(), " sizes but ", us.size(),
+                              " times");
+            std::vector<gpucast::CollectiveSample> samples;
+            for (size_t i = 0; i < bytes.size(); ++i) samples.push_back({bytes[i], us[i]});
+            const gpucast::Link link = gpucast::fit_ring_allreduce(samples, ranks);
+            return std::vector<double>{link.alpha_us, link.bytes_per_us};
+          });
+        });
   m.def("device_table() -> str", [] {
     std::string out;
     for (const auto& d : gpucast::device_table()) {

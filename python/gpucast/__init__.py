@@ -14,10 +14,11 @@ from ._auto import OutOfMemoryRisk, OutOfMemoryRiskWarning  # noqa: E402
 from . import _auto  # noqa: E402
 from .trackers import log_to  # noqa: E402
 from ._job import describe, predict_job  # noqa: E402
+from ._calibrate import calibrate  # noqa: E402
 
 _auto.maybe_start()
 
 __version__ = __import__("torch").ops.gpucast.version()
 
-__all__ = ["OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "library_path", "log_to", "load_trace", "predict_job", "trace",
+__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "library_path", "log_to", "load_trace", "predict_job", "trace",
            "trace_options", "__version__"]

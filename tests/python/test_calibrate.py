@@ -1,0 +1,69 @@
+"""gpucast.calibrate() on a real gloo process group over loopback (two processes, one thread each)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpucast
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = """
+import json, os, sys, time
+sys.path[:0] = [{root!r}, {python!r}]
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+import gpucast
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if {mode!r} == "hang" and rank == 1:
+    time.sleep(8)  # never joins the collective
+    sys.exit(0)
+try:
+    r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
+    out = r
+except Exception as e:
+    out = {{"error": type(e).__name__ + ": " + str(e)}}
+if rank == 0:
+    print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(tmp_path, mode, timeout):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(root=str(ROOT), python=str(ROOT / "python"), port=free_port(), mode=mode,
+                                    timeout=timeout))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def test_calibrate_fits_a_link_on_gloo(tmp_path):
+    r = run_pair(tmp_path, "ok", 60)
+    assert r["ranks"] == 2 and r["backend"] == "gloo"
+    assert [s["bytes"] for s in r["samples"]] == [2**16, 2**18, 2**20, 2**22]
+    assert r["bytes_per_us"] > 0 and r["alpha_us"] >= 0
+
+
+def test_a_collective_that_hangs_times_out(tmp_path):
+    r = run_pair(tmp_path, "hang", 2)
+    assert r["error"].startswith("TimeoutError: gpucast.calibrate: an all-reduce of 65536 bytes did not complete "
+                                 "within 2 s on 2 ranks (gloo)"), r
+
+
+def test_without_a_process_group():
+    with pytest.raises(RuntimeError, match=r"gpucast.calibrate: torch.distributed is not initialized; call "
+                                           r"torch.distributed.init_process_group"):
+        gpucast.calibrate()
