@@ -43,7 +43,7 @@ TEST(CommModel, BadNcclTestsLinesAreNamed) {
 
 // vTrain's nccl-tests tables for 2-8 A100s in one node: the fitted ring model over 1 MiB - 1 GiB.
 TEST(CommModel, A100AllReduceTablesFitWithinTwoAndAHalfPercentOnAverage) {
-  const std::filesystem::path dir = std::filesystem::path(GPUCAST_TEST_DATA) / "../../../shared/data/vtrain/trace/a100";
+  const std::filesystem::path dir = std::filesystem::path(GPUCAST_SHARED_DATA) / "vtrain/trace/a100";
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << "../shared/data not present";
   for (int n = 2; n <= 8; ++n) {
     const auto path = dir / ("AR_GPU" + std::to_string(n) + "_1M_1024M_LUT");
