@@ -4,6 +4,11 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
 #include <optional>
 
 #include "gpucast/config.h"
@@ -11,14 +16,29 @@
 #include "gpucast/exporters.h"
 #include "gpucast/comm_model.h"
 #include "gpucast/job.h"
+#include "gpucast/job_features.h"
+#include "gpucast/job_model.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
 #include "gpucast/tracer.h"
 
+#include <fmt/ranges.h>
+
 namespace gpucast {
 namespace {
+
+// The learned job model's weights: $GPUCAST_JOB_WEIGHTS, else data/job_memory.gcw beside this library's lib/
+// directory (the installed package and the build tree both lay it out so).
+std::string default_job_weights() {
+  if (const char* env = std::getenv("GPUCAST_JOB_WEIGHTS"); env != nullptr && *env != '\0') return env;
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&default_job_weights), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::error_code ec;
+  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
+  return (lib.parent_path().parent_path() / "data" / "job_memory.gcw").string();
+}
 
 template <typename F>
 auto translate(F&& f) -> decltype(f()) {
@@ -55,6 +75,28 @@ struct TraceHolder : torch::CustomClassHolder {
   std::string memory_snapshot_json() const { return trace_to_memory_snapshot_json(get()); }
   std::string memory_series(const std::string& device) const { return memory_series_json(get(), device); }
   int64_t num_ops() const { return static_cast<int64_t>(get().ops.size()); }
+  // Bytes of the activation blocks (saved for backward) each module allocated: what gpucast.describe() needs,
+  // without building the whole trace document.
+  std::string activation_bytes_by_module() const {
+    const Trace& t = get();
+    std::map<std::string, int64_t> by;
+    for (const Allocation& a : t.allocations) {
+      if (a.category == Category::Activation && a.alloc_op >= 0 && a.alloc_op < static_cast<int64_t>(t.ops.size())) {
+        by[t.ops[a.alloc_op].module] += a.block_bytes;
+      }
+    }
+    std::string out = "{";
+    for (const auto& [m, b] : by) {
+      std::string q = "\"";
+      for (unsigned char c : m) {
+        if (c == '"' || c == '\\') q += '\\', q += static_cast<char>(c);
+        else if (c < 0x20) q += fmt::format("\\u{:04x}", c);
+        else q += static_cast<char>(c);
+      }
+      out += (out.size() > 1 ? "," : "") + q + "\":" + std::to_string(b);
+    }
+    return out + "}";
+  }
   int64_t num_events() const { return static_cast<int64_t>(get().events.size()); }
 };
 
@@ -160,6 +202,7 @@ TORCH_LIBRARY(gpucast, m) {
       .def("memory_snapshot_json", &TraceHolder::memory_snapshot_json)
       .def("memory_series", &TraceHolder::memory_series)
       .def("num_ops", &TraceHolder::num_ops)
+      .def("activation_bytes_by_module", &TraceHolder::activation_bytes_by_module)
       .def("num_events", &TraceHolder::num_events);
   using gpucast::MemoryForecasterHolder;
   m.class_<MemoryForecasterHolder>("MemoryForecaster")
@@ -168,11 +211,27 @@ TORCH_LIBRARY(gpucast, m) {
       .def("add_probe_seq", &MemoryForecasterHolder::add_probe_seq)
       .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
       .def("run", &MemoryForecasterHolder::run);
-  m.def("predict_job(str job_json) -> str", [](const std::string& text) {
+  m.def("predict_job(str job_json, str? weights=None) -> str",
+        [](const std::string& text, std::optional<std::string> weights) {
+          return gpucast::translate([&] {
+            const gpucast::JobDescription job = gpucast::job_from_json(text, "job");
+            return gpucast::job_estimate_to_json(
+                gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
+          });
+        });
+  m.def("job_weights_path() -> str", [] { return gpucast::default_job_weights(); });
+  m.def("job_features(str job_json) -> str", [](const std::string& text) {
     return gpucast::translate([&] {
-      gpucast::JobEstimate e = gpucast::analytical_job_estimate(gpucast::job_from_json(text, "job"));
-      e.notes.insert(e.notes.begin(), "no trained job-level model is shipped yet: analytical estimate");
-      return gpucast::job_estimate_to_json(e);
+      const gpucast::JobFeatures f = gpucast::job_features(gpucast::job_from_json(text, "job"));
+      std::string out = fmt::format("{{\"layer_names\":[\"{}\"],\"job_names\":[\"{}\"],\"analytic_bytes\":{},",
+                                    fmt::join(gpucast::layer_feature_names(), "\",\""),
+                                    fmt::join(gpucast::job_feature_names(), "\",\""), f.analytic_bytes);
+      out += fmt::format("\"job\":[{}],\"layers\":[", fmt::join(f.job_features, ","));
+      for (int64_t i = 0; i < f.layers; ++i) {
+        auto row = f.layer_features.begin() + i * gpucast::kLayerFeatures;
+        out += fmt::format("{}[{}]", i ? "," : "", fmt::join(row, row + gpucast::kLayerFeatures, ","));
+      }
+      return out + "]}";
     });
   });
   m.def("validate_job(str job_json) -> str", [](const std::string& text) {

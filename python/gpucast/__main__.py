@@ -41,7 +41,7 @@ def _report(args) -> int:
 
 def _predict_job(args) -> int:
     import gpucast
-    e = gpucast.predict_job(args.job)
+    e = gpucast.predict_job(args.job, weights=args.weights)
     mib = 2**20
     print(f"{args.job}: {e['bytes'] / mib:,.1f} MiB per rank ({e['method']})")
     for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes"):
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("devices", help="the device table")
     pj = sub.add_parser("predict-job", help="memory of a job from its description (gpucast.describe writes one)")
     pj.add_argument("job")
+    pj.add_argument("--weights", help="weights of the learned model (default: $GPUCAST_JOB_WEIGHTS, else the "
+                                      "shipped ones); when they do not load, the analytical estimate answers")
     args = p.parse_args(argv)
     if args.cmd == "run" and args.command and args.command[0] == "--":
         args.command = args.command[1:]

@@ -86,11 +86,7 @@ def describe(model: torch.nn.Module, make_batch: Callable[[int], Any], batch_siz
         loss.backward()
     model.zero_grad(set_to_none=True)
     root = type(model).__name__
-    per_module: dict[str, int] = {}
-    ops = t.ops
-    for a in t.allocations:
-        if a.category == "activation" and a.alloc_op >= 0:
-            per_module[ops[a.alloc_op].module] = per_module.get(ops[a.alloc_op].module, 0) + a.block_bytes
+    per_module: dict[str, int] = json.loads(t.result._h.activation_bytes_by_module())
     layers = []
     for name, m in model.named_modules():
         if any(True for _ in m.children()):
@@ -116,16 +112,25 @@ def describe(model: torch.nn.Module, make_batch: Callable[[int], Any], batch_siz
             "world_size": world_size, "strategy": strategy}
 
 
-def predict_job(job: dict | str) -> dict:
-    """Peak memory of one rank from a job description (dict, JSON text, or a path to a JSON file)."""
+def _job_text(job: dict | str) -> str:
     if isinstance(job, dict):
-        text = json.dumps(job)
-    elif isinstance(job, str) and job.lstrip().startswith("{"):
-        text = job
-    else:
-        try:
-            with open(job, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise OSError(f"cannot read '{job}': {e.strerror}") from e
-    return json.loads(torch.ops.gpucast.predict_job(text))
+        return json.dumps(job)
+    if isinstance(job, str) and job.lstrip().startswith("{"):
+        return job
+    try:
+        with open(job, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise OSError(f"cannot read '{job}': {e.strerror}") from e
+
+
+def predict_job(job: dict | str, weights: str | None = None) -> dict:
+    """Peak memory of one rank from a job description (dict, JSON text, or a path to a JSON file).
+
+    The learned model (BiGRU-optimized Transformer) answers when its weights load: `weights`, else
+    $GPUCAST_JOB_WEIGHTS, else the weights shipped with gpucast. When they are missing, truncated or of another
+    version, the analytical estimate answers instead and result["notes"][0] says why; result["method"] is
+    "learned" or "analytical". A bad job description raises ValueError naming the field."""
+    text = _job_text(job)
+    out = torch.ops.gpucast.predict_job(text, weights) if weights is not None else torch.ops.gpucast.predict_job(text)
+    return json.loads(out)

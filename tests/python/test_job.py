@@ -23,8 +23,9 @@ def test_describe_a_decoder():
     assert all(p.grad is None for p in model.parameters())  # the probe's gradients are discarded
     # Valid as written; the estimate is the sum of its parts.
     assert json.loads(torch.ops.gpucast.validate_job(json.dumps(job)))["layers"] == job["layers"]
-    e = gpucast.predict_job(job)
+    e = gpucast.predict_job(job, weights="")  # the analytical estimate, explicitly
     assert e["method"] == "analytical"
+    assert e["notes"][0] == "learned model unavailable: no weights file for the learned model; analytical estimate"
     assert e["bytes"] == sum(e[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes",
                                             "activation_bytes", "input_bytes"))
     params = sum(p.numel() * 4 for p in model.parameters())
@@ -60,9 +61,9 @@ def test_missing_job_file_is_named(tmp_path):
 
 
 def test_estimate_by_hand():
-    e = gpucast.predict_job(job(optimizer="sgd_momentum", input_bytes_per_sample=64))
+    e = gpucast.predict_job(job(optimizer="sgd_momentum", input_bytes_per_sample=64), weights="")
     # params 544 x 4 B; gradients the same; one momentum buffer; 8 samples x 64 B activations and inputs.
     assert (e["parameter_bytes"], e["gradient_bytes"], e["optimizer_bytes"]) == (2176, 2176, 2176)
     assert (e["activation_bytes"], e["input_bytes"], e["bytes"]) == (512, 512, 2176 * 3 + 1024)
-    ddp = gpucast.predict_job(job(optimizer="sgd", world_size=2, strategy="ddp", batch_size=16))
+    ddp = gpucast.predict_job(job(optimizer="sgd", world_size=2, strategy="ddp", batch_size=16), weights="")
     assert ddp["gradient_bytes"] == 2 * 2176 and ddp["activation_bytes"] == 512

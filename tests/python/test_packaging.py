@@ -1,5 +1,6 @@
 """pip install --no-build-isolation builds the plugin against the installed torch; the package then works from
 anywhere, and refuses, with a message that says how to rebuild, a torch other than the one it was built with."""
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ def test_pip_install_then_run_from_another_directory(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     assert (target / "gpucast" / "lib" / "libgpucast.so").is_file()
     assert (target / "gpucast" / "_build_info.py").is_file()
+    assert (target / "gpucast" / "data" / "job_memory.gcw").is_file()
     env = dict(os.environ, PYTHONPATH=str(target))
     for k in ("GPUCAST_LIBRARY", "GPUCAST_CONF", "GPUCAST_LOG"):
         env.pop(k, None)
@@ -37,6 +39,14 @@ def test_pip_install_then_run_from_another_directory(tmp_path):
                            env=env, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip() == str(target / "gpucast" / "lib" / "libgpucast.so")
+    # The installed package answers job-level predictions with its shipped weights.
+    job = elsewhere / "job.json"
+    job.write_text(json.dumps({"schema_version": 1, "family": "mlp", "batch_size": 8, "layers": [
+        {"kind": "linear", "dims": [16, 32], "params": 544, "activation_bytes_per_sample": 64}]}))
+    pj = subprocess.run([sys.executable, "-m", "gpucast", "predict-job", str(job)], cwd=elsewhere, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert pj.returncode == 0, pj.stderr
+    assert pj.stdout.splitlines()[0].endswith("MiB per rank (learned)")
     # The example finds gpucast installed (no source-tree fallback needed) and runs with auto mode on.
     run = subprocess.run([sys.executable, "-m", "gpucast", "run", "--target", "A100-80GB", "--",
                           str(ROOT / "examples" / "gpt.py"), "--no-trace", "--steps", "2"],

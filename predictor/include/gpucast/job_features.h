@@ -1,0 +1,73 @@
+// gpucast/job_features.h: the numbers the job-level memory model reads from a job description, and the
+// versioned file its weights live in. Plain C++ (no torch): the learned model, the training program and the
+// benchmark's baselines all read the same features.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gpucast/job.h"
+
+namespace gpucast {
+
+// Bumped whenever a feature is added, removed or changes meaning: weights record the version they were
+// trained on and are refused by a gpucast that computes other features.
+inline constexpr int kJobFeatureVersion = 1;
+inline constexpr int64_t kMaxJobLayers = 4096;  // more leaf layers than this is not a real model
+
+// Per layer (one row per layer, in model order):
+//   kind one-hot (10: linear conv norm embedding attention rnn activation pool dropout other),
+//   log1p(params), log1p(activation bytes per sample), activation known (0/1),
+//   log1p(activation bytes of the micro-batch), log1p(dims[0]), log1p(dims[1]), log1p(product of dims[2:]),
+//   position in the model (0..1).
+// Per job: log1p of batch, micro-batch, sequence length, input bytes of the micro-batch; bytes per element;
+//   autocast; optimizer one-hot (5: sgd sgd_momentum adam adamw other); log2(gradient accumulation);
+//   activation checkpointing; log1p(world size); strategy one-hot (5: single ddp zero1 zero2 fsdp);
+//   log1p(total params); log1p(layer count); log1p of the analytical estimate's parameter, gradient, optimizer,
+//   activation and total bytes.
+struct JobFeatures {
+  int64_t layers = 0;                // rows of layer_features
+  std::vector<float> layer_features;  // layers x kLayerFeatures, row-major
+  std::vector<float> job_features;    // kJobFeatures
+  double log_analytic_bytes = 0;      // log of the analytical estimate (the model predicts a correction to it)
+  int64_t analytic_bytes = 0;
+};
+
+inline constexpr int kLayerFeatures = 18;
+inline constexpr int kJobFeatures = 26;
+
+const std::vector<std::string>& layer_feature_names();
+const std::vector<std::string>& job_feature_names();
+
+// Validates what the model needs beyond job_from_json (layer count within kMaxJobLayers) and computes the
+// features; errors name the field.
+JobFeatures job_features(const JobDescription& job);
+
+// ---- Weights file -------------------------------------------------------------------------------------------
+// Layout (little-endian): 8 bytes magic "GPUCASTJ"; uint32 format version (kWeightsFormatVersion); uint32 header
+// length and the header (JSON: model name, feature version, hyperparameters, normalisation, training metadata);
+// uint32 tensor count; per tensor: uint32 name length, name, uint32 rank, int64 dims, float32 data; uint64 FNV-1a
+// checksum of everything before it.
+inline constexpr uint32_t kWeightsFormatVersion = 1;
+
+struct WeightsTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+struct WeightsFile {
+  std::string header_json;           // free-form JSON object (the model's own fields are checked by the model)
+  std::vector<WeightsTensor> tensors;
+};
+
+// Writes atomically (a temporary file renamed over `path`).
+void write_weights_file(const std::string& path, const WeightsFile& w);
+// Validates magic, version, sizes and checksum; errors name the path, what was expected and what was found,
+// and say how to get a good file.
+WeightsFile read_weights_file(const std::string& path);
+
+}  // namespace gpucast

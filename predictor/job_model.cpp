@@ -1,0 +1,419 @@
+// The learned job-level memory model: LibTorch nn, trained by gpucast-train, loaded by the plugin.
+#include "gpucast/job_model.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "gpucast/error.h"
+#include "gpucast/job_features.h"
+
+namespace gpucast {
+namespace {
+
+using nlohmann::json;
+namespace nn = torch::nn;
+
+struct NetImpl : nn::Module {
+  explicit NetImpl(const JobModelConfig& c) {
+    const int64_t d = c.d_model;
+    proj = register_module("proj", nn::Linear(kLayerFeatures, d));
+    gru = register_module("gru", nn::GRU(nn::GRUOptions(d, d).batch_first(true).bidirectional(true)));
+    encoder = register_module(
+        "encoder", nn::TransformerEncoder(nn::TransformerEncoderOptions(
+                                              nn::TransformerEncoderLayerOptions(2 * d, c.heads)
+                                                  .dim_feedforward(4 * d)
+                                                  .dropout(c.dropout),
+                                              c.encoder_layers)));
+    job_mlp = register_module("job_mlp", nn::Linear(kJobFeatures, d));
+    head1 = register_module("head1", nn::Linear(4 * d + d, c.head_hidden));
+    head2 = register_module("head2", nn::Linear(c.head_hidden, 1));
+    // Start at the analytical estimate: the network learns a correction to it.
+    torch::NoGradGuard ng;
+    head2->weight.zero_();
+    head2->bias.zero_();
+  }
+
+  // x: [B, L, F] standardised layer features; lengths: [B] int64; pad: [B, L] bool, true on padding;
+  // job: [B, G] standardised job features. Returns [B]: the log-space correction.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& lengths, const torch::Tensor& pad,
+                        const torch::Tensor& job) {
+    const int64_t L = x.size(1);
+    torch::Tensor h = torch::relu(proj(x));
+    auto packed = nn::utils::rnn::pack_padded_sequence(h, lengths, /*batch_first=*/true, /*enforce_sorted=*/false);
+    auto out = std::get<0>(gru->forward_with_packed_input(packed));
+    torch::Tensor states = std::get<0>(nn::utils::rnn::pad_packed_sequence(out, /*batch_first=*/true, 0.0, L));
+    torch::Tensor e = encoder->forward(states.transpose(0, 1), /*src_mask=*/torch::Tensor(), /*src_key_padding_mask=*/pad)
+                          .transpose(0, 1);
+    torch::Tensor valid = (~pad).unsqueeze(-1).to(e.dtype());
+    torch::Tensor mean = (e * valid).sum(1) / valid.sum(1).clamp_min(1.0);
+    torch::Tensor mx = e.masked_fill(pad.unsqueeze(-1), -1e4).amax(1);
+    torch::Tensor z = torch::cat({mean, mx, torch::relu(job_mlp(job))}, 1);
+    return head2(torch::relu(head1(z))).squeeze(-1);
+  }
+
+  nn::Linear proj{nullptr}, job_mlp{nullptr}, head1{nullptr}, head2{nullptr};
+  nn::GRU gru{nullptr};
+  nn::TransformerEncoder encoder{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Normaliser {
+  std::vector<float> layer_mean, layer_std, job_mean, job_std;
+
+  static Normaliser fit(const std::vector<JobFeatures>& fs) {
+    Normaliser n;
+    auto stats = [](const std::vector<const std::vector<float>*>& rows, int width, std::vector<float>& mean,
+                    std::vector<float>& sd) {
+      std::vector<double> s(width, 0.0), s2(width, 0.0);
+      int64_t count = 0;
+      for (const auto* r : rows) {
+        for (size_t i = 0; i < r->size(); i += width) {
+          for (int j = 0; j < width; ++j) {
+            s[j] += (*r)[i + j];
+            s2[j] += double((*r)[i + j]) * (*r)[i + j];
+          }
+          ++count;
+        }
+      }
+      mean.assign(width, 0.f);
+      sd.assign(width, 1.f);
+      for (int j = 0; j < width; ++j) {
+        const double m = count ? s[j] / count : 0.0;
+        const double v = count ? s2[j] / count - m * m : 0.0;
+        mean[j] = static_cast<float>(m);
+        sd[j] = v > 1e-8 ? static_cast<float>(std::sqrt(v)) : 1.f;
+      }
+    };
+    std::vector<const std::vector<float>*> layers, jobs;
+    for (const auto& f : fs) {
+      layers.push_back(&f.layer_features);
+      jobs.push_back(&f.job_features);
+    }
+    stats(layers, kLayerFeatures, n.layer_mean, n.layer_std);
+    stats(jobs, kJobFeatures, n.job_mean, n.job_std);
+    return n;
+  }
+};
+
+struct Batch {
+  torch::Tensor x, lengths, pad, job, log_analytic, target;
+};
+
+Batch make_batch(const std::vector<const JobFeatures*>& fs, const Normaliser& n, const std::vector<double>* labels) {
+  const int64_t B = static_cast<int64_t>(fs.size());
+  int64_t L = 1;
+  for (const auto* f : fs) L = std::max(L, f->layers);
+  Batch b;
+  b.x = torch::zeros({B, L, kLayerFeatures});
+  b.pad = torch::ones({B, L}, torch::kBool);
+  b.lengths = torch::empty({B}, torch::kInt64);
+  b.job = torch::empty({B, kJobFeatures});
+  b.log_analytic = torch::empty({B});
+  auto x = b.x.accessor<float, 3>();
+  auto pad = b.pad.accessor<bool, 2>();
+  auto len = b.lengths.accessor<int64_t, 1>();
+  auto job = b.job.accessor<float, 2>();
+  auto la = b.log_analytic.accessor<float, 1>();
+  for (int64_t i = 0; i < B; ++i) {
+    const JobFeatures& f = *fs[i];
+    for (int64_t t = 0; t < f.layers; ++t) {
+      for (int j = 0; j < kLayerFeatures; ++j) {
+        x[i][t][j] = (f.layer_features[t * kLayerFeatures + j] - n.layer_mean[j]) / n.layer_std[j];
+      }
+      pad[i][t] = false;
+    }
+    len[i] = f.layers;
+    for (int j = 0; j < kJobFeatures; ++j) job[i][j] = (f.job_features[j] - n.job_mean[j]) / n.job_std[j];
+    la[i] = static_cast<float>(f.log_analytic_bytes);
+  }
+  if (labels != nullptr) b.target = torch::tensor(*labels, torch::kFloat32);
+  return b;
+}
+
+json config_json(const JobModelConfig& c) {
+  return {{"d_model", c.d_model}, {"heads", c.heads}, {"encoder_layers", c.encoder_layers},
+          {"head_hidden", c.head_hidden}, {"dropout", c.dropout}};
+}
+
+}  // namespace
+
+class LearnedJobModel {
+ public:
+  LearnedJobModel(JobModelConfig c, Normaliser n, json info) : net(c), norm(std::move(n)), info(std::move(info)) {
+    net->eval();
+  }
+  mutable Net net;
+  Normaliser norm;
+  json info;
+  mutable std::mutex mu;  // one forward at a time per loaded model
+};
+
+std::shared_ptr<const LearnedJobModel> load_job_model(const std::string& path) {
+  const WeightsFile w = read_weights_file(path);
+  const char* fix = "; retrain with gpucast-train or reinstall gpucast to get the shipped weights";
+  json h;
+  try {
+    h = json::parse(w.header_json);
+  } catch (const json::parse_error& e) {
+    GPUCAST_USER_ERROR("weights file '{}': header is not JSON (byte {}){}", path, e.byte, fix);
+  }
+  auto field = [&](const char* key) -> const json& {
+    if (!h.is_object() || !h.contains(key)) GPUCAST_USER_ERROR("weights file '{}': header lacks '{}'{}", path, key, fix);
+    return h[key];
+  };
+  if (field("model") != kJobModelName) {
+    GPUCAST_USER_ERROR("weights file '{}' holds model {}, expected \"{}\"{}", path, field("model").dump(), kJobModelName,
+                       fix);
+  }
+  if (field("model_version") != kJobModelVersion) {
+    GPUCAST_USER_ERROR("weights file '{}' holds model version {}; this gpucast reads version {}{}", path,
+                       field("model_version").dump(), kJobModelVersion, fix);
+  }
+  if (field("feature_version") != kJobFeatureVersion) {
+    GPUCAST_USER_ERROR("weights file '{}' was trained on job features version {}; this gpucast computes version {}{}",
+                       path, field("feature_version").dump(), kJobFeatureVersion, fix);
+  }
+  JobModelConfig c;
+  Normaliser n;
+  try {
+    const json& cj = field("config");
+    c.d_model = cj.at("d_model").get<int64_t>();
+    c.heads = cj.at("heads").get<int64_t>();
+    c.encoder_layers = cj.at("encoder_layers").get<int64_t>();
+    c.head_hidden = cj.at("head_hidden").get<int64_t>();
+    c.dropout = cj.at("dropout").get<double>();
+    n.layer_mean = field("layer_mean").get<std::vector<float>>();
+    n.layer_std = field("layer_std").get<std::vector<float>>();
+    n.job_mean = field("job_mean").get<std::vector<float>>();
+    n.job_std = field("job_std").get<std::vector<float>>();
+  } catch (const json::exception& e) {
+    GPUCAST_USER_ERROR("weights file '{}': bad header field ({}){}", path, e.what(), fix);
+  }
+  if (c.d_model < 1 || c.d_model > 4096 || c.heads < 1 || (2 * c.d_model) % c.heads != 0 || c.encoder_layers < 1 ||
+      c.encoder_layers > 64 || c.head_hidden < 1 || c.head_hidden > 65536) {
+    GPUCAST_USER_ERROR("weights file '{}': implausible model configuration {}{}", path, field("config").dump(), fix);
+  }
+  if (n.layer_mean.size() != kLayerFeatures || n.layer_std.size() != kLayerFeatures ||
+      n.job_mean.size() != kJobFeatures || n.job_std.size() != kJobFeatures) {
+    GPUCAST_USER_ERROR("weights file '{}': normalisation has {}/{} layer and {}/{} job values, expected {} and {}{}",
+                       path, n.layer_mean.size(), n.layer_std.size(), n.job_mean.size(), n.job_std.size(),
+                       kLayerFeatures, kJobFeatures, fix);
+  }
+  auto model = std::make_shared<LearnedJobModel>(c, n, h.value("trained", json::object()));
+  std::map<std::string, const WeightsTensor*> by_name;
+  for (const auto& t : w.tensors) by_name[t.name] = &t;
+  torch::NoGradGuard ng;
+  auto params = model->net->named_parameters(/*recurse=*/true);
+  if (params.size() != w.tensors.size()) {
+    GPUCAST_USER_ERROR("weights file '{}' has {} tensors, the model has {}{}", path, w.tensors.size(), params.size(),
+                       fix);
+  }
+  for (auto& p : params) {
+    auto it = by_name.find(p.key());
+    if (it == by_name.end()) GPUCAST_USER_ERROR("weights file '{}' lacks tensor '{}'{}", path, p.key(), fix);
+    const WeightsTensor& t = *it->second;
+    if (t.shape != p.value().sizes().vec()) {
+      GPUCAST_USER_ERROR("weights file '{}': tensor '{}' has shape [{}], the model expects [{}]{}", path, p.key(),
+                         fmt::join(t.shape, ","), fmt::join(p.value().sizes().vec(), ","), fix);
+    }
+    for (float v : t.data) {
+      if (!std::isfinite(v)) GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds a non-finite value{}", path, p.key(), fix);
+    }
+    p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
+  }
+  return model;
+}
+
+JobEstimate learned_job_estimate(const LearnedJobModel& model, const JobDescription& job) {
+  const JobFeatures f = job_features(job);
+  JobEstimate e = analytical_job_estimate(job);
+  double correction;
+  {
+    std::lock_guard<std::mutex> lock(model.mu);
+    torch::NoGradGuard ng;
+    Batch b = make_batch({&f}, model.norm, nullptr);
+    correction = model.net->forward(b.x, b.lengths, b.pad, b.job).item<double>();
+  }
+  e.method = "learned";
+  const double bytes = std::exp(f.log_analytic_bytes + correction);
+  e.bytes = static_cast<int64_t>(std::min(bytes, 9.0e18));
+  e.notes.insert(e.notes.begin(),
+                 fmt::format("{} model v{} trained on {} jobs; breakdown fields are the analytical estimate's",
+                             kJobModelName, kJobModelVersion, model.info.value("train_jobs", 0)));
+  return e;
+}
+
+JobEstimate predict_job_memory(const JobDescription& job, const std::string& weights_path) {
+  std::string why;
+  if (weights_path.empty()) {
+    why = "no weights file for the learned model";
+  } else {
+    static std::mutex mu;
+    static std::map<std::string, std::pair<int64_t, std::shared_ptr<const LearnedJobModel>>> cache;
+    static std::map<std::string, std::pair<int64_t, std::string>> failures;
+    struct stat st {};
+    const int64_t mtime = ::stat(weights_path.c_str(), &st) == 0 ? int64_t(st.st_mtim.tv_sec) * 1000000000 +
+                                                                       st.st_mtim.tv_nsec
+                                                                 : -1;
+    std::shared_ptr<const LearnedJobModel> model;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = cache.find(weights_path);
+      if (it != cache.end() && it->second.first == mtime) model = it->second.second;
+      auto ft = failures.find(weights_path);
+      if (!model && ft != failures.end() && ft->second.first == mtime) why = ft->second.second;
+      if (!model && why.empty()) {
+        try {
+          model = load_job_model(weights_path);
+          cache[weights_path] = {mtime, model};
+        } catch (const std::exception& e) {
+          why = e.what();
+          failures[weights_path] = {mtime, why};
+        }
+      }
+    }
+    if (model) {
+      try {
+        return learned_job_estimate(*model, job);
+      } catch (const UserError&) {
+        throw;  // the job itself is bad: the caller must hear it
+      } catch (const std::exception& e) {
+        why = fmt::format("the learned model failed ({})", e.what());
+      }
+    }
+  }
+  job_features(job);  // the same input validation either way
+  JobEstimate e = analytical_job_estimate(job);
+  e.notes.insert(e.notes.begin(), fmt::format("learned model unavailable: {}; analytical estimate", why));
+  return e;
+}
+
+TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::vector<TrainingJob>& val,
+                            const TrainOptions& o, const std::string& out_path) {
+  if (train.empty() || val.empty()) {
+    GPUCAST_USER_ERROR("gpucast-train: need training and validation jobs, got {} and {}", train.size(), val.size());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  torch::manual_seed(o.seed);
+  if (o.threads > 0) torch::set_num_threads(o.threads);
+  auto featurise = [](const std::vector<TrainingJob>& jobs, std::vector<JobFeatures>& fs, std::vector<double>& y) {
+    for (const auto& j : jobs) {
+      if (j.label_bytes < 1) GPUCAST_USER_ERROR("gpucast-train: a job has label {} bytes; labels must be >= 1", j.label_bytes);
+      fs.push_back(job_features(j.job));
+      y.push_back(std::log(static_cast<double>(j.label_bytes)));
+    }
+  };
+  std::vector<JobFeatures> ftr, fva;
+  std::vector<double> ytr, yva;
+  featurise(train, ftr, ytr);
+  featurise(val, fva, yva);
+  const Normaliser norm = Normaliser::fit(ftr);
+  Net net(o.model);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+  std::mt19937_64 rng(o.seed);
+
+  // Batches of similar length waste less padding: sort by length, cut, shuffle the batches.
+  auto batches_of = [&](const std::vector<JobFeatures>& fs, const std::vector<double>& y, bool shuffle) {
+    std::vector<size_t> idx(fs.size());
+    std::iota(idx.begin(), idx.end(), 0);
+    if (shuffle) std::shuffle(idx.begin(), idx.end(), rng);
+    std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) { return fs[a].layers < fs[b].layers; });
+    std::vector<Batch> out;
+    for (size_t s = 0; s < idx.size(); s += static_cast<size_t>(o.batch_size)) {
+      std::vector<const JobFeatures*> part;
+      std::vector<double> lab;
+      for (size_t k = s; k < std::min(idx.size(), s + static_cast<size_t>(o.batch_size)); ++k) {
+        part.push_back(&fs[idx[k]]);
+        lab.push_back(y[idx[k]]);
+      }
+      out.push_back(make_batch(part, norm, &lab));
+    }
+    if (shuffle) std::shuffle(out.begin(), out.end(), rng);
+    return out;
+  };
+  const std::vector<Batch> val_batches = batches_of(fva, yva, false);
+  auto val_loss = [&]() {
+    torch::NoGradGuard ng;
+    net->eval();
+    double se = 0;
+    for (const Batch& b : val_batches) {
+      torch::Tensor pred = b.log_analytic + net->forward(b.x, b.lengths, b.pad, b.job);
+      se += (pred - b.target).pow(2).sum().item<double>();
+    }
+    return se / static_cast<double>(fva.size());
+  };
+
+  TrainResult r;
+  r.best_val_mse_log = val_loss();
+  std::vector<torch::Tensor> best;
+  for (const auto& p : net->parameters()) best.push_back(p.detach().clone());
+  for (int64_t epoch = 1; epoch <= o.max_epochs; ++epoch) {
+    net->train();
+    double train_se = 0;
+    for (const Batch& b : batches_of(ftr, ytr, true)) {
+      opt.zero_grad();
+      torch::Tensor pred = b.log_analytic + net->forward(b.x, b.lengths, b.pad, b.job);
+      torch::Tensor loss = torch::mse_loss(pred, b.target);
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(net->parameters(), 1.0);
+      opt.step();
+      train_se += loss.item<double>() * b.target.size(0);
+    }
+    const double v = val_loss();
+    r.epochs = epoch;
+    if (o.verbose) {
+      std::fprintf(stderr, "epoch %3ld  train mse(log) %.5f  val mse(log) %.5f%s\n", static_cast<long>(epoch),
+                   train_se / ftr.size(), v, v < r.best_val_mse_log ? "  *" : "");
+    }
+    if (v < r.best_val_mse_log) {
+      r.best_val_mse_log = v;
+      r.best_epoch = epoch;
+      size_t i = 0;
+      for (const auto& p : net->parameters()) best[i++].copy_(p.detach());
+    } else if (epoch - r.best_epoch >= o.patience) {
+      break;
+    }
+  }
+  r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  WeightsFile w;
+  json h = {{"model", kJobModelName},
+            {"model_version", kJobModelVersion},
+            {"feature_version", kJobFeatureVersion},
+            {"layer_features", layer_feature_names()},
+            {"job_features", job_feature_names()},
+            {"config", config_json(o.model)},
+            {"layer_mean", norm.layer_mean},
+            {"layer_std", norm.layer_std},
+            {"job_mean", norm.job_mean},
+            {"job_std", norm.job_std},
+            {"trained",
+             {{"train_jobs", train.size()}, {"val_jobs", val.size()}, {"seed", o.seed}, {"epochs", r.epochs},
+              {"best_epoch", r.best_epoch}, {"val_mse_log", r.best_val_mse_log}}}};
+  w.header_json = h.dump();
+  size_t i = 0;
+  for (const auto& p : net->named_parameters(/*recurse=*/true)) {
+    torch::Tensor t = best[i++].contiguous();
+    WeightsTensor wt;
+    wt.name = p.key();
+    wt.shape = t.sizes().vec();
+    wt.data.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+    w.tensors.push_back(std::move(wt));
+  }
+  write_weights_file(out_path, w);
+  return r;
+}
+
+}  // namespace gpucast

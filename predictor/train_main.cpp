@@ -1,0 +1,110 @@
+// gpucast-train: trains the job-level memory model (gpucast/job_model.h) from JSON Lines files of labelled jobs.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/error.h"
+#include "gpucast/job_model.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: gpucast-train --train FILE --val FILE --out WEIGHTS [options]\n"
+    "Trains gpucast's job-level memory model (BiGRU-optimized Transformer) and writes its weights.\n"
+    "FILE: JSON Lines, one labelled job per line: {\"job\": <job description>, \"label_bytes\": <peak bytes>}\n"
+    "options:\n"
+    "  --seed N        random seed (default 0)\n"
+    "  --epochs N      most epochs (default 300)\n"
+    "  --patience N    stop after N epochs without a better validation loss (default 30)\n"
+    "  --batch N       jobs per step (default 32)\n"
+    "  --lr X          AdamW learning rate (default 0.002)\n"
+    "  --d-model N     width of the projection and of each GRU direction (default 32)\n"
+    "  --layers N      Transformer encoder layers (default 2)\n"
+    "  --threads N     torch CPU threads (default: torch's choice)\n"
+    "  --verbose       one line per epoch on stderr\n";
+
+std::vector<gpucast::TrainingJob> read_jobs(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) GPUCAST_USER_ERROR("gpucast-train: cannot open '{}'", path);
+  std::vector<gpucast::TrainingJob> out;
+  std::string line;
+  for (int n = 1; std::getline(f, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n);
+    nlohmann::json row;
+    try {
+      row = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      GPUCAST_USER_ERROR("{}: not JSON (byte {})", where, e.byte);
+    }
+    if (!row.is_object() || !row.contains("job") || !row.contains("label_bytes") ||
+        !row["label_bytes"].is_number_integer()) {
+      GPUCAST_USER_ERROR("{}: expected {{\"job\": {{...}}, \"label_bytes\": <integer>}}", where);
+    }
+    out.push_back({gpucast::job_from_json(row["job"].dump(), where), row["label_bytes"].get<int64_t>()});
+  }
+  if (out.empty()) GPUCAST_USER_ERROR("gpucast-train: '{}' holds no jobs", path);
+  return out;
+}
+
+long number(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  const long v = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || v < 0) GPUCAST_USER_ERROR("gpucast-train: {} expects a whole number >= 0, got '{}'", flag, text);
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string train_path, val_path, out_path;
+    gpucast::TrainOptions o;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> const char* {
+        if (i + 1 >= argc) GPUCAST_USER_ERROR("gpucast-train: {} needs a value", a);
+        return argv[++i];
+      };
+      if (a == "--train") train_path = value();
+      else if (a == "--val") val_path = value();
+      else if (a == "--out") out_path = value();
+      else if (a == "--seed") o.seed = static_cast<uint64_t>(number(a, value()));
+      else if (a == "--epochs") o.max_epochs = number(a, value());
+      else if (a == "--patience") o.patience = number(a, value());
+      else if (a == "--batch") o.batch_size = std::max(1L, number(a, value()));
+      else if (a == "--lr") o.lr = std::atof(value());
+      else if (a == "--d-model") o.model.d_model = std::max(2L, number(a, value()));
+      else if (a == "--layers") o.model.encoder_layers = std::max(1L, number(a, value()));
+      else if (a == "--threads") o.threads = static_cast<int>(number(a, value()));
+      else if (a == "--verbose") o.verbose = true;
+      else if (a == "-h" || a == "--help") {
+        std::fputs(kUsage, stdout);
+        return 0;
+      } else {
+        GPUCAST_USER_ERROR("gpucast-train: unknown argument '{}'\n{}", a, kUsage);
+      }
+    }
+    if (train_path.empty() || val_path.empty() || out_path.empty()) {
+      GPUCAST_USER_ERROR("gpucast-train: --train, --val and --out are required\n{}", kUsage);
+    }
+    const auto train = read_jobs(train_path);
+    const auto val = read_jobs(val_path);
+    const gpucast::TrainResult r = gpucast::train_job_model(train, val, o, out_path);
+    std::printf("{\"train_jobs\": %zu, \"val_jobs\": %zu, \"epochs\": %ld, \"best_epoch\": %ld, "
+                "\"val_mse_log\": %.6f, \"seconds\": %.1f, \"weights\": \"%s\"}\n",
+                train.size(), val.size(), static_cast<long>(r.epochs), static_cast<long>(r.best_epoch),
+                r.best_val_mse_log, r.train_seconds, out_path.c_str());
+    return 0;
+  } catch (const gpucast::UserError& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpucast-train: %s\n", e.what());
+    return 1;
+  }
+}

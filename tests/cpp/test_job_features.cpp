@@ -1,0 +1,175 @@
+// Job-level model inputs (features, their validation) and the versioned weights file.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include "gpucast/error.h"
+#include "gpucast/job.h"
+#include "gpucast/job_features.h"
+
+namespace gpucast {
+namespace {
+
+std::string err(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+JobDescription small_job() {
+  return job_from_json(R"({"schema_version": 1, "family": "mlp", "batch_size": 64, "optimizer": "adamw",
+    "grad_accumulation": 2, "input_bytes_per_sample": 3136,
+    "layers": [{"kind": "linear", "dims": [784, 256], "params": 200960, "activation_bytes_per_sample": 3136},
+               {"kind": "activation", "params": 0, "activation_bytes_per_sample": 1024},
+               {"kind": "linear", "dims": [256, 10], "params": 2570}]})");
+}
+
+TEST(JobFeatures, NamesMatchWidths) {
+  EXPECT_EQ(layer_feature_names().size(), static_cast<size_t>(kLayerFeatures));
+  EXPECT_EQ(job_feature_names().size(), static_cast<size_t>(kJobFeatures));
+}
+
+TEST(JobFeatures, ExactValues) {
+  const JobFeatures f = job_features(small_job());
+  ASSERT_EQ(f.layers, 3);
+  ASSERT_EQ(f.layer_features.size(), 3u * kLayerFeatures);
+  ASSERT_EQ(f.job_features.size(), static_cast<size_t>(kJobFeatures));
+  // Layer 0: kind linear (one-hot column 0), log1p(params), log1p(3136), known, log1p(3136 * micro 32),
+  // log1p(784), log1p(256), no rest, position 0.
+  const float* l0 = f.layer_features.data();
+  EXPECT_EQ(l0[0], 1.f);
+  for (int k = 1; k < 10; ++k) EXPECT_EQ(l0[k], 0.f);
+  EXPECT_FLOAT_EQ(l0[10], std::log1p(200960.f));
+  EXPECT_FLOAT_EQ(l0[11], std::log1p(3136.f));
+  EXPECT_EQ(l0[12], 1.f);
+  EXPECT_FLOAT_EQ(l0[13], std::log1p(3136.f * 32));
+  EXPECT_FLOAT_EQ(l0[14], std::log1p(784.f));
+  EXPECT_FLOAT_EQ(l0[15], std::log1p(256.f));
+  EXPECT_EQ(l0[16], 0.f);
+  EXPECT_EQ(l0[17], 0.f);
+  // Layer 1: activation (column 6), position 0.5; layer 2: activation size unknown.
+  EXPECT_EQ(f.layer_features[kLayerFeatures + 6], 1.f);
+  EXPECT_FLOAT_EQ(f.layer_features[kLayerFeatures + 17], 0.5f);
+  EXPECT_EQ(f.layer_features[2 * kLayerFeatures + 12], 0.f);
+  EXPECT_EQ(f.layer_features[2 * kLayerFeatures + 17], 1.f);
+  // Job: batch 64, micro-batch 32, elem bytes 4, adamw one-hot, log2(ga) = 1.
+  EXPECT_FLOAT_EQ(f.job_features[0], std::log1p(64.f));
+  EXPECT_FLOAT_EQ(f.job_features[1], std::log1p(32.f));
+  EXPECT_EQ(f.job_features[4], 4.f);
+  EXPECT_EQ(f.job_features[6 + 3], 1.f);  // opt_adamw
+  EXPECT_EQ(f.job_features[11], 1.f);     // log2_grad_accumulation
+  EXPECT_EQ(f.job_features[14], 1.f);     // strategy_single
+  const JobEstimate e = analytical_job_estimate(small_job());
+  EXPECT_EQ(f.analytic_bytes, e.bytes);
+  EXPECT_DOUBLE_EQ(f.log_analytic_bytes, std::log(static_cast<double>(e.bytes)));
+}
+
+TEST(JobFeatures, InputValidation) {
+  JobDescription j = small_job();
+  j.layers.clear();
+  EXPECT_EQ(err([&] { job_features(j); }), "job: field 'layers' is empty: a job needs at least one layer");
+  j = small_job();
+  j.layers.resize(kMaxJobLayers + 1, j.layers[0]);
+  EXPECT_EQ(err([&] { job_features(j); }),
+            "job: field 'layers' has 4097 layers; the job-level model reads at most 4096 (leaf modules)");
+  j = small_job();
+  j.layers[1].kind = "lstm_cell";
+  EXPECT_EQ(err([&] { job_features(j); }), "job: field 'layers[1].kind' is \"lstm_cell\", not a known layer kind");
+  EXPECT_EQ(err([] {
+              job_from_json(R"({"schema_version": 1, "batch_size": 8, "layers": [{"kind": "transformer"}]})");
+            }),
+            "<job>: field 'layers[0].kind' should be one of activation|attention|conv|dropout|embedding|linear|norm|"
+            "other|pool|rnn, got \"transformer\"");
+  EXPECT_EQ(err([] {
+              job_from_json(R"({"schema_version": 1, "batch_size": 1e30, "layers": [{"kind": "linear"}]})");
+            }),
+            "<job>: field 'batch_size' should be an integer from 1 to 17592186044416, got 1e+30");
+}
+
+class WeightsFileTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("gpucast_wf_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    path_ = (dir_ / "w.gcw").string();
+    w_.header_json = R"({"model": "test"})";
+    w_.tensors.push_back({"a.weight", {2, 3}, {1, 2, 3, 4, 5, 6}});
+    w_.tensors.push_back({"a.bias", {2}, {-1.5f, 0.25f}});
+    write_weights_file(path_, w_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string bytes() {
+    std::ifstream f(path_, std::ios::binary);
+    return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+  }
+  void put(const std::string& b) {
+    std::ofstream f(path_, std::ios::binary | std::ios::trunc);
+    f.write(b.data(), static_cast<std::streamsize>(b.size()));
+  }
+  std::filesystem::path dir_;
+  std::string path_;
+  WeightsFile w_;
+};
+
+const char* kFix = "; retrain with gpucast-train or reinstall gpucast to get the shipped weights";
+
+TEST_F(WeightsFileTest, RoundTrip) {
+  const WeightsFile r = read_weights_file(path_);
+  EXPECT_EQ(r.header_json, w_.header_json);
+  ASSERT_EQ(r.tensors.size(), 2u);
+  EXPECT_EQ(r.tensors[0].name, "a.weight");
+  EXPECT_EQ(r.tensors[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(r.tensors[0].data, w_.tensors[0].data);
+  EXPECT_EQ(r.tensors[1].data, w_.tensors[1].data);
+  // 8 magic + 4 version + 4 + 17 header + 4 count + (4 + 8 + 4 + 16 + 24) + (4 + 6 + 4 + 8 + 8) + 8 checksum.
+  EXPECT_EQ(bytes().size(), 8u + 4 + 4 + 17 + 4 + 56 + 30 + 8);
+}
+
+TEST_F(WeightsFileTest, Missing) {
+  EXPECT_EQ(err([&] { read_weights_file(path_ + ".nope"); }),
+            "cannot open weights file '" + path_ + ".nope': No such file or directory");
+}
+
+TEST_F(WeightsFileTest, Truncated) {
+  const std::string b = bytes();
+  put(b.substr(0, b.size() - 20));
+  EXPECT_EQ(err([&] { read_weights_file(path_); }),
+            "weights file '" + path_ + "' is corrupt or truncated: its checksum does not match its " +
+                std::to_string(b.size() - 20) + " bytes" + kFix);
+  put(b.substr(0, 10));
+  EXPECT_EQ(err([&] { read_weights_file(path_); }),
+            "weights file '" + path_ + "' is truncated: 10 bytes, shorter than any weights file" + kFix);
+}
+
+TEST_F(WeightsFileTest, Corrupt) {
+  std::string b = bytes();
+  b[b.size() - 12] ^= 0x40;  // a bit of the last value
+  put(b);
+  EXPECT_EQ(err([&] { read_weights_file(path_); }),
+            "weights file '" + path_ + "' is corrupt or truncated: its checksum does not match its " +
+                std::to_string(b.size()) + " bytes" + kFix);
+  put("PK\x03\x04 a zip file, not weights");
+  EXPECT_EQ(err([&] { read_weights_file(path_); }),
+            "'" + path_ + "' is not a gpucast weights file (it does not start with \"GPUCASTJ\")" + kFix);
+}
+
+TEST_F(WeightsFileTest, OtherVersion) {
+  std::string b = bytes();
+  b[8] = 7;  // format version 7
+  put(b);
+  EXPECT_EQ(err([&] { read_weights_file(path_); }),
+            "weights file '" + path_ + "' has format version 7; this gpucast reads version 1" + kFix);
+}
+
+}  // namespace
+}  // namespace gpucast
