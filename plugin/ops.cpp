@@ -20,6 +20,7 @@
 #include "gpucast/job_model.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
+#include "gpucast/step_time.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
 #include "gpucast/tracer.h"
@@ -75,6 +76,9 @@ struct TraceHolder : torch::CustomClassHolder {
   std::string memory_snapshot_json() const { return trace_to_memory_snapshot_json(get()); }
   std::string memory_series(const std::string& device) const { return memory_series_json(get(), device); }
   int64_t num_ops() const { return static_cast<int64_t>(get().ops.size()); }
+  std::string iteration_timing(int64_t batch) const {
+    return gpucast::iteration_timing_to_json(gpucast::iteration_timing(get(), batch));
+  }
   // Bytes of the activation blocks (saved for backward) each module allocated: what gpucast.describe() needs,
   // without building the whole trace document.
   std::string activation_bytes_by_module() const {
@@ -203,6 +207,7 @@ TORCH_LIBRARY(gpucast, m) {
       .def("memory_series", &TraceHolder::memory_series)
       .def("num_ops", &TraceHolder::num_ops)
       .def("activation_bytes_by_module", &TraceHolder::activation_bytes_by_module)
+      .def("iteration_timing", &TraceHolder::iteration_timing)
       .def("num_events", &TraceHolder::num_events);
   using gpucast::MemoryForecasterHolder;
   m.class_<MemoryForecasterHolder>("MemoryForecaster")
@@ -217,6 +222,22 @@ TORCH_LIBRARY(gpucast, m) {
             const gpucast::JobDescription job = gpucast::job_from_json(text, "job");
             return gpucast::job_estimate_to_json(
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
+          });
+        });
+  m.def("forecast_step_time(str[] probes, int batch_size, int dp, str dp_mode, float alpha_us, float bytes_per_us) "
+        "-> str",
+        [](const std::vector<std::string>& probes, int64_t batch, int64_t dp, const std::string& mode, double alpha,
+           double bw) {
+          return gpucast::translate([&] {
+            std::vector<gpucast::IterationTiming> its;
+            for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
+            gpucast::StepTimeOptions o;
+            o.batch_size = batch;
+            o.dp = dp;
+            o.dp_mode = mode;
+            o.have_link = bw > 0;
+            o.link = {alpha, bw};
+            return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });
   m.def("job_weights_path() -> str", [] { return gpucast::default_job_weights(); });

@@ -73,16 +73,68 @@ class MemoryForecast:
 
 
 @dataclass
+class TimeForecast:
+    """Step time of one training iteration at the target batch (per rank) and data-parallel degree."""
+    batch_size: int
+    per_rank_batch: int
+    dp: int
+    step_ms: float
+    compute_ms: float
+    forward_ms: float
+    backward_ms: float
+    optimizer_ms: float
+    other_ms: float
+    comm_ms: float
+    exposed_comm_ms: float
+    per_layer: list
+    buckets: list
+    clock: str
+    notes: list = field(default_factory=list)
+
+
+@dataclass
 class Forecast:
     memory: MemoryForecast
     probe_batch_sizes: tuple
     probe_device: str
     context: dict
+    time: TimeForecast | None = None
 
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "context": self.context,
                 "probe_batch_sizes": list(self.probe_batch_sizes), "probe_device": self.probe_device,
-                "memory": dict(self.memory.__dict__)}
+                "memory": dict(self.memory.__dict__),
+                "time": None if self.time is None else dict(self.time.__dict__)}
+
+    def save_timeline(self, path: str) -> None:
+        """The forecast step as a Chrome/Perfetto trace: a compute stream (forward layers, backward layers in
+        backward order, optimizer) and a communication stream (the all-reduce buckets)."""
+        if self.time is None:
+            raise ValueError("save_timeline: this forecast has no step time (see forecast(): target and probes)")
+        tm = self.time
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "gpucast forecast step"}},
+                  {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+                  {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "communication"}}]
+
+        def add(name, start_ms, dur_ms, tid, cat):
+            events.append({"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": start_ms * 1e3,
+                           "dur": max(dur_ms, 0.0) * 1e3})
+        t = 0.0
+        add("other (loss, zero_grad, Python)", t, tm.other_ms, 0, "other")
+        t += tm.other_ms
+        for layer in tm.per_layer:
+            add(f"{layer['layer']} forward", t, layer["forward_ms"], 0, "forward")
+            t += layer["forward_ms"]
+        for layer in reversed(tm.per_layer):
+            add(f"{layer['layer']} backward", t, layer["backward_ms"], 0, "backward")
+            t += layer["backward_ms"]
+        for i, b in enumerate(tm.buckets):
+            add(f"all-reduce bucket {i} ({b['bytes'] / 2**20:.2f} MiB)", b["start_ms"], b["end_ms"] - b["start_ms"],
+                1, "communication")
+        t = max([t] + [b["end_ms"] for b in tm.buckets])
+        add("optimizer step", t, tm.optimizer_ms, 0, "optimizer")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def __str__(self) -> str:
         m = self.memory
@@ -97,6 +149,13 @@ class Forecast:
         if m.breakdown:
             lines.append("  at the peak: " + ", ".join(f"{k} {v / mib:,.1f} MiB" for k, v in
                                                        sorted(m.breakdown.items(), key=lambda kv: -kv[1])))
+        if self.time is not None:
+            tm = self.time
+            lines.append(f"  step time {tm.step_ms:,.1f} ms: compute {tm.compute_ms:,.1f} ms (forward {tm.forward_ms:,.1f},"
+                         f" backward {tm.backward_ms:,.1f}, optimizer {tm.optimizer_ms:,.1f}, other {tm.other_ms:,.1f})"
+                         + (f", exposed communication {tm.exposed_comm_ms:,.1f} ms of {tm.comm_ms:,.1f}"
+                            if tm.dp > 1 else ""))
+            lines += [f"  note: {n}" for n in tm.notes]
         lines += [f"  warning: {w}" for w in m.warnings] + [f"  note: {n}" for n in m.notes]
         return "\n".join(lines)
 
@@ -168,7 +227,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
-             seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None) -> Forecast:
+             seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
+             link: dict | None = None) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -178,6 +238,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
+
+    Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
+    per-layer fits over the probes' timings, and with parallel=dict(dp=N) the DDP all-reduces of the gradients
+    over `link` (what gpucast.calibrate() returns: alpha_us, bytes_per_us), overlapped with backward.
 
     With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
     that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
@@ -218,6 +282,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                       "state; pass model= and optimizer= to have them restored", stacklevel=2)
     forecaster = torch.classes.gpucast.MemoryForecaster()
     probe_device = "cpu"
+    timings = []
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -239,6 +304,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     step(batch)
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
+                timings.append(t.result.handle.iteration_timing(b))
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
             del batch, t
@@ -257,8 +323,28 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
+    time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link)
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
-                  context=context)
+                  context=context, time=time_fc)
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
+                   link: dict | None) -> TimeForecast | None:
+    """The step time from the probes' timings, where the probes ran on the target."""
+    on_target = (target == "cpu" and probe_device == "cpu") or (target != "cpu" and probe_device.startswith("cuda"))
+    if not timings or not on_target:
+        return None
+    dp = parallel.get("dp", 1)
+    mode = parallel.get("dp_mode", "ddp")
+    alpha, bw = -1.0, -1.0
+    if link is not None:
+        try:
+            alpha, bw = float(link["alpha_us"]), float(link["bytes_per_us"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError("forecast: link should be a dict with alpha_us and bytes_per_us (what "
+                             f"gpucast.calibrate() returns), got {link!r}") from e
+    text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), int(dp), str(mode), alpha, bw)
+    return TimeForecast(**json.loads(text))
