@@ -5,6 +5,8 @@
 #   make demo      trace the GPT-style example on the CPU and print its summary
 #   make test      GoogleTest (ctest) and pytest
 #   make bench     overhead benchmark
+#   make dataset   regenerate bench/dataset/jobs.jsonl.gz (the job-level memory dataset; about 45 min on 2 cores)
+#   make weights   train the job-level model and ship its weights (bench/learned_memory.py --ship)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,7 +14,7 @@ BUILD := build
 APT_PACKAGES := libgtest-dev libgmock-dev libfmt-dev cmake ninja-build g++
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv deps configure build demo test test-cpp test-python bench clean
+.PHONY: all venv deps configure build demo test test-cpp test-python bench dataset weights clean
 
 all: build
 
@@ -53,6 +55,18 @@ test: test-cpp test-python
 
 bench: build
 	PYTHONPATH=python:. $(PY) bench/overhead.py
+
+# Two processes (this machine has 2 cores); each part is resumable, then the parts are merged and compressed.
+dataset: build
+	mkdir -p $(BUILD)/dataset
+	PYTHONPATH=python:. $(PY) bench/dataset/generate.py --first 0 --jobs 1560 --out $(BUILD)/dataset/part0.jsonl & \
+	PYTHONPATH=python:. $(PY) bench/dataset/generate.py --first 1560 --jobs 1560 --out $(BUILD)/dataset/part1.jsonl; wait
+	cat $(BUILD)/dataset/part0.jsonl $(BUILD)/dataset/part1.jsonl > $(BUILD)/dataset/jobs.jsonl
+	PYTHONPATH=python:. $(PY) bench/dataset/generate.py --jobs 0 --out $(BUILD)/dataset/jobs.jsonl --gzip
+	cp $(BUILD)/dataset/jobs.jsonl.gz bench/dataset/jobs.jsonl.gz
+
+weights: build
+	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship
 
 clean:
 	rm -rf $(BUILD)

@@ -26,10 +26,14 @@ import torch.optim.optimizer as _optimizer_module
 MIB = 2**20
 
 
-def _scalars(memory) -> dict[str, float]:
+def _scalars(memory, time_fc: dict | None = None) -> dict[str, float]:
+    """Forecast scalars: peak memory, capacity and largest batch; step time where the forecast has one."""
     m = memory
     out = {"gpucast/forecast_peak_allocated_mib": m.peak_allocated_bytes / MIB,
            "gpucast/forecast_peak_reserved_mib": m.peak_reserved_bytes / MIB}
+    if time_fc:
+        out["gpucast/forecast_step_ms"] = float(time_fc["step_ms"])
+        out["gpucast/forecast_exposed_comm_ms"] = float(time_fc["exposed_comm_ms"])
     if m.capacity_bytes:
         out["gpucast/capacity_mib"] = m.capacity_bytes / MIB
         out["gpucast/max_batch_size"] = float(m.max_batch_size)
@@ -66,11 +70,11 @@ class TensorBoard(_Adapter):
         self.w = writer
 
     def forecast(self, fc_dict, memory):
-        for k, v in _scalars(memory).items():
+        for k, v in _scalars(memory, fc_dict.get("time")).items():
             self.w.add_scalar(k, v, 0)
         self.w.add_text("gpucast/forecast", "```\n" + json.dumps(fc_dict, indent=1) + "\n```", 0)
         self.w.add_hparams(_params(memory), {k.replace("gpucast/", "gpucast_hparam/"): v
-                                             for k, v in _scalars(memory).items()}, run_name="gpucast")
+                                             for k, v in _scalars(memory, fc_dict.get("time")).items()}, run_name="gpucast")
         self.w.flush()
 
     def measured(self, values, step):
@@ -95,7 +99,7 @@ class MLflow(_Adapter):
 
     def forecast(self, fc_dict, memory):
         ts = int(time.time() * 1000)
-        for k, v in _scalars(memory).items():
+        for k, v in _scalars(memory, fc_dict.get("time")).items():
             self.client.log_metric(self.run_id, k, v, ts, 0)
         for k, v in _params(memory).items():
             self.client.log_param(self.run_id, k, v)
@@ -115,7 +119,7 @@ class WandB(_Adapter):
 
     def forecast(self, fc_dict, memory):
         self.run.config.update({"gpucast": fc_dict}, allow_val_change=True)
-        for k, v in _scalars(memory).items():
+        for k, v in _scalars(memory, fc_dict.get("time")).items():
             self.run.summary[k] = v
 
     def measured(self, values, step):
@@ -166,6 +170,7 @@ class Logger:
         self.steps = steps
         self.step = 0
         self.memory = None
+        self.time = None
         self._hook = None
         self._last_step_time: float | None = None
 
@@ -173,6 +178,7 @@ class Logger:
         memory = getattr(forecast, "memory", forecast)
         fc_dict = forecast.to_dict() if hasattr(forecast, "to_dict") else {"memory": dict(memory.__dict__)}
         self.memory = memory
+        self.time = fc_dict.get("time")
         self._each(lambda a: a.forecast(fc_dict, memory))
         self.step = 0
         self._last_step_time = time.perf_counter()
@@ -187,7 +193,7 @@ class Logger:
             values["gpucast/measured_step_ms"] = (now - self._last_step_time) * 1e3
         self._last_step_time = now
         if self.memory is not None:
-            values.update(_scalars(self.memory))
+            values.update(_scalars(self.memory, self.time))
         self._each(lambda a: a.measured(values, step))
 
     def _after_step(self, optimizer, args, kwargs) -> None:

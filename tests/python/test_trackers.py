@@ -208,3 +208,26 @@ def test_transformers_trainer_train(tmp_path):
                         "gpucast/forecast_peak_reserved_bytes": m.peak_reserved_bytes, "gpucast/target": "H100-80GB"}]
     kinds = [json.loads(x)["kind"] for x in (tmp_path / "f.jsonl").read_text().splitlines()]
     assert kinds == ["forecast", "measured", "measured", "measured"]
+
+
+def test_step_time_forecast_beside_measured(tmp_path):
+    """Target cpu: the forecast has a step time; trackers get it beside the measured step times."""
+    path = tmp_path / "t.jsonl"
+    gpucast.log_to(str(path))
+    torch.manual_seed(0)
+    case = zoo.CASES["mlp"]
+    model = case.make_model()
+    opt = zoo.make_optimizer("adamw", model.parameters())
+    step = zoo.make_step(model, opt, case.loss_fn)
+    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="cpu")
+    for _ in range(2):
+        step(case.make_batch(64))
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["forecast", "measured", "measured"]
+    assert lines[0]["time"]["step_ms"] == fc.time.step_ms > 0
+    assert [x["layer"] for x in lines[0]["time"]["per_layer"]] == [
+        "(outside modules)", "MLP.net.0", "MLP.net.1", "MLP.net.2", "MLP.net.3", "MLP.net.4"]
+    for x in lines[1:]:
+        assert x["gpucast/forecast_step_ms"] == pytest.approx(fc.time.step_ms)
+        assert x["gpucast/forecast_exposed_comm_ms"] == 0.0
+        assert x["gpucast/measured_step_ms"] > 0
