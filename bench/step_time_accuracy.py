@@ -9,8 +9,9 @@ Distributed (--ddp N): torchrun-style N processes on this machine, DDP over gloo
 0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; then
 every rank measures the real DDP step (median of --iterations).
 
-Signed error = (forecast - measured) / measured. Last line: one JSON object; the NeuSight / vTrain comparisons of
-the issue are not built yet and are null.
+NeuSight's 4-GPU measurements: bench/neusight_parallel.py (dp4 forecast; tp4 / pp4 not modelled yet).
+Signed error = (forecast - measured) / measured. Last line: one JSON object (cpu_ood_mre_pct is null: no graph
+network is trained yet, so there is no held-out family to speak of).
 """
 from __future__ import annotations
 
@@ -151,10 +152,14 @@ def main():
         ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.iterations)
         print(f"DDP x{w}: mean |error| {statistics.mean(abs(r['err_pct']) for r in ddp[w]):.2f} %")
     ddp2 = ddp.get(2)
+    ns = subprocess.run([sys.executable, str(ROOT / "bench" / "neusight_parallel.py")], capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}"))
+    print("\n".join(ns.stdout.strip().splitlines()[:-1]))
+    neusight = json.loads(ns.stdout.strip().splitlines()[-1]) if ns.returncode == 0 else {"neusight_mre_pct": None}
     print(json.dumps({"bench": "step_time_accuracy", "cpu_mre_pct": round(mre, 3), "cpu_ood_mre_pct": None,
                       "ddp_mre_pct": None if not ddp2 else round(statistics.mean(abs(r["err_pct"]) for r in ddp2), 3),
-                      "neusight_mre_pct": None, "cases": rows,
-                      "ddp": {str(w): r for w, r in ddp.items()}}))
+                      "neusight_mre_pct": neusight["neusight_mre_pct"], "cases": rows,
+                      "ddp": {str(w): r for w, r in ddp.items()}, "neusight": neusight.get("cases", [])}))
     return 0
 
 
