@@ -224,10 +224,10 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });
         });
-  m.def("forecast_step_time(str[] probes, int batch_size, int dp, str dp_mode, float alpha_us, float bytes_per_us) "
-        "-> str",
+  m.def("forecast_step_time(str[] probes, int batch_size, int dp, str dp_mode, float alpha_us, float bytes_per_us, "
+        "float time_scale=1.0) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, int64_t dp, const std::string& mode, double alpha,
-           double bw) {
+           double bw, double time_scale) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -237,6 +237,7 @@ TORCH_LIBRARY(gpucast, m) {
             o.dp_mode = mode;
             o.have_link = bw > 0;
             o.link = {alpha, bw};
+            o.time_scale = time_scale;
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });

@@ -121,12 +121,16 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, 
                                                  [](const auto& x, const auto& y) { return x.batch < y.batch; });
   std::vector<std::pair<double, double>> opt, other;
   std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> pts;
+  if (!(o.time_scale > 0) || o.time_scale > 10) {
+    GPUCAST_USER_ERROR("step time: time_scale should be in (0, 10], got {}", o.time_scale);
+  }
+  const double k = o.time_scale;
   for (const IterationTiming& p : probes) {
-    opt.emplace_back(p.batch, p.optimizer_ns);
-    other.emplace_back(p.batch, p.other_ns);
+    opt.emplace_back(p.batch, k * p.optimizer_ns);
+    other.emplace_back(p.batch, k * p.other_ns);
     for (const LayerTiming& l : p.layers) {
-      pts[l.layer].first.emplace_back(p.batch, l.forward_ns);
-      pts[l.layer].second.emplace_back(p.batch, l.backward_ns);
+      pts[l.layer].first.emplace_back(p.batch, k * l.forward_ns);
+      pts[l.layer].second.emplace_back(p.batch, k * l.backward_ns);
     }
   }
   double optimizer_ns = 0;

@@ -137,6 +137,15 @@ TEST(StepTime, BadOptions) {
             "step time: batch_size 1 is smaller than dp 2: every rank needs a sample");
   EXPECT_EQ(err([&] { forecast_step_time({}, o); }), "step time: no probe iterations to forecast from");
   o.batch_size = 8;
+  o.time_scale = 0;
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: time_scale should be in (0, 10], got 0");
+  o.time_scale = 0.5;  // every compute time halves
+  o.dp = 1;
+  const StepTimeForecast half = forecast_step_time(probes, o);
+  o.time_scale = 1.0;
+  EXPECT_NEAR(half.step_ms, forecast_step_time(probes, o).step_ms / 2, 1e-12);
+  o.dp = 2;
+  o.batch_size = 8;
   const StepTimeForecast f = forecast_step_time(probes, o);  // no link: compute only, said in a note
   ASSERT_EQ(f.notes.size(), 1u);
   EXPECT_EQ(f.notes[0], "no all-reduce link given (gpucast.calibrate() or a device table): communication not counted");

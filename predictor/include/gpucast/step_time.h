@@ -47,6 +47,9 @@ struct StepTimeOptions {
   Link link;                  // all-reduce link (gpucast.calibrate() or a device table)
   int64_t first_bucket_bytes = int64_t{1} << 20;
   int64_t bucket_bytes = int64_t{25} << 20;
+  // Untraced over traced time of an iteration, measured in the same process: the tracer's own cost is taken out
+  // of every probe's compute times (1: none).
+  double time_scale = 1.0;
 };
 
 struct LayerForecast {
