@@ -313,9 +313,6 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         state.restore()
         if sys.stderr.isatty():
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
-    time_scale = 1.0
-    if timings and _time_on_target(target, probe_device):
-        time_scale = _untraced_over_traced(step, make_batch, max(probes), timings, state)
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
@@ -326,7 +323,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
-    time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link, time_scale)
+    time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link)
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc)
     from . import trackers
@@ -336,32 +333,6 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
 
 def _time_on_target(target: str, probe_device: str) -> bool:
     return (target == "cpu" and probe_device == "cpu") or (target != "cpu" and probe_device.startswith("cuda"))
-
-
-def _untraced_over_traced(step, make_batch, batch: int, timings: list, state) -> float:
-    """The tracer's cost, measured: untraced steps at the largest probe batch (median of 3 after one warm-up)
-    over that probe's traced iteration. The state is restored after."""
-    import time as _time
-    traced = json.loads(timings[-1])["wall_ns"] / 1e6
-    if traced <= 0:
-        return 1.0
-    b = make_batch(batch)
-    ts = []
-    try:
-        for i in range(4):
-            if b and _device_of(b).startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = _time.perf_counter()
-            step(b)
-            if b and _device_of(b).startswith("cuda"):
-                torch.cuda.synchronize()
-            if i:
-                ts.append((_time.perf_counter() - t0) * 1e3)
-    finally:
-        del b
-        state.restore()
-    ts.sort()
-    return min(1.0, ts[1] / traced)
 
 
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
@@ -380,8 +351,4 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
                              f"gpucast.calibrate() returns), got {link!r}") from e
     text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), int(dp), str(mode), alpha, bw,
                                                 float(time_scale))
-    fc = TimeForecast(**json.loads(text))
-    # Said also when the measurement found no cost to take out (1.000).
-    fc.notes.append(f"probe times scaled by {time_scale:.3f}: an untraced step over the traced one at the "
-                    "largest probe batch, measured in this process (the tracer's own cost taken out)")
-    return fc
+    return TimeForecast(**json.loads(text))
