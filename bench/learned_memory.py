@@ -24,7 +24,6 @@ import argparse
 import gzip
 import itertools
 import json
-import os
 import shutil
 import statistics
 import subprocess

@@ -28,7 +28,6 @@ import contextlib
 import gzip
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -142,9 +141,7 @@ def _sample_large(rng, family: str) -> dict:
 
 def build(c: dict):
     """(model, make_batch(n), loss_fn) for a configuration; weights from torch's current seed."""
-    import torch
     import torch.nn.functional as F
-    from torch import nn
     from examples import zoo
 
     arch = c["arch"]
@@ -343,7 +340,7 @@ def run_job(index: int, seed: int, forecast_every: int, attempts: int = 60) -> d
         job["autocast"] = c["precision"] == "autocast_bf16"
         row["job"] = job
         try:
-            row.update(label(row, c, model, opt, step, make, measure, probe_ok, probes, held0, index, forecast_every))
+            row.update(label(c, model, opt, step, make, measure, probe_ok, probes, held0, index, forecast_every))
         except Exception as e:  # noqa: BLE001 - e.g. BatchNorm over a micro-batch of one sample
             _note(f"job {index} attempt {attempt}: does not train ({type(e).__name__}: {str(e)[:100]}); redrawn")
             del model, opt, step
@@ -355,7 +352,7 @@ def run_job(index: int, seed: int, forecast_every: int, attempts: int = 60) -> d
     raise RuntimeError(f"job {index}: no configuration of family {family} runs here in {attempts} attempts")
 
 
-def label(row, c, model, opt, step, make, measure, probe_ok, probes, held0, index, forecast_every) -> dict:
+def label(c, model, opt, step, make, measure, probe_ok, probes, held0, index, forecast_every) -> dict:
     """The job's label: measured (2 iterations at its batch) or forecast; label_bytes None if it is too large."""
     import gpucast
     fc_bytes = None

@@ -66,8 +66,15 @@ def test_predict_job(tmp_path):
         {"kind": "linear", "dims": [16, 32], "params": 544, "activation_bytes_per_sample": 64}]}))
     out = cli("predict-job", str(path))
     assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].startswith(f"{path}: ") and out.stdout.splitlines()[0].endswith(
+        " MiB per rank (learned)")
+    assert "note: bigru-transformer model v1 trained on " in out.stdout
+    missing = tmp_path / "none.gcw"
+    out = cli("predict-job", str(path), "--weights", str(missing))
+    assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == f"{path}: 0.0 MiB per rank (analytical)"
-    assert "note: no trained job-level model is shipped yet: analytical estimate" in out.stdout
+    assert (f"note: learned model unavailable: cannot open weights file '{missing}': No such file or directory; "
+            "analytical estimate") in out.stdout
     path.write_text('{"schema_version": 1, "layers": []}')
     bad = cli("predict-job", str(path))
     assert bad.returncode == 2
