@@ -21,13 +21,13 @@ def no_leftover_loggers():
         logger.close()
 
 
-def forecast_and_train(steps=3):
+def forecast_and_train(steps=3, target="A100-80GB"):
     torch.manual_seed(0)
     case = zoo.CASES["mlp"]
     model = case.make_model()
     opt = zoo.make_optimizer("adamw", model.parameters())
     step = zoo.make_step(model, opt, case.loss_fn)
-    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="A100-80GB")
+    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target=target)
     for _ in range(steps):
         step(case.make_batch(64))
     return fc
@@ -214,14 +214,7 @@ def test_step_time_forecast_beside_measured(tmp_path):
     """Target cpu: the forecast has a step time; trackers get it beside the measured step times."""
     path = tmp_path / "t.jsonl"
     gpucast.log_to(str(path))
-    torch.manual_seed(0)
-    case = zoo.CASES["mlp"]
-    model = case.make_model()
-    opt = zoo.make_optimizer("adamw", model.parameters())
-    step = zoo.make_step(model, opt, case.loss_fn)
-    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="cpu")
-    for _ in range(2):
-        step(case.make_batch(64))
+    fc = forecast_and_train(steps=2, target="cpu")
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["kind"] for x in lines] == ["forecast", "measured", "measured"]
     assert lines[0]["time"]["step_ms"] == fc.time.step_ms > 0
