@@ -11,20 +11,14 @@
 #include <string>
 
 #include "gpucast/error.h"
+#include "user_error.h"
 #include "gpucast/job.h"
 #include "gpucast/job_features.h"
 
 namespace gpucast {
 namespace {
 
-std::string err(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "";
-}
+constexpr auto err = test_util::user_error;
 
 JobDescription small_job() {
   return job_from_json(R"({"schema_version": 1, "family": "mlp", "batch_size": 64, "optimizer": "adamw",

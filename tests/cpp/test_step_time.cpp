@@ -4,19 +4,13 @@
 #include <functional>
 
 #include "gpucast/error.h"
+#include "user_error.h"
 #include "gpucast/step_time.h"
 
 namespace gpucast {
 namespace {
 
-std::string err(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "";
-}
+constexpr auto err = test_util::user_error;
 
 // Two iterations; in each: forward ops in Net.a (k ns) and Net.b (2k ns), backward nodes for b then a (3k, 4k),
 // a gradient of 600 KiB for each layer, then the optimizer step (500 ns). Times in ns, k scales with the batch.
