@@ -8,12 +8,20 @@ beside the measured iteration) to the measured single-GPU iteration, as gpucast'
 real iteration would give them, and runs gpucast's step-time model (torch.ops.gpucast.forecast_step_time: the
 same code that fc.time uses) for 4 GPUs.
 
-Data parallelism (dp4): every rank runs the per-GPU batch of the single-GPU measurement; fp32 gradients (from the
-graph's parameter nodes, and from the shapes of leaf Linear and LayerNorm modules; embeddings' are unknown and,
-for GPT-2, tied to the head's) are all-reduced in DDP's buckets over a ring link. The link: the vTrain A100 nccl-tests
-table for 4 GPUs (../shared/data/vtrain/trace/a100/AR_GPU4_1M_1024M_LUT) fitted to the ring model, with the
-bandwidth scaled by NVLink 4 over NVLink 3 (900 / 600 GB/s) for H100. Tensor (tp4) and pipeline (pp4) parallelism
-are not modelled yet: those cases are listed with no forecast.
+Probes: every single-GPU measurement of the model and sequence length on that GPU (GPT-2 large: batch 1 and 4 on
+H100; GPT-3 XL: batch 1 only), fitted per layer over the batch (t = a + c b) and evaluated at each rank's batch, as
+gpucast's own probes are. The A100 SXM4 cases have no single-GPU measurement on that GPU: they are forecast from
+the A100 80GB PCIe measurements (the same GA100 chip) and reported apart, as cross-GPU forecasts.
+
+Per layer the rebuild keeps what the step model needs: fp32 gradients (from the graph's parameter nodes, and from
+the shapes of leaf Linear and LayerNorm modules; embeddings' are unknown and, for GPT-2, tied to the head's), the
+kind (matmul or embedding layers are what tensor parallelism splits) and the output bytes (what tensor parallelism
+all-reduces and pipeline stages send). Strategies as Megatron-LM runs them for NeuSight (accelerate's Megatron
+plugin): dp4 with DDP buckets over a ring; tp4 with matmuls split 4 ways and two all-reduces per transformer block
+in forward and two in backward; pp4 with one micro-batch (the stages run one after the other, activations sent
+between them). Links: the vTrain A100 nccl-tests table for 4 GPUs (../shared/data/vtrain/trace/a100/
+AR_GPU4_1M_1024M_LUT) fitted to the ring model, bandwidth scaled by NVLink 4 over NVLink 3 (900 / 600 GB/s) for
+H100 (gpucast's interconnect table holds the same numbers as nvlink3 and nvlink4).
 Errors next to published ones: NeuSight 7.7 % mean on its 4-GPU cases; ScaleDL 9.39 % in-domain; vTrain 8.37 %.
 """
 from __future__ import annotations
@@ -37,6 +45,10 @@ def module_of(meta: str) -> str:
     return keys[-1] if keys else "(outside modules)"
 
 
+MATMUL = ("addmm", "matmul", "bmm", "baddbmm", "linear", "built-in method mm ")
+BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.int64": 8, "torch.bool": 1}
+
+
 def rebuild(csv_path: Path, layers: int, batch: int, e2e_ms: float) -> dict:
     """An iteration timing (gpucast's JSON) from a NeuSight CSV, block 0 repeated `layers` times. The per-op
     latencies were measured one op at a time; they are scaled so that the iteration sums to its measured time
@@ -47,7 +59,8 @@ def rebuild(csv_path: Path, layers: int, batch: int, e2e_ms: float) -> dict:
 
     def layer(name):
         if name not in acc:
-            acc[name] = {"layer": name, "forward_ns": 0.0, "backward_ns": 0.0, "grad_bytes": 0}
+            acc[name] = {"layer": name, "forward_ns": 0.0, "backward_ns": 0.0, "grad_bytes": 0, "kind": "other",
+                         "out_bytes": 0}
             order.append(name)
         return acc[name]
     for r in rows:
@@ -56,6 +69,22 @@ def rebuild(csv_path: Path, layers: int, batch: int, e2e_ms: float) -> dict:
         lay["forward_ns"] += float(r["fw_latency"]) * 1e6
         # Gradient accumulation into .grad is part of backward (NeuSight's "bwall").
         lay["backward_ns"] += (float(r["bw_latency"]) + float(r["acc_latency"])) * 1e6
+        cls = re.findall(r"<class '([^']+)'>", r["meta"])
+        if r["op"] == "call_function" and any(m in r["target"] for m in MATMUL) or \
+                r["op"] == "call_module" and cls and cls[-1].endswith("Linear"):
+            lay["kind"] = "matmul"
+        elif r["op"] == "call_module" and cls and cls[-1].endswith("Embedding") and lay["kind"] == "other":
+            lay["kind"] = "embedding"
+        if r["op"] in ("call_function", "call_module", "call_method") and r["dtype"] in BYTES and r["output_shape"]:
+            try:
+                shape = ast.literal_eval(r["output_shape"])
+                if isinstance(shape, tuple) and all(isinstance(d, int) for d in shape):
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    lay["out_bytes"] = n * BYTES[r["dtype"]]
+            except (ValueError, SyntaxError):
+                pass
         if r["op"] == "get_attr" and (r["target"].endswith(".weight") or r["target"].endswith(".bias")) and \
                 not r["target"].endswith("attn.bias"):  # GPT-2's causal mask is a buffer, not a parameter
             shape = ast.literal_eval(r["output_shape"])
@@ -134,42 +163,58 @@ def main() -> int:
     rows = []
     print(f"A100 4-GPU ring link fitted to vTrain's nccl-tests table: alpha {alpha:.2f} us, "
           f"{bw_a100 / 1e3:.1f} GB/s; H100: x1.5 bandwidth")
-    print(f"{'gpu':<24} {'case':<28} {'measured ms':>11} {'per-op sum/e2e':>17} {'forecast ms':>11} {'err %':>7}")
+    print(f"{'gpu':<24} {'case':<28} {'measured ms':>11} {'probes: per-op sum/e2e ms':>24} {'forecast ms':>11} "
+          f"{'exp.comm':>9} {'err %':>7}")
     for c in cases():
-        per_rank = c["global_batch"] // 4 if c["mode"] == "dp4" else c["global_batch"]
-        single = NEUSIGHT / c["gpu"] / f"{c['model']}-train-{c['seq']}-{per_rank}.csv"
-        row = dict(c, forecast_ms=None, err_pct=None, note="")
-        if c["mode"] != "dp4":
-            row["note"] = "tensor / pipeline parallel step not modelled yet"
-        elif not single.exists():
-            row["note"] = f"no single-GPU per-op measurement {single.name} for this GPU"
+        mode = {"dp4": "dp:4", "tp4": "tp:4", "pp4_1": "pp:4,micro_batches:1"}[c["mode"]]
+        gpu, cross = c["gpu"], False
+        probes = sorted(NEUSIGHT.joinpath(gpu).glob(f"{c['model']}-train-{c['seq']}-*.csv"))
+        if not probes and gpu == "NVIDIA_A100-SXM4-40GB":
+            gpu, cross = "NVIDIA_A100_80GB_PCIe", True
+            probes = sorted(NEUSIGHT.joinpath(gpu).glob(f"{c['model']}-train-{c['seq']}-*.csv"))
+        row = dict(c, forecast_ms=None, err_pct=None, note="", cross_gpu=cross)
+        if not probes:
+            row["note"] = f"no single-GPU per-op measurement of {c['model']} s{c['seq']} on this GPU"
         else:
-            meta = json.loads(single.with_suffix(".json").read_text())
-            it = rebuild(single, meta["num_layer"], per_rank, meta["e2e_latency"])
-            rebuilt_ms = it.pop("per_op_sum_ms")
-            row["single_measured_ms"] = meta["e2e_latency"]
-            row["single_rebuilt_ms"] = round(rebuilt_ms, 3)
-            bw = bw_a100 * (1.5 if "H100" in c["gpu"] else 1.0)
-            fc = json.loads(torch.ops.gpucast.forecast_step_time([json.dumps(it)], c["global_batch"], 4, "ddp", alpha,
-                                                                 bw))
+            its, sums = [], []
+            for p in probes:
+                b = int(re.match(r".+-(\d+)\.csv", p.name).group(1))
+                meta = json.loads(p.with_suffix(".json").read_text())
+                it = rebuild(p, meta["num_layer"], b, meta["e2e_latency"])
+                sums.append(f"b{b} {it.pop('per_op_sum_ms'):.0f}/{meta['e2e_latency']:.0f}")
+                its.append(json.dumps(it))
+            row["probes"] = ", ".join(sums)
+            if cross:
+                row["note"] = "probes from A100 80GB PCIe (same chip; cross-GPU)"
+            bw = bw_a100 * (1.5 if "H100" in gpu else 1.0)
+            fc = json.loads(torch.ops.gpucast.forecast_step_time(its, c["global_batch"], mode,
+                                                                 f"alpha_us:{alpha},bytes_per_us:{bw}"))
             row["forecast_ms"] = round(fc["step_ms"], 3)
-            row["exposed_comm_ms"] = round(fc["exposed_comm_ms"], 3)
-            row["comm_ms"] = round(fc["comm_ms"], 3)
+            for k in ("compute_ms", "exposed_comm_ms", "comm_ms", "tp_comm_ms", "pp_comm_ms", "bubble_ms"):
+                row[k] = round(fc[k], 3)
             row["err_pct"] = round(100.0 * (fc["step_ms"] - c["measured_ms"]) / c["measured_ms"], 2)
         rows.append(row)
-        check = (f"{row['single_rebuilt_ms']:.1f}/{row['single_measured_ms']:.1f}" if "single_rebuilt_ms" in row
-                 else "")
         fcs = f"{row['forecast_ms']:.1f}" if row["forecast_ms"] is not None else "-"
         errs = f"{row['err_pct']:+.2f}" if row["err_pct"] is not None else "-"
+        comm = f"{row['exposed_comm_ms']:.1f}" if row["forecast_ms"] is not None else "-"
         name = f"{c['model']} s{c['seq']} b{c['global_batch']} {c['mode']}"
-        print(f"{c['gpu']:<24} {name:<28} {c['measured_ms']:>11.1f} {check:>17} {fcs:>11} {errs:>7}"
-              f"{'  ' + row['note'] if row['note'] else ''}")
-    done = [abs(r["err_pct"]) for r in rows if r["err_pct"] is not None]
+        print(f"{c['gpu']:<24} {name:<28} {c['measured_ms']:>11.1f} {row.get('probes', ''):>24} {fcs:>11} "
+              f"{comm:>9} {errs:>7}{'  ' + row['note'] if row['note'] else ''}")
+    done = [abs(r["err_pct"]) for r in rows if r["err_pct"] is not None and not r["cross_gpu"]]
+    cross = [abs(r["err_pct"]) for r in rows if r["err_pct"] is not None and r["cross_gpu"]]
     mre = sum(done) / len(done) if done else None
-    print(f"forecast {len(done)} of {len(rows)} 4-GPU cases; mean |error| "
-          f"{'n/a' if mre is None else f'{mre:.2f} %'} (NeuSight's own: 7.7 % mean on its 4-GPU cases)")
+    by_mode = {m: [abs(r["err_pct"]) for r in rows if r["mode"] == m and r["err_pct"] is not None
+                   and not r["cross_gpu"]] for m in ("dp4", "tp4", "pp4_1")}
+    print(f"forecast {len(done)} of {len(rows)} 4-GPU cases from the same GPU's measurements; mean |error| "
+          f"{'n/a' if mre is None else f'{mre:.2f} %'} (" +
+          ", ".join(f"{m} {sum(v) / len(v):.2f} %" for m, v in by_mode.items() if v) +
+          "); NeuSight's own: 7.7 % mean on its 4-GPU cases, ScaleDL 9.39 % in-domain, vTrain 8.37 %")
+    if cross:
+        print(f"cross-GPU (A100 SXM4 from A100 PCIe probes): {len(cross)} cases, mean |error| "
+              f"{sum(cross) / len(cross):.2f} %")
     print(json.dumps({"bench": "neusight_parallel", "neusight_mre_pct": None if mre is None else round(mre, 3),
-                      "forecast_cases": len(done), "all_cases": len(rows), "cases": rows}))
+                      "forecast_cases": len(done), "all_cases": len(rows),
+                      "cross_gpu_mre_pct": round(sum(cross) / len(cross), 3) if cross else None, "cases": rows}))
     return 0
 
 

@@ -224,23 +224,28 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });
         });
-  m.def("forecast_step_time(str[] probes, int batch_size, int dp, str dp_mode, float alpha_us, float bytes_per_us, "
-        "float time_scale=1.0) -> str",
-        [](const std::vector<std::string>& probes, int64_t batch, int64_t dp, const std::string& mode, double alpha,
-           double bw, double time_scale) {
+  m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0) -> str",
+        [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
+           double time_scale) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
             gpucast::StepTimeOptions o;
             o.batch_size = batch;
-            o.dp = dp;
-            o.dp_mode = mode;
-            o.have_link = bw > 0;
-            o.link = {alpha, bw};
+            o.parallel = gpucast::ParallelConfig::parse(parallel);
+            o.topology = gpucast::Topology::parse(link);
             o.time_scale = time_scale;
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });
+  m.def("interconnects() -> str", [] {
+    std::string out = "[";
+    for (const auto& i : gpucast::interconnect_table()) {
+      out += fmt::format("{}{{\"name\":\"{}\",\"alpha_us\":{},\"bytes_per_us\":{}}}", out.size() > 1 ? "," : "",
+                         i.name, i.link.alpha_us, i.link.bytes_per_us);
+    }
+    return out + "]";
+  });
   m.def("job_weights_path() -> str", [] { return gpucast::default_job_weights(); });
   m.def("job_features(str job_json) -> str", [](const std::string& text) {
     return gpucast::translate([&] {

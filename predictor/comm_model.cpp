@@ -1,8 +1,11 @@
 #include "gpucast/comm_model.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <sstream>
 
+#include "gpucast/config.h"
 #include "gpucast/error.h"
 
 namespace gpucast {
@@ -69,6 +72,82 @@ std::vector<CollectiveSample> parse_nccl_tests_csv(const std::string& text, cons
     }
   }
   return out;
+}
+
+const std::vector<Interconnect>& interconnect_table() {
+  // Bus bandwidth in bytes per microsecond (1 GB/s = 1000 B/us), as nccl-tests reports it for a ring
+  // all-reduce of large messages; alpha per ring step.
+  static const std::vector<Interconnect> table = {
+      {"nvlink3", {9.0, 218400.0}, "A100 SXM4 NVLink 3 (600 GB/s per GPU): ring fitted to vTrain's A100 4-GPU nccl-tests table"},
+      {"nvlink4", {9.0, 327600.0}, "H100 SXM NVLink 4 (900 GB/s per GPU): nvlink3's fit scaled by 900/600"},
+      {"nvlink5", {9.0, 655200.0}, "B200 NVLink 5 (1800 GB/s per GPU): nvlink3's fit scaled by 1800/600"},
+      {"pcie4", {10.0, 20000.0}, "PCIe 4.0 x16 (32 GB/s per direction), nominal nccl-tests bus bandwidth"},
+      {"pcie5", {10.0, 40000.0}, "PCIe 5.0 x16 (64 GB/s per direction), nominal nccl-tests bus bandwidth"},
+      {"ib-hdr", {15.0, 23000.0}, "InfiniBand HDR 200 Gb/s, one NIC per GPU, nominal nccl-tests bus bandwidth"},
+      {"ib-ndr", {15.0, 46000.0}, "InfiniBand NDR 400 Gb/s, one NIC per GPU, nominal nccl-tests bus bandwidth"},
+      {"eth-100g", {30.0, 11000.0}, "100 Gb/s Ethernet (RoCE), one NIC per GPU, nominal nccl-tests bus bandwidth"},
+  };
+  return table;
+}
+
+const Interconnect& find_interconnect(const std::string& name) {
+  std::string lower = name, names;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (const Interconnect& i : interconnect_table()) {
+    if (i.name == lower) return i;
+    names += (names.empty() ? "" : ", ") + i.name;
+  }
+  GPUCAST_USER_ERROR("link: unknown interconnect '{}'; known: {}", name, names);
+}
+
+Topology Topology::parse(const std::string& text) {
+  using F = ConfigKey::Form;
+  Config cfg("link", {{"intra", F::String, std::string(), {}, "interconnect inside a node (interconnect table)"},
+                      {"alpha_us", F::String, std::string(), {}, "intra-node latency per ring step, microseconds"},
+                      {"bytes_per_us", F::String, std::string(), {}, "intra-node bus bandwidth, bytes per microsecond"},
+                      {"gpus_per_node", F::PositiveInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
+                      {"inter", F::String, std::string(), {}, "interconnect between nodes (interconnect table)"},
+                      {"inter_alpha_us", F::String, std::string(), {}, "inter-node latency per ring step"},
+                      {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"}});
+  cfg.parse(text);
+  auto number = [&](const char* key, bool positive) {
+    const std::string& v = cfg.get_string(key);
+    size_t used = 0;
+    double x = -1;
+    try {
+      x = std::stod(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.size() || v.empty() || !(positive ? x > 0 : x >= 0) || !std::isfinite(x)) {
+      GPUCAST_USER_ERROR("link: '{}' should be a {} number, got '{}'", key, positive ? "positive" : "non-negative", v);
+    }
+    return x;
+  };
+  Topology t;
+  t.gpus_per_node = cfg.was_set("gpus_per_node") ? cfg.get_int("gpus_per_node") : 0;
+  auto side = [&](const char* name, const char* alpha, const char* bw, bool& have, Link& link) {
+    if (cfg.was_set(name)) {
+      link = find_interconnect(cfg.get_string(name)).link;
+      have = true;
+    }
+    if (cfg.was_set(alpha) != cfg.was_set(bw)) {
+      GPUCAST_USER_ERROR("link: '{}' and '{}' go together; got only '{}'", alpha, bw, cfg.was_set(alpha) ? alpha : bw);
+    }
+    if (cfg.was_set(alpha)) {
+      link = Link{number(alpha, false), number(bw, true)};
+      have = true;
+    }
+  };
+  side("intra", "alpha_us", "bytes_per_us", t.have_intra, t.intra);
+  side("inter", "inter_alpha_us", "inter_bytes_per_us", t.have_inter, t.inter);
+  return t;
+}
+
+const Link* Topology::link_for(int64_t ranks, int64_t stride) const {
+  const bool inside = gpus_per_node <= 0 || ranks * stride <= gpus_per_node;
+  if (inside) return have_intra ? &intra : nullptr;
+  return have_inter ? &inter : nullptr;
 }
 
 }  // namespace gpucast

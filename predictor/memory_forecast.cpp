@@ -71,24 +71,6 @@ int64_t cublas_workspace_bytes(int compute_capability, const std::string& config
   return total;
 }
 
-ParallelConfig ParallelConfig::parse(const std::string& text) {
-  using F = ConfigKey::Form;
-  Config cfg("parallel", {{"dp", F::PositiveInt, int64_t{1}, {}, "data-parallel degree"},
-                          {"tp", F::PositiveInt, int64_t{1}, {}, "tensor-parallel degree"},
-                          {"pp", F::PositiveInt, int64_t{1}, {}, "pipeline-parallel degree"},
-                          {"dp_mode", F::Choice, std::string("ddp"), {"ddp", "zero1", "zero2", "fsdp"}, "sharding"},
-                          {"micro_batches", F::PositiveInt, int64_t{1}, {}, "gradient accumulation steps"},
-                          {"gradient_as_bucket_view", F::Bool, false, {}, "DDP gradients as views of its buckets"}});
-  cfg.parse(text);
-  ParallelConfig p;
-  p.dp = cfg.get_int("dp");
-  p.tp = cfg.get_int("tp");
-  p.pp = cfg.get_int("pp");
-  p.dp_mode = cfg.get_string("dp_mode");
-  p.micro_batches = cfg.get_int("micro_batches");
-  p.gradient_as_bucket_view = cfg.get_bool("gradient_as_bucket_view");
-  return p;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Streams

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
+
+#include <fmt/format.h>
 
 #include "gpucast/error.h"
 
@@ -38,6 +41,40 @@ double fit_at(const std::vector<std::pair<double, double>>& pts, double b) {
   }
   return a + c * b;
 }
+
+int64_t element_bytes(const std::string& dtype) {
+  if (dtype == "float64" || dtype == "int64" || dtype == "complex64") return 8;
+  if (dtype == "float16" || dtype == "bfloat16" || dtype == "int16") return 2;
+  if (dtype == "int8" || dtype == "uint8" || dtype == "bool" || dtype.rfind("float8", 0) == 0) return 1;
+  return 4;
+}
+
+int64_t value_bytes(const std::vector<Value>& values) {
+  int64_t total = 0;
+  for (const Value& v : values) {
+    for (const TensorMeta& m : v.tensors) {
+      if (m.dtype.empty()) continue;
+      int64_t n = 1;
+      for (int64_t d : m.shape) n *= d;
+      total += n * element_bytes(m.dtype);
+    }
+  }
+  return total;
+}
+
+// What tensor parallelism splits: matmuls (attention included) and embeddings; convolutions are kept whole.
+const char* op_kind(const std::string& name) {
+  static const char* const kMatmul[] = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+                                        "aten::linear", "aten::einsum", "aten::scaled_dot_product_attention"};
+  for (const char* m : kMatmul) {
+    if (name == m) return "matmul";
+  }
+  if (name == "aten::embedding" || name == "aten::embedding_bag") return "embedding";
+  if (name.find("conv") != std::string::npos) return "conv";
+  return "other";
+}
+
+int kind_rank(const std::string& k) { return k == "matmul" ? 3 : k == "embedding" ? 2 : k == "conv" ? 1 : 0; }
 
 }  // namespace
 
@@ -73,7 +110,11 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
       it.optimizer_ns += duration(op);
     } else if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {
-      layer(op.module.empty() ? kOutside : op.module).forward_ns += duration(op);
+      LayerTiming& l = layer(op.module.empty() ? kOutside : op.module);
+      l.forward_ns += duration(op);
+      const std::string kind = op_kind(op.name);
+      if (kind_rank(kind) > kind_rank(l.kind)) l.kind = kind;
+      l.out_bytes = value_bytes(op.outputs);
     } else if (op.phase == Phase::Backward && op.scope == Scope::BackwardFunction &&
                (top || t.ops[op.parent].scope != Scope::BackwardFunction)) {
       const std::string name = op.fwd_op >= 0 && !t.ops[op.fwd_op].module.empty() ? t.ops[op.fwd_op].module : kOutside;
@@ -101,29 +142,76 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   return it;
 }
 
+namespace {
+
+// Contiguous split of `cost` into `parts` stages minimizing the slowest stage (binary search on the bound).
+std::vector<int64_t> balanced_stages(const std::vector<double>& cost, int64_t parts) {
+  double lo = 0, hi = 0;
+  for (double c : cost) lo = std::max(lo, c), hi += c;
+  auto fill = [&](double bound, std::vector<int64_t>* out) {
+    int64_t stage = 0;
+    double sum = 0;
+    for (size_t i = 0; i < cost.size(); ++i) {
+      // Leave at least one layer for each later stage.
+      const bool must_cut = static_cast<int64_t>(cost.size() - i) <= parts - 1 - stage;
+      if (i > 0 && (sum + cost[i] > bound || must_cut) && stage + 1 < parts) {
+        ++stage;
+        sum = 0;
+      }
+      sum += cost[i];
+      if (out) out->push_back(stage);
+      if (sum > bound * (1 + 1e-12) + 1e-300) return false;
+    }
+    return true;
+  };
+  for (int iter = 0; iter < 100 && hi - lo > 1e-9 * hi; ++iter) {
+    const double mid = (lo + hi) / 2;
+    (fill(mid, nullptr) ? hi : lo) = mid;
+  }
+  std::vector<int64_t> stage;
+  fill(hi, &stage);
+  return stage;
+}
+
+}  // namespace
+
 StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, const StepTimeOptions& o) {
   if (probes.empty()) GPUCAST_USER_ERROR("step time: no probe iterations to forecast from");
-  if (o.dp < 1) GPUCAST_USER_ERROR("parallel: 'dp' should be an integer of at least 1, got {}", o.dp);
-  if (o.dp_mode != "ddp" && o.dp_mode != "zero1" && o.dp_mode != "zero2" && o.dp_mode != "fsdp") {
-    GPUCAST_USER_ERROR("parallel: 'dp_mode' should be one of ddp|zero1|zero2|fsdp, got '{}'", o.dp_mode);
+  const ParallelConfig& P = o.parallel;
+  for (auto [key, v] : {std::pair<const char*, int64_t>{"dp", P.dp}, {"tp", P.tp}, {"pp", P.pp},
+                        {"micro_batches", P.micro_batches}}) {
+    if (v < 1) GPUCAST_USER_ERROR("parallel: '{}' should be an integer of at least 1, got {}", key, v);
   }
-  if (o.batch_size < o.dp) {
-    GPUCAST_USER_ERROR("step time: batch_size {} is smaller than dp {}: every rank needs a sample", o.batch_size, o.dp);
+  if (P.dp_mode != "ddp" && P.dp_mode != "zero1" && P.dp_mode != "zero2" && P.dp_mode != "fsdp") {
+    GPUCAST_USER_ERROR("parallel: 'dp_mode' should be one of ddp|zero1|zero2|fsdp, got '{}'", P.dp_mode);
   }
-  StepTimeForecast f;
-  f.batch_size = o.batch_size;
-  f.dp = o.dp;
-  f.per_rank_batch = o.batch_size / o.dp;
-  f.clock = probes.back().clock;
-  const double b = static_cast<double>(f.per_rank_batch);
-  // Layers in the forward order of the largest probe; their points over all probes.
-  const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
-                                                 [](const auto& x, const auto& y) { return x.batch < y.batch; });
-  std::vector<std::pair<double, double>> opt, other;
-  std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> pts;
+  if (o.batch_size < P.dp * P.micro_batches) {
+    GPUCAST_USER_ERROR("step time: batch_size {} is smaller than dp x micro_batches = {}: every rank needs a sample "
+                       "in every micro-batch", o.batch_size, P.dp * P.micro_batches);
+  }
   if (!(o.time_scale > 0) || o.time_scale > 10) {
     GPUCAST_USER_ERROR("step time: time_scale should be in (0, 10], got {}", o.time_scale);
   }
+  StepTimeForecast f;
+  f.batch_size = o.batch_size;
+  f.dp = P.dp, f.tp = P.tp, f.pp = P.pp, f.micro_batches = P.micro_batches, f.dp_mode = P.dp_mode;
+  f.per_rank_batch = o.batch_size / (P.dp * P.micro_batches);
+  if (f.per_rank_batch * P.dp * P.micro_batches != o.batch_size) {
+    f.notes.push_back(fmt::format("batch_size {} is not a multiple of dp x micro_batches = {}: each rank's "
+                                  "micro-batch taken as {}", o.batch_size, P.dp * P.micro_batches, f.per_rank_batch));
+  }
+  f.clock = probes.back().clock;
+  const double b = static_cast<double>(f.per_rank_batch);
+  const double m = static_cast<double>(P.micro_batches);
+  // Layers in the forward order of the largest probe; their points over all probes.
+  const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
+                                                 [](const auto& x, const auto& y) { return x.batch < y.batch; });
+  if (P.pp > static_cast<int64_t>(ref.layers.size())) {
+    GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,
+                       ref.layers.size());
+  }
+  std::vector<std::pair<double, double>> opt, other;
+  std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> pts;
   const double k = o.time_scale;
   for (const IterationTiming& p : probes) {
     opt.emplace_back(p.batch, k * p.optimizer_ns);
@@ -135,74 +223,243 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, 
   }
   double optimizer_ns = 0;
   for (auto [x, y] : opt) optimizer_ns += y / static_cast<double>(opt.size());
-  f.optimizer_ms = optimizer_ns / 1e6;
   f.other_ms = fit_at(other, b) / 1e6;
+
+  // Links of the groups (tp innermost, then dp, then pp).
+  auto link = [&](const char* what, int64_t ranks, int64_t stride) -> const Link* {
+    const Link* l = o.topology.link_for(ranks, stride);
+    if (!l) {
+      f.notes.push_back(fmt::format("no {} link for {} ranks (gpucast.calibrate() or link=...): its communication "
+                                    "is not counted", what, ranks));
+    }
+    return l;
+  };
+  const Link* tp_link = P.tp > 1 ? link("tensor-parallel", P.tp, 1) : nullptr;
+  const Link* dp_link = P.dp > 1 ? link("data-parallel", P.dp, P.tp) : nullptr;
+  const Link* pp_link = P.pp > 1 ? link("pipeline", P.pp, P.tp * P.dp) : nullptr;
+  auto add_comm = [&](const char* kind, double bytes, double start_ms, double us) {
+    f.comm.push_back({kind, static_cast<int64_t>(bytes), start_ms, start_ms + us / 1e3});
+    f.comm_ms += us / 1e3;
+    return start_ms + us / 1e3;
+  };
+
+  // Per layer at the micro-batch; tensor parallelism splits matmuls and embeddings and adds its all-reduces.
+  const double act_scale = ref.batch > 0 ? b / static_cast<double>(ref.batch) : 1.0;
+  int64_t total_grad = 0, split_grad = 0, matmul_with_params = 0;
+  bool inside_pair = false;
   std::vector<std::pair<int64_t, size_t>> bwd_order;
+  std::vector<double> tp_fw_ms(ref.layers.size(), 0.0), tp_bw_ms(ref.layers.size(), 0.0);
   for (const LayerTiming& l : ref.layers) {
     auto& [fw, bw] = pts[l.layer];
     LayerForecast lf{l.layer, fit_at(fw, b) / 1e6, fit_at(bw, b) / 1e6, l.grad_bytes};
-    f.forward_ms += lf.forward_ms;
-    f.backward_ms += lf.backward_ms;
-    bwd_order.emplace_back(l.backward_order, f.per_layer.size());
+    total_grad += l.grad_bytes;
+    const size_t i = f.per_layer.size();
+    // Megatron's pairs: a column-parallel matmul (with parameters) shards the activations until the next one,
+    // row-parallel, gathers them with an all-reduce; every layer in between runs on the shards.
+    const bool paired = l.kind == "matmul" && l.grad_bytes > 0;
+    const bool row = paired && matmul_with_params % 2 == 1;
+    const bool split = P.tp > 1 && (l.kind == "embedding" || paired || inside_pair || l.kind == "matmul");
+    if (paired) inside_pair = !row, ++matmul_with_params;
+    if (split) {
+      lf.forward_ms /= static_cast<double>(P.tp);
+      lf.backward_ms /= static_cast<double>(P.tp);
+      lf.grad_bytes /= P.tp;
+      split_grad += l.grad_bytes;
+      const double bytes = static_cast<double>(l.out_bytes) * act_scale;
+      const double us = tp_link ? allreduce_us(bytes, P.tp, *tp_link) : 0.0;
+      if (l.kind == "embedding") {
+        tp_fw_ms[i] = us / 1e3;
+      } else if (row) {
+        tp_fw_ms[i] = us / 1e3;
+        tp_bw_ms[i] = us / 1e3;
+      }
+      lf.tp_comm_ms = tp_fw_ms[i] + tp_bw_ms[i];
+      f.tp_comm_ms += m * lf.tp_comm_ms;
+    }
+    bwd_order.emplace_back(l.backward_order, i);
     f.per_layer.push_back(std::move(lf));
   }
+  f.comm_ms += f.tp_comm_ms;
+  // Optimizer: this rank's share of the parameters.
+  double share = total_grad > 0 ? (static_cast<double>(total_grad - split_grad) +
+                                   static_cast<double>(split_grad) / static_cast<double>(P.tp)) /
+                                      static_cast<double>(total_grad)
+                                : 1.0 / static_cast<double>(P.tp);
+
+  // Pipeline stages.
+  std::vector<double> cost;
+  for (size_t i = 0; i < f.per_layer.size(); ++i) {
+    cost.push_back(f.per_layer[i].forward_ms + f.per_layer[i].backward_ms + tp_fw_ms[i] + tp_bw_ms[i]);
+  }
+  const std::vector<int64_t> stage = P.pp > 1 ? balanced_stages(cost, P.pp) : std::vector<int64_t>(cost.size(), 0);
+  std::vector<double> stage_fw(P.pp, 0.0), stage_bw(P.pp, 0.0);
+  std::vector<int64_t> stage_grad(P.pp, 0), send_bytes(P.pp, 0);
+  for (size_t i = 0; i < f.per_layer.size(); ++i) {
+    LayerForecast& l = f.per_layer[i];
+    l.stage = stage[i];
+    stage_fw[l.stage] += l.forward_ms + tp_fw_ms[i];
+    stage_bw[l.stage] += l.backward_ms + tp_bw_ms[i];
+    stage_grad[l.stage] += l.grad_bytes;
+    send_bytes[l.stage] = static_cast<int64_t>(static_cast<double>(ref.layers[i].out_bytes) * act_scale);
+  }
+  for (const LayerForecast& l : f.per_layer) f.forward_ms += m * l.forward_ms, f.backward_ms += m * l.backward_ms;
+  const int64_t rank_grad = *std::max_element(stage_grad.begin(), stage_grad.end());
+  int64_t all_rank_grad = 0;
+  for (int64_t g : stage_grad) all_rank_grad += g;
+  if (P.pp > 1 && all_rank_grad > 0) share *= static_cast<double>(rank_grad) / static_cast<double>(all_rank_grad);
+  if (P.pp > 1 && all_rank_grad == 0) share /= static_cast<double>(P.pp);
+  const bool sharded = P.dp_mode != "ddp";
+  f.optimizer_ms = optimizer_ns / 1e6 * share / (sharded ? static_cast<double>(P.dp) : 1.0);
+  f.other_ms *= m;
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;
-  f.step_ms = f.compute_ms;
-  if (o.dp > 1) {
-    if (o.dp_mode != "ddp") {
-      GPUCAST_USER_ERROR("parallel: the step-time forecast models dp_mode 'ddp' only so far, got '{}'", o.dp_mode);
+
+  // Data-parallel gradient reduction of `bytes` (all-reduce, or reduce-scatter when sharded).
+  auto reduce_us = [&](double bytes) {
+    return sharded ? reduce_scatter_us(bytes, P.dp, *dp_link) : allreduce_us(bytes, P.dp, *dp_link);
+  };
+  const char* reduce_kind = sharded ? "dp_reduce_scatter" : "dp_allreduce";
+  double t_end = 0;  // end of the step's compute and the communication on its critical path
+
+  if (P.pp > 1) {
+    // 1F1B: fill and drain of one micro-batch through every stage, the slowest stage for the other m - 1.
+    double slowest = 0, sum = 0, p2p = 0, p2p_max = 0;
+    for (int64_t s = 0; s < P.pp; ++s) {
+      slowest = std::max(slowest, stage_fw[s] + stage_bw[s]);
+      sum += stage_fw[s] + stage_bw[s];
     }
-    if (!o.have_link) {
-      f.notes.push_back("no all-reduce link given (gpucast.calibrate() or a device table): communication not counted");
-      return f;
+    double t = f.other_ms;
+    for (int64_t s = 0; s + 1 < P.pp; ++s) {
+      if (!pp_link) break;
+      const double us = pp_link->alpha_us + static_cast<double>(send_bytes[s]) / pp_link->bytes_per_us;
+      t += stage_fw[s];
+      add_comm("pp_send", static_cast<double>(send_bytes[s]), t, us);
+      t += us / 1e3;
+      p2p += 2 * us / 1e3;
+      p2p_max = std::max(p2p_max, 2 * us / 1e3);
     }
-    // Backward runs after forward and "other" (taken before it: the loss, zero_grad); gradients become ready at
-    // the end of their layer's backward, in backward order.
-    std::sort(bwd_order.begin(), bwd_order.end());
-    double t = f.other_ms + f.forward_ms;
-    const double backward_end = t + f.backward_ms;
+    f.pp_comm_ms = p2p + (m - 1) * p2p_max;
+    const double pipe = sum + (m - 1) * (slowest + p2p_max) + p2p;
+    f.bubble_ms = pipe - m * slowest;
+    t_end = f.other_ms + pipe;
+    f.exposed_comm_ms += f.pp_comm_ms + f.tp_comm_ms;
+    if (dp_link && rank_grad > 0) {
+      const double us = reduce_us(static_cast<double>(rank_grad));
+      t_end = add_comm(reduce_kind, static_cast<double>(rank_grad), t_end, us);
+      f.exposed_comm_ms += us / 1e3;
+    }
+    t_end += f.optimizer_ms;
+    if (dp_link && sharded && rank_grad > 0) {
+      const double us = all_gather_us(static_cast<double>(rank_grad), P.dp, *dp_link);
+      t_end = add_comm("dp_all_gather", static_cast<double>(rank_grad), t_end, us);
+      f.exposed_comm_ms += us / 1e3;
+    }
+    f.step_ms = t_end;
+    f.compute_ms = m * slowest + f.optimizer_ms + f.other_ms;  // the slowest stage's rank
+    return f;
+  }
+
+  // One stage: m - 1 micro-batches without reduction (gradient accumulation), then the last one.
+  const double per_mb_fw = f.forward_ms / m, per_mb_bw = f.backward_ms / m;
+  const double tp_fw_total = std::accumulate(tp_fw_ms.begin(), tp_fw_ms.end(), 0.0);
+  const double tp_bw_total = std::accumulate(tp_bw_ms.begin(), tp_bw_ms.end(), 0.0);
+  f.exposed_comm_ms += f.tp_comm_ms;
+  double t = (m - 1) * (f.other_ms / m + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total) + f.other_ms / m;
+  std::sort(bwd_order.begin(), bwd_order.end());
+  if (P.dp > 1 && dp_link && P.dp_mode == "fsdp") {
+    // Units: layers with parameters (the probes hold them whole: a unit's gather moves its full size). Each pass
+    // gathers unit j + 1 when unit j starts computing (prefetch), on one communication stream in issue order.
+    double comm_free = t, compute = t;
+    auto pass = [&](const std::vector<size_t>& units, bool backward) {
+      std::vector<double> gathered(units.size(), 0.0);
+      auto gather = [&](size_t n, double not_before) {
+        const double bytes = static_cast<double>(f.per_layer[units[n]].grad_bytes);
+        if (bytes <= 0) return;
+        comm_free = add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before),
+                             all_gather_us(bytes, P.dp, *dp_link));
+        gathered[n] = comm_free;
+      };
+      if (!units.empty()) gather(0, compute);
+      for (size_t n = 0; n < units.size(); ++n) {
+        const size_t i = units[n];
+        const double ready = std::max(compute, gathered[n]);
+        if (n + 1 < units.size()) gather(n + 1, ready);
+        compute = ready + (backward ? f.per_layer[i].backward_ms + tp_bw_ms[i] : f.per_layer[i].forward_ms + tp_fw_ms[i]);
+        const double bytes = static_cast<double>(f.per_layer[i].grad_bytes);
+        if (backward && bytes > 0) {
+          comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute),
+                               reduce_scatter_us(bytes, P.dp, *dp_link));
+        }
+      }
+    };
+    std::vector<size_t> forward_units(f.per_layer.size()), backward_units;
+    std::iota(forward_units.begin(), forward_units.end(), size_t{0});
+    for (auto [order, i] : bwd_order) backward_units.push_back(i);
+    pass(forward_units, false);
+    pass(backward_units, true);
+    const double compute_only = t + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total;
+    t_end = std::max(compute, comm_free);
+    f.exposed_comm_ms += t_end - compute_only;
+    f.step_ms = t_end + f.optimizer_ms;
+    return f;
+  }
+  // DDP and ZeRO-1/2: buckets in backward order, reduced while backward goes on.
+  const double backward_start = t + per_mb_fw + tp_fw_total;
+  t = backward_start;
+  const double backward_end = backward_start + per_mb_bw + tp_bw_total;
+  double prev_end = 0;
+  if (P.dp > 1 && dp_link) {
     BucketForecast cur;
-    double prev_end = 0;
     auto flush = [&](double ready) {
       if (cur.bytes == 0) return;
       cur.ready_ms = ready;
       cur.start_ms = std::max(ready, prev_end);
-      const double us = allreduce_us(static_cast<double>(cur.bytes), o.dp, o.link);
-      cur.end_ms = cur.start_ms + us / 1e3;
-      f.comm_ms += us / 1e3;
+      cur.end_ms = add_comm(reduce_kind, static_cast<double>(cur.bytes), cur.start_ms,
+                            reduce_us(static_cast<double>(cur.bytes)));
       prev_end = cur.end_ms;
       f.buckets.push_back(cur);
       cur = BucketForecast{};
     };
     for (auto [order, i] : bwd_order) {
       const LayerForecast& l = f.per_layer[i];
-      t += l.backward_ms;
+      t += l.backward_ms + tp_bw_ms[i];
       if (l.grad_bytes == 0) continue;
       cur.bytes += l.grad_bytes;
       const int64_t cap = f.buckets.empty() ? o.first_bucket_bytes : o.bucket_bytes;
       if (cur.bytes >= cap) flush(t);
     }
     flush(t);
-    f.exposed_comm_ms = std::max(0.0, prev_end - backward_end);
-    f.step_ms = f.compute_ms + f.exposed_comm_ms;
   }
+  const double exposed = std::max(0.0, prev_end - backward_end);
+  f.exposed_comm_ms += exposed;
+  t_end = backward_end + exposed + f.optimizer_ms;
+  if (P.dp > 1 && dp_link && sharded && all_rank_grad > 0) {
+    const double us = all_gather_us(static_cast<double>(all_rank_grad), P.dp, *dp_link);
+    t_end = add_comm("dp_all_gather", static_cast<double>(all_rank_grad), t_end, us);
+    f.exposed_comm_ms += us / 1e3;
+  }
+  f.step_ms = t_end;
   return f;
 }
 
 std::string step_time_to_json(const StepTimeForecast& f) {
-  json layers = json::array(), buckets = json::array();
+  json layers = json::array(), buckets = json::array(), comm = json::array();
   for (const auto& l : f.per_layer) {
     layers.push_back({{"layer", l.layer}, {"forward_ms", l.forward_ms}, {"backward_ms", l.backward_ms},
-                      {"grad_bytes", l.grad_bytes}});
+                      {"grad_bytes", l.grad_bytes}, {"tp_comm_ms", l.tp_comm_ms}, {"stage", l.stage}});
   }
   for (const auto& b : f.buckets) {
     buckets.push_back({{"bytes", b.bytes}, {"ready_ms", b.ready_ms}, {"start_ms", b.start_ms}, {"end_ms", b.end_ms}});
   }
-  return json{{"batch_size", f.batch_size}, {"per_rank_batch", f.per_rank_batch}, {"dp", f.dp},
+  for (const auto& c : f.comm) {
+    comm.push_back({{"kind", c.kind}, {"bytes", c.bytes}, {"start_ms", c.start_ms}, {"end_ms", c.end_ms}});
+  }
+  return json{{"batch_size", f.batch_size}, {"per_rank_batch", f.per_rank_batch}, {"dp", f.dp}, {"tp", f.tp},
+              {"pp", f.pp}, {"micro_batches", f.micro_batches}, {"dp_mode", f.dp_mode},
               {"step_ms", f.step_ms}, {"compute_ms", f.compute_ms}, {"forward_ms", f.forward_ms},
               {"backward_ms", f.backward_ms}, {"optimizer_ms", f.optimizer_ms}, {"other_ms", f.other_ms},
-              {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"per_layer", layers},
-              {"buckets", buckets}, {"clock", f.clock}, {"notes", f.notes}}
+              {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"tp_comm_ms", f.tp_comm_ms},
+              {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"per_layer", layers},
+              {"buckets", buckets}, {"comm", comm}, {"clock", f.clock}, {"notes", f.notes}}
       .dump();
 }
 
@@ -210,7 +467,8 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
   json layers = json::array();
   for (const auto& l : t.layers) {
     layers.push_back({{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
-                      {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}});
+                      {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
+                      {"out_bytes", l.out_bytes}});
   }
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
               {"clock", t.clock}, {"layers", layers}}
@@ -227,9 +485,12 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.other_ns = j.at("other_ns").get<double>();
     t.clock = j.at("clock").get<std::string>();
     for (const json& l : j.at("layers")) {
-      t.layers.push_back({l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
-                          l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),
-                          l.at("backward_order").get<int64_t>()});
+      LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
+                     l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),
+                     l.at("backward_order").get<int64_t>()};
+      lt.kind = l.value("kind", std::string("other"));
+      lt.out_bytes = l.value("out_bytes", int64_t{0});
+      t.layers.push_back(std::move(lt));
     }
   } catch (const json::exception& e) {
     GPUCAST_USER_ERROR("iteration timing: not a gpucast iteration timing ({})", e.what());

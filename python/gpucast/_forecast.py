@@ -21,6 +21,11 @@ from ._trace import _flatten, trace
 SCHEMA_VERSION = 1
 
 
+def interconnects() -> list[dict]:
+    """The interconnect table (names for forecast(link="intra:...,inter:...")): alpha_us, bytes_per_us."""
+    return json.loads(torch.ops.gpucast.interconnects())
+
+
 def devices() -> list[dict]:
     """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source."""
     rows = []
@@ -29,6 +34,25 @@ def devices() -> list[dict]:
         rows.append({"name": name, "capacity_bytes": int(cap), "compute_capability": int(cc) / 10,
                      "context_bytes": int(ctx), "source": source})
     return rows
+
+
+_LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us")
+
+
+def _format_link(link: dict | str | None) -> str:
+    """The link configuration text from what gpucast.calibrate() returns (its other keys are ignored), a dict of
+    topology keys, or the text itself."""
+    if link is None:
+        return ""
+    if isinstance(link, str):
+        return link
+    if not isinstance(link, dict):
+        raise TypeError(f"link: expected a dict (what gpucast.calibrate() returns) or a text such as "
+                        f"'intra:nvlink4,gpus_per_node:8', got {type(link).__name__}")
+    if not any(k in link for k in _LINK_KEYS):
+        raise ValueError("forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() returns) "
+                         f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
+    return ",".join(f"{k}:{link[k]}" for k in _LINK_KEYS if k in link)
 
 
 def _format_parallel(parallel: dict | None) -> str:
@@ -74,10 +98,14 @@ class MemoryForecast:
 
 @dataclass
 class TimeForecast:
-    """Step time of one training iteration at the target batch (per rank) and data-parallel degree."""
+    """Step time of one training iteration at the target batch and parallel strategy (per rank)."""
     batch_size: int
     per_rank_batch: int
     dp: int
+    tp: int
+    pp: int
+    micro_batches: int
+    dp_mode: str
     step_ms: float
     compute_ms: float
     forward_ms: float
@@ -86,8 +114,12 @@ class TimeForecast:
     other_ms: float
     comm_ms: float
     exposed_comm_ms: float
+    tp_comm_ms: float
+    pp_comm_ms: float
+    bubble_ms: float
     per_layer: list
     buckets: list
+    comm: list
     clock: str
     notes: list = field(default_factory=list)
 
@@ -99,6 +131,19 @@ class Forecast:
     probe_device: str
     context: dict
     time: TimeForecast | None = None
+    timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
+
+    def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
+                  time_scale: float = 1.0) -> TimeForecast:
+        """The step time at another batch size or parallel strategy from the same probes: compare strategies
+        without tracing again. Raises ValueError where the probes did not run on the forecast's target."""
+        if not self.timings or self.time is None:
+            raise ValueError("step_time: this forecast has no step time (see forecast(): target and probes)")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
+        text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
+                                                    _format_link(link), float(time_scale))
+        return TimeForecast(**json.loads(text))
 
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "context": self.context,
@@ -128,10 +173,10 @@ class Forecast:
         for layer in reversed(tm.per_layer):
             add(f"{layer['layer']} backward", t, layer["backward_ms"], 0, "backward")
             t += layer["backward_ms"]
-        for i, b in enumerate(tm.buckets):
-            add(f"all-reduce bucket {i} ({b['bytes'] / 2**20:.2f} MiB)", b["start_ms"], b["end_ms"] - b["start_ms"],
-                1, "communication")
-        t = max([t] + [b["end_ms"] for b in tm.buckets])
+        for c in tm.comm:
+            add(f"{c['kind']} ({c['bytes'] / 2**20:.2f} MiB)", c["start_ms"], c["end_ms"] - c["start_ms"], 1,
+                "communication")
+        t = max([t] + [c["end_ms"] for c in tm.comm])
         add("optimizer step", t, tm.optimizer_ms, 0, "optimizer")
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -228,7 +273,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
-             link: dict | None = None) -> Forecast:
+             link: dict | str | None = None) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -240,8 +285,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
 
     Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
-    per-layer fits over the probes' timings, and with parallel=dict(dp=N) the DDP all-reduces of the gradients
-    over `link` (what gpucast.calibrate() returns: alpha_us, bytes_per_us), overlapped with backward.
+    per-layer fits over the probes' timings, evaluated at each rank's micro-batch, and the communication of
+    `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP gathers with prefetch, tensor-parallel
+    all-reduces, the 1F1B pipeline and its bubble) over `link`: what gpucast.calibrate() returns (alpha_us,
+    bytes_per_us), or the topology in the configuration grammar, e.g.
+    "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()).
 
     With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
     that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
@@ -325,7 +373,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link)
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
-                  context=context, time=time_fc)
+                  context=context, time=time_fc, timings=timings if time_fc is not None else [])
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -340,15 +388,6 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     """The step time from the probes' timings, where the probes ran on the target."""
     if not timings or not _time_on_target(target, probe_device):
         return None
-    dp = parallel.get("dp", 1)
-    mode = parallel.get("dp_mode", "ddp")
-    alpha, bw = -1.0, -1.0
-    if link is not None:
-        try:
-            alpha, bw = float(link["alpha_us"]), float(link["bytes_per_us"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError("forecast: link should be a dict with alpha_us and bytes_per_us (what "
-                             f"gpucast.calibrate() returns), got {link!r}") from e
-    text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), int(dp), str(mode), alpha, bw,
-                                                float(time_scale))
+    text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
+                                                _format_link(link), float(time_scale))
     return TimeForecast(**json.loads(text))

@@ -14,7 +14,7 @@ constexpr auto err = test_util::user_error;
 
 // Two iterations; in each: forward ops in Net.a (k ns) and Net.b (2k ns), backward nodes for b then a (3k, 4k),
 // a gradient of 600 KiB for each layer, then the optimizer step (500 ns). Times in ns, k scales with the batch.
-Trace make_trace(int64_t k) {
+Trace make_trace(int64_t k, int64_t out_bytes = 0) {
   Trace t;
   uint64_t seq = 1;
   int64_t now = 0;
@@ -30,6 +30,12 @@ Trace make_trace(int64_t k) {
     o.start_seq = seq++;
     o.end_seq = seq++;
     o.fwd_op = fwd;
+    if (out_bytes > 0 && phase == Phase::Forward && scope == Scope::Function) {
+      Value v;
+      v.kind = Value::Kind::Tensor;
+      v.tensors.push_back(TensorMeta{{out_bytes / 4}, {1}, "float32", "cpu", 1});
+      o.outputs.push_back(v);
+    }
     now += dur + 10;  // 10 ns between ops: "other"
     t.ops.push_back(o);
     return o.id;
@@ -92,9 +98,8 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
   StepTimeOptions o;
   o.batch_size = 16;  // 8 per rank: k = 2 ms
-  o.dp = 2;
-  o.have_link = true;
-  o.link = {10.0, 1000.0};  // 10 us per step, 1000 B/us
+  o.parallel.dp = 2;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");  // 10 us per step, 1000 B/us
   const StepTimeForecast f = forecast_step_time(probes, o);
   // Backward order: Net.b (6 ms) then Net.a (8 ms). Each layer's 600 KiB fills no 1 MiB bucket alone: one bucket of
   // 1200 KiB ready when Net.a's backward ends.
@@ -102,7 +107,7 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_EQ(f.buckets[0].bytes, 1200 << 10);
   const double other = 40 / 1e6, fwd = 6.0, bwd_end = other + fwd + 14.0;
   EXPECT_NEAR(f.buckets[0].ready_ms, bwd_end, 1e-9);
-  const double ar_ms = allreduce_us(1200 << 10, 2, o.link) / 1e3;  // 2(N-1)/N S/B + 2(N-1) alpha
+  const double ar_ms = allreduce_us(1200 << 10, 2, o.topology.intra) / 1e3;  // 2(N-1)/N S/B + 2(N-1) alpha
   EXPECT_NEAR(ar_ms, (1228800.0 / 1000.0 + 20.0) / 1e3, 1e-12);
   EXPECT_NEAR(f.comm_ms, ar_ms, 1e-12);
   EXPECT_NEAR(f.exposed_comm_ms, ar_ms, 1e-9);
@@ -112,37 +117,155 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   const StepTimeForecast g = forecast_step_time(probes, o);
   ASSERT_EQ(g.buckets.size(), 2u);
   EXPECT_NEAR(g.buckets[0].ready_ms, other + fwd + 6.0, 1e-9);
-  EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.link) / 1e3, 1e-9);
+  EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.topology.intra) / 1e3, 1e-9);
 }
 
 TEST(StepTime, BadOptions) {
   std::vector<IterationTiming> probes = {iteration_timing(make_trace(1000), 2)};
   StepTimeOptions o;
   o.batch_size = 8;
-  o.dp = 0;
+  o.parallel.dp = 0;
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "parallel: 'dp' should be an integer of at least 1, got 0");
-  o.dp = 2;
-  o.dp_mode = "zero9";
+  o.parallel.dp = 2;
+  o.parallel.tp = -1;
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "parallel: 'tp' should be an integer of at least 1, got -1");
+  o.parallel.tp = 1;
+  o.parallel.dp_mode = "zero9";
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
             "parallel: 'dp_mode' should be one of ddp|zero1|zero2|fsdp, got 'zero9'");
-  o.dp_mode = "ddp";
+  o.parallel.dp_mode = "ddp";
   o.batch_size = 1;
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
-            "step time: batch_size 1 is smaller than dp 2: every rank needs a sample");
+            "step time: batch_size 1 is smaller than dp x micro_batches = 2: every rank needs a sample in every "
+            "micro-batch");
   EXPECT_EQ(err([&] { forecast_step_time({}, o); }), "step time: no probe iterations to forecast from");
   o.batch_size = 8;
+  o.parallel.pp = 3;
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
+            "parallel: 'pp' 3 is more than the 2 layers the probes found: every stage needs a layer");
+  o.parallel.pp = 1;
   o.time_scale = 0;
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: time_scale should be in (0, 10], got 0");
   o.time_scale = 0.5;  // every compute time halves
-  o.dp = 1;
+  o.parallel.dp = 1;
   const StepTimeForecast half = forecast_step_time(probes, o);
   o.time_scale = 1.0;
   EXPECT_NEAR(half.step_ms, forecast_step_time(probes, o).step_ms / 2, 1e-12);
-  o.dp = 2;
-  o.batch_size = 8;
+  o.parallel.dp = 2;
+  o.batch_size = 9;
   const StepTimeForecast f = forecast_step_time(probes, o);  // no link: compute only, said in a note
-  ASSERT_EQ(f.notes.size(), 1u);
-  EXPECT_EQ(f.notes[0], "no all-reduce link given (gpucast.calibrate() or a device table): communication not counted");
+  ASSERT_EQ(f.notes.size(), 2u);
+  EXPECT_EQ(f.notes[0], "batch_size 9 is not a multiple of dp x micro_batches = 2: each rank's micro-batch taken as 4");
+  EXPECT_EQ(f.notes[1], "no data-parallel link for 2 ranks (gpucast.calibrate() or link=...): its communication is "
+                        "not counted");
+  EXPECT_EQ(f.comm_ms, 0);
+}
+
+// Probes at 2, 4, 8 with k = 250 000 b ns: at a per-rank micro-batch of 8, Net.a runs 2 ms forward and 8 ms
+// backward, Net.b 4 ms and 6 ms; each layer outputs 1 MiB at batch 8 and has 600 KiB of gradients.
+std::vector<IterationTiming> probes_with_outputs() {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b, (1 << 20) * b / 8), b));
+  return probes;
+}
+
+TEST(StepTime, TensorParallelSplitsMatmulsAndAllReducesEachPair) {
+  const auto probes = probes_with_outputs();
+  EXPECT_EQ(probes.back().layers[1].kind, "matmul");
+  EXPECT_EQ(probes.back().layers[1].out_bytes, 1 << 20);
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.parallel = ParallelConfig::parse("tp:2");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  // Net.a is the column-parallel layer, Net.b the row-parallel one: one all-reduce of Net.b's 1 MiB output in
+  // forward and one in backward, 2(N-1)/N S/B + 2(N-1) alpha = 1048.576 + 20 us each.
+  const double ar = (1048576.0 / 1000.0 + 20.0) / 1e3;
+  EXPECT_NEAR(f.tp_comm_ms, 2 * ar, 1e-12);
+  EXPECT_NEAR(f.per_layer[1].tp_comm_ms, 2 * ar, 1e-12);
+  EXPECT_EQ(f.per_layer[0].tp_comm_ms, 0);
+  EXPECT_NEAR(f.forward_ms, 3.0, 1e-9);
+  EXPECT_NEAR(f.backward_ms, 7.0, 1e-9);
+  EXPECT_NEAR(f.optimizer_ms, 250 / 1e6, 1e-15);  // half the parameters on each rank
+  EXPECT_EQ(f.per_layer[0].grad_bytes, 300 << 10);
+  EXPECT_NEAR(f.step_ms, 40 / 1e6 + 3.0 + 7.0 + 2 * ar + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(f.exposed_comm_ms, 2 * ar, 1e-12);
+}
+
+TEST(StepTime, PipelineOneFOneB) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 32;
+  o.parallel = ParallelConfig::parse("pp:2,micro_batches:4");  // micro-batches of 8
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  ASSERT_EQ(f.per_layer.size(), 2u);
+  EXPECT_EQ(f.per_layer[0].stage, 0);
+  EXPECT_EQ(f.per_layer[1].stage, 1);
+  // Stages of 10 ms each (2 + 8 and 4 + 6); Net.a's 1 MiB output is sent forward, its gradient back.
+  const double send = (10.0 + 1048576.0 / 1000.0) / 1e3, p2p = 2 * send;
+  const double pipe = 20.0 + 3 * (10.0 + p2p) + p2p;
+  EXPECT_NEAR(f.bubble_ms, pipe - 4 * 10.0, 1e-9);
+  EXPECT_NEAR(f.pp_comm_ms, p2p + 3 * p2p, 1e-12);
+  EXPECT_NEAR(f.step_ms, 4 * 40 / 1e6 + pipe + 250 / 1e6, 1e-9);
+  ASSERT_EQ(f.comm.size(), 1u);
+  EXPECT_EQ(f.comm[0].kind, "pp_send");
+  EXPECT_EQ(f.comm[0].bytes, 1 << 20);
+  EXPECT_NEAR(f.comm[0].start_ms, 4 * 40 / 1e6 + 2.0, 1e-9);
+}
+
+TEST(StepTime, FsdpGathersPerUnitWithPrefetch) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  const double g = (0.5 * 614400 / 1000.0 + 10.0) / 1e3;  // all-gather or reduce-scatter of 600 KiB on 2 ranks
+  const double t = 40 / 1e6;
+  // Forward: gather a, compute a (2 ms) while b is gathered; backward: gather b after forward (not resharded in
+  // this model), a prefetched while b computes, b's gradients reduce-scattered after its 6 ms, then a's after 8 ms.
+  ASSERT_EQ(f.comm.size(), 6u);
+  EXPECT_EQ(f.comm[0].kind, "fsdp_all_gather");
+  EXPECT_NEAR(f.comm[1].start_ms, t + g, 1e-12);
+  EXPECT_NEAR(f.comm[2].start_ms, t + g + 6.0, 1e-9);  // backward gather of b when forward ends
+  EXPECT_EQ(f.comm[4].kind, "fsdp_reduce_scatter");
+  const double end = t + g + 6.0 + g + 6.0 + 8.0 + g;
+  EXPECT_NEAR(f.exposed_comm_ms, end - (t + 20.0), 1e-9);
+  EXPECT_NEAR(f.optimizer_ms, 250 / 1e6, 1e-15);
+  EXPECT_NEAR(f.step_ms, end + 250 / 1e6, 1e-9);
+}
+
+TEST(StepTime, ZeroReduceScattersThenGathersParameters) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  ASSERT_EQ(f.buckets.size(), 1u);
+  const double rs = (0.5 * 1228800 / 1000.0 + 10.0) / 1e3;
+  ASSERT_EQ(f.comm.size(), 2u);
+  EXPECT_EQ(f.comm[0].kind, "dp_reduce_scatter");
+  EXPECT_EQ(f.comm[1].kind, "dp_all_gather");
+  EXPECT_NEAR(f.exposed_comm_ms, 2 * rs, 1e-9);
+  EXPECT_NEAR(f.step_ms, 40 / 1e6 + 20.0 + rs + 250 / 1e6 + rs, 1e-9);
+}
+
+TEST(StepTime, TopologyPicksTheLinkOfEachGroup) {
+  const Topology t = Topology::parse("intra:nvlink4,gpus_per_node:8,inter:ib-ndr");
+  EXPECT_EQ(t.link_for(8, 1), &t.intra);
+  EXPECT_EQ(t.link_for(4, 2), &t.intra);
+  EXPECT_EQ(t.link_for(2, 8), &t.inter);  // dp across nodes when tp fills a node
+  EXPECT_EQ(t.inter.bytes_per_us, 46000.0);
+  EXPECT_EQ(Topology::parse("").link_for(2, 1), nullptr);
+  EXPECT_EQ(err([] { Topology::parse("intra:nvlink9"); }),
+            "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, pcie5, ib-hdr, ib-ndr, "
+            "eth-100g");
+  EXPECT_EQ(err([] { Topology::parse("alpha_us:5"); }), "link: 'alpha_us' and 'bytes_per_us' go together; got only 'alpha_us'");
+  EXPECT_EQ(err([] { Topology::parse("alpha_us:5,bytes_per_us:fast"); }),
+            "link: 'bytes_per_us' should be a positive number, got 'fast'");
+  EXPECT_EQ(find_interconnect("NVLink3").link.alpha_us, 9.0);
 }
 
 }  // namespace

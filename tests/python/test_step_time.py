@@ -52,8 +52,37 @@ def test_ddp_buckets_over_a_link():
     assert t.comm_ms == pytest.approx(sum(ar))
     assert t.step_ms == pytest.approx(t.compute_ms + t.exposed_comm_ms)
     no_link = forecast(batch=32, parallel=dict(dp=2)).time
-    assert no_link.notes[0] == ("no all-reduce link given (gpucast.calibrate() or a device table): "
-                                "communication not counted")
+    assert no_link.notes == ["no data-parallel link for 2 ranks (gpucast.calibrate() or link=...): its "
+                             "communication is not counted"]
+
+
+def test_other_strategies_over_a_topology(tmp_path):
+    link = "intra:pcie4,gpus_per_node:2,inter:eth-100g"
+    fc = forecast(batch=32, parallel=dict(dp=2, dp_mode="fsdp"), link=link)
+    ddp = fc.step_time(32, parallel=dict(dp=2), link=link)
+    zero = fc.step_time(32, parallel=dict(dp=2, dp_mode="zero2"), link=link)
+    fsdp = fc.time
+    assert fc.step_time(32, parallel=dict(dp=2, dp_mode="fsdp"), link=link) == fsdp
+    tp = fc.step_time(32, parallel=dict(tp=2), link=link)
+    pp = fc.step_time(32, parallel=dict(pp=2, micro_batches=4), link=link)
+    across = fc.step_time(32, parallel=dict(dp=4), link=link)  # 4 ranks on 2-GPU nodes: the Ethernet link
+    grads = sum(x["grad_bytes"] for x in ddp.per_layer)
+    assert [c["kind"] for c in zero.comm][-1] == "dp_all_gather" and zero.comm[-1]["bytes"] == grads
+    assert zero.optimizer_ms == pytest.approx(ddp.optimizer_ms / 2)
+    gathers = [c for c in fsdp.comm if c["kind"] == "fsdp_all_gather"]
+    assert sum(c["bytes"] for c in gathers) == 2 * grads  # every unit gathered in forward and in backward
+    assert sum(c["bytes"] for c in fsdp.comm if c["kind"] == "fsdp_reduce_scatter") == grads
+    assert tp.tp == 2 and tp.tp_comm_ms > 0 and tp.exposed_comm_ms == pytest.approx(tp.tp_comm_ms)
+    assert pp.per_rank_batch == 8 and {x["stage"] for x in pp.per_layer} == {0, 1}
+    assert pp.bubble_ms > 0 and [c["kind"] for c in pp.comm] == ["pp_send"]
+    assert pp.step_ms == pytest.approx(pp.compute_ms + pp.bubble_ms)
+    ar = [2 * 3 / 4 * b["bytes"] / 11000.0 / 1e3 + 2 * 3 * 30.0 / 1e3 for b in across.buckets]
+    assert across.comm_ms == pytest.approx(sum(ar))
+    path = tmp_path / "fsdp.json"
+    fc.save_timeline(str(path))
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["tid"] == 1]
+    assert len(spans) == len(fc.time.comm) and spans[0]["name"].startswith("fsdp_all_gather")
+    assert [x["name"] for x in gpucast.interconnects()][:2] == ["nvlink3", "nvlink4"]
 
 
 def test_gpu_target_from_cpu_probes_has_no_step_time():
@@ -63,12 +92,21 @@ def test_gpu_target_from_cpu_probes_has_no_step_time():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(link={"alpha": 1}), "forecast: link should be a dict with alpha_us and bytes_per_us (what "
-                              "gpucast.calibrate() returns), got {'alpha': 1}"),
-    (dict(parallel=dict(dp=2, dp_mode="fsdp"), link={"alpha_us": 1, "bytes_per_us": 1}),
-     "parallel: the step-time forecast models dp_mode 'ddp' only so far, got 'fsdp'"),
+    (dict(link={"alpha": 1}), "forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() "
+                              "returns) or topology keys (intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
+                              "inter_alpha_us, inter_bytes_per_us), got {'alpha': 1}"),
+    (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, "
+                                 "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])
 def test_bad_step_time_input(kw, message):
     with pytest.raises(ValueError) as e:
         forecast(batch=32, **kw)
     assert str(e.value).splitlines()[0] == message
+
+
+def test_more_stages_than_layers():
+    layers = len(forecast(batch=32).time.per_layer)
+    with pytest.raises(ValueError) as e:
+        forecast(batch=128, parallel=dict(pp=128))
+    assert str(e.value).splitlines()[0] == (f"parallel: 'pp' 128 is more than the {layers} layers the probes found: "
+                                            "every stage needs a layer")

@@ -35,6 +35,33 @@ struct CollectiveSample {
 // messages count alike). Throws UserError for fewer than two samples or a non-positive fit.
 Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ranks);
 
+// A row of the documented interconnect table (README: "Interconnect table"): nominal nccl-tests bus bandwidth
+// of a ring all-reduce and a per-step latency.
+struct Interconnect {
+  std::string name;             // "nvlink4"
+  Link link;
+  std::string source;
+};
+const std::vector<Interconnect>& interconnect_table();
+// Case-insensitive; throws UserError listing the known names.
+const Interconnect& find_interconnect(const std::string& name);
+
+// Where the ranks sit and what joins them. Ranks are laid out tensor-parallel innermost, then data-parallel,
+// then pipeline stages (Megatron's order); a group whose ranks span more than gpus_per_node GPUs crosses
+// nodes and runs at the inter-node link (a ring across nodes is bound by the NIC of each GPU).
+struct Topology {
+  int64_t gpus_per_node = 0;    // 0: every rank in one node
+  bool have_intra = false;
+  Link intra;                   // the link inside a node (or the one gpucast.calibrate() measured)
+  bool have_inter = false;
+  Link inter;
+  // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
+  // "inter_alpha_us:..,inter_bytes_per_us:..". Errors name the key.
+  static Topology parse(const std::string& text);
+  // The link of a group of `ranks` ranks whose members are `stride` ranks apart; nullptr when unknown.
+  const Link* link_for(int64_t ranks, int64_t stride) const;
+};
+
 // nccl-tests all_reduce_perf output as vTrain stores it: "size(B),count,type,time(ns),busbw(GB/s),..." (the
 // first time column is out-of-place). Errors name the path and the line.
 std::vector<CollectiveSample> parse_nccl_tests_csv(const std::string& text, const std::string& source);

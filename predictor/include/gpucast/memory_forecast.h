@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gpucast/allocator_sim.h"
+#include "gpucast/parallel.h"
 #include "gpucast/trace.h"
 
 namespace gpucast {
@@ -35,14 +36,6 @@ const DeviceSpec& find_device(const std::string& name);
 // overrides; empty means unset). Throws UserError for a malformed value.
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& cublas_workspace_config);
 
-struct ParallelConfig {
-  int64_t dp = 1, tp = 1, pp = 1;
-  std::string dp_mode = "ddp";  // ddp | zero1 | zero2 | fsdp
-  int64_t micro_batches = 1;    // gradient accumulation steps (and pipeline micro-batches)
-  bool gradient_as_bucket_view = false;
-  // "dp:8,dp_mode:fsdp,micro_batches:4" (the configuration grammar); errors name the key.
-  static ParallelConfig parse(const std::string& text);
-};
 
 struct MemoryForecastInput {
   std::vector<const Trace*> probes;     // same step at probe_batch sizes

@@ -8,6 +8,21 @@
 // buckets filled in the order backward produces them (the first bucket 1 MiB, then 25 MiB, as DDP does after its
 // first iteration): a bucket's all-reduce starts when its last gradient is ready and the previous all-reduce
 // has finished, and costs the ring all-reduce time of comm_model.h; what outlasts backward is exposed.
+//
+// Other strategies (parallel.h), each rank running batch / (dp * micro_batches) samples per micro-batch:
+//  - zero1 / zero2: gradients reduce-scattered in the same buckets, the optimizer step on 1/dp of the
+//    parameters, then the updated parameters all-gathered (exposed).
+//  - fsdp (ZeRO-3): every layer with parameters is a unit whose parameters are all-gathered before its forward
+//    and again before its backward (the next unit's gather is issued when the current unit's compute starts:
+//    prefetch), and whose gradients are reduce-scattered after its backward; one communication stream.
+//  - tp (Megatron): matmul layers with parameters pair up, column-parallel then row-parallel; they, every
+//    layer between them (on sharded activations: attention, activation functions), other matmuls and
+//    embeddings run 1/tp of their time, the rest (norms, residuals, dropout outside pairs) is replicated. After
+//    each row-parallel layer and each embedding forward all-reduces the layer's output; backward all-reduces
+//    the same bytes for every pair; on the critical path.
+//  - pp: the layers split into pp contiguous stages of balanced time; 1F1B over micro_batches m gives
+//    sum over stages (f + b) + (m - 1) * max stage (f + b) + the point-to-point sends of one micro-batch's
+//    activations there and back; data-parallel reduction after the pipeline drains (exposed).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +30,7 @@
 #include <vector>
 
 #include "gpucast/comm_model.h"
+#include "gpucast/parallel.h"
 #include "gpucast/trace.h"
 
 namespace gpucast {
@@ -25,6 +41,8 @@ struct LayerTiming {
   double backward_ns = 0;
   int64_t grad_bytes = 0;     // gradients produced by the layer's backward
   int64_t backward_order = 0;  // rank of the layer's first backward op in the iteration (reduction order)
+  std::string kind = "other";  // "matmul", "embedding", "conv" or "other": what tensor parallelism splits
+  int64_t out_bytes = 0;      // output of the layer's last forward op (what tp all-reduces, pp sends)
 };
 
 struct IterationTiming {
@@ -41,10 +59,8 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch);
 
 struct StepTimeOptions {
   int64_t batch_size = 0;     // global
-  int64_t dp = 1;
-  std::string dp_mode = "ddp";
-  bool have_link = false;
-  Link link;                  // all-reduce link (gpucast.calibrate() or a device table)
+  ParallelConfig parallel;
+  Topology topology;          // links: gpucast.calibrate() or the interconnect table
   int64_t first_bucket_bytes = int64_t{1} << 20;
   int64_t bucket_bytes = int64_t{25} << 20;
   // Untraced over traced time of an iteration, measured in the same process: the tracer's own cost is taken out
@@ -56,7 +72,18 @@ struct LayerForecast {
   std::string layer;
   double forward_ms = 0;
   double backward_ms = 0;
-  int64_t grad_bytes = 0;
+  int64_t grad_bytes = 0;     // per rank
+  double tp_comm_ms = 0;      // tensor-parallel all-reduces of this layer (forward and backward)
+  int64_t stage = 0;          // pipeline stage
+};
+
+// One collective or send of the forecast step, on its stream, in ms from the step's start.
+struct CommForecast {
+  std::string kind;           // dp_allreduce, dp_reduce_scatter, dp_all_gather, fsdp_all_gather,
+                              // fsdp_reduce_scatter, tp_allreduce, pp_send
+  int64_t bytes = 0;
+  double start_ms = 0;
+  double end_ms = 0;
 };
 
 struct BucketForecast {
@@ -69,22 +96,29 @@ struct BucketForecast {
 struct StepTimeForecast {
   int64_t batch_size = 0;
   int64_t per_rank_batch = 0;
-  int64_t dp = 1;
+  int64_t dp = 1, tp = 1, pp = 1, micro_batches = 1;
+  std::string dp_mode = "ddp";
   double step_ms = 0;
-  double compute_ms = 0;      // forward + backward + optimizer + other
+  double compute_ms = 0;      // forward + backward + optimizer + other (pp: the slowest stage's rank)
+  // forward_ms, backward_ms: every layer's, all micro-batches (pp: over all stages)
   double forward_ms = 0;
   double backward_ms = 0;
   double optimizer_ms = 0;
   double other_ms = 0;
-  double comm_ms = 0;         // all-reduce time in all
-  double exposed_comm_ms = 0;  // communication not hidden behind backward
+  double comm_ms = 0;         // time of every collective and send
+  double exposed_comm_ms = 0;  // communication on the critical path (not hidden behind compute)
+  double tp_comm_ms = 0;
+  double pp_comm_ms = 0;
+  double bubble_ms = 0;       // pipeline fill and drain: step - micro_batches * slowest stage
   std::vector<LayerForecast> per_layer;
-  std::vector<BucketForecast> buckets;
+  std::vector<BucketForecast> buckets;  // DDP / ZeRO buckets
+  std::vector<CommForecast> comm;
   std::string clock;
   std::vector<std::string> notes;
 };
 
-// Errors (UserError) name the option: dp below 1, an unknown dp_mode, no probes, a batch below dp.
+// Errors (UserError) name the option: degrees below 1, an unknown dp_mode, no probes, a batch below
+// dp * micro_batches, more stages than layers. A collective without a known link is left out, with a note.
 StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, const StepTimeOptions& o);
 std::string step_time_to_json(const StepTimeForecast& f);
 std::string iteration_timing_to_json(const IterationTiming& t);
