@@ -224,9 +224,10 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });
         });
-  m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0) -> str",
+  m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
+        "float time_fraction=1.0, str design=\"d-optimal\") -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
-           double time_scale) {
+           double time_scale, double time_fraction, const std::string& design) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -235,6 +236,8 @@ TORCH_LIBRARY(gpucast, m) {
             o.parallel = gpucast::ParallelConfig::parse(parallel);
             o.topology = gpucast::Topology::parse(link);
             o.time_scale = time_scale;
+            o.time_fraction = time_fraction;
+            o.design = design;
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });

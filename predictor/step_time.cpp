@@ -1,6 +1,7 @@
 #include "gpucast/step_time.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 #include <unordered_map>
@@ -10,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "gpucast/error.h"
+#include "gpucast/layer_model.h"
 
 namespace gpucast {
 namespace {
@@ -101,6 +103,8 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     return it.layers[pos->second];
   };
   int64_t backward_rank = 0;
+  std::unordered_map<uint64_t, int64_t> producer;  // storage -> layer that last wrote it in forward
+  std::map<std::pair<int64_t, int64_t>, int64_t> edge_bytes;
   for (const OpRecord& op : t.ops) {
     if (op.start_seq <= lo || op.end_seq > hi || !op.complete) continue;
     if (first_ns < 0 || op.start_ns < first_ns) first_ns = op.start_ns;
@@ -111,6 +115,19 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       it.optimizer_ns += duration(op);
     } else if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {
       LayerTiming& l = layer(op.module.empty() ? kOutside : op.module);
+      const int64_t li = static_cast<int64_t>(index[l.layer]);
+      for (const Value& v : op.inputs) {
+        for (const TensorMeta& m : v.tensors) {
+          auto it2 = producer.find(m.storage);
+          if (m.storage == 0 || it2 == producer.end() || it2->second == li) continue;
+          edge_bytes[{it2->second, li}] += value_bytes({Value{Value::Kind::Tensor, {m}, 0.0}});
+        }
+      }
+      for (const Value& v : op.outputs) {
+        for (const TensorMeta& m : v.tensors) {
+          if (m.storage != 0) producer[m.storage] = li;
+        }
+      }
       l.forward_ns += duration(op);
       const std::string kind = op_kind(op.name);
       if (kind_rank(kind) > kind_rank(l.kind)) l.kind = kind;
@@ -133,6 +150,17 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   }
   for (LayerTiming& l : it.layers) {
     if (l.backward_order < 0) l.backward_order = backward_rank++;
+  }
+  for (const auto& [e, bytes] : edge_bytes) it.edges.push_back({e.first, e.second, bytes});
+  const std::vector<LayerCost> costs = layer_costs(t);
+  for (const LayerCost& c : costs) {
+    auto pos = index.find(c.layer);
+    if (pos == index.end()) continue;
+    LayerTiming& l = it.layers[pos->second];
+    l.cost_kind = c.kind;
+    l.flops = c.flops;
+    l.bytes = c.bytes;
+    l.ops = c.ops;
   }
   it.wall_ns = first_ns >= 0 ? static_cast<double>(last_ns - first_ns) : 0;
   double layers = 0;
@@ -223,6 +251,72 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, 
   }
   double optimizer_ns = 0;
   for (auto [x, y] : opt) optimizer_ns += y / static_cast<double>(opt.size());
+
+  // Sparse timing: only the chosen layers' times are used; the others come from per-kind roofline models fitted
+  // on them (layer_model.h), over all probes. Each probe's wall time is known, so "other" stays its remainder.
+  std::unordered_map<std::string, LayerForecast> modelled;  // untimed layers at the target batch
+  if (o.time_fraction < 1.0) {
+    if (!(o.time_fraction > 0)) GPUCAST_USER_ERROR("step time: time_fraction should be in (0, 1], got {}", o.time_fraction);
+    if (o.design != "d-optimal" && o.design != "random") {
+      GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", o.design);
+    }
+    auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops}; };
+    std::vector<LayerCost> ref_costs;
+    for (const LayerTiming& l : ref.layers) ref_costs.push_back(cost_of(l));
+    const size_t n = ref_costs.size();
+    const size_t want = std::max<size_t>(1, static_cast<size_t>(std::ceil(o.time_fraction * static_cast<double>(n) - 1e-9)));
+    const std::vector<size_t> chosen = o.design == "random" ? random_design(n, std::min(want, n), o.design_seed)
+                                                            : choose_layers_to_time(ref_costs, o.time_fraction, o.design_seed);
+    std::unordered_map<std::string, bool> timed;
+    for (const LayerTiming& l : ref.layers) timed[l.layer] = false;
+    for (size_t i : chosen) timed[ref.layers[i].layer] = true;
+    std::vector<LayerCost> costs;
+    std::vector<LayerSample> samples;
+    for (const IterationTiming& p : probes) {
+      for (const LayerTiming& l : p.layers) {
+        if (!timed[l.layer]) continue;
+        costs.push_back(cost_of(l));
+        samples.push_back({costs.size() - 1, k * l.forward_ns, k * l.backward_ns});
+      }
+    }
+    LayerTimeModel model;
+    model.fit(costs, samples, o.prior);
+    f.timed_layers = static_cast<int64_t>(chosen.size());
+    // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones.
+    other.clear();
+    for (const IterationTiming& p : probes) {
+      double layers = 0;
+      for (const LayerTiming& l : p.layers) {
+        if (timed[l.layer]) {
+          layers += l.forward_ns + l.backward_ns;
+        } else {
+          const LayerPrediction pr = model.predict(cost_of(l));
+          layers += pr.forward_ns + pr.backward_ns;
+        }
+      }
+      other.emplace_back(p.batch, std::max(0.0, k * (p.wall_ns - p.optimizer_ns - layers)));
+    }
+    // Untimed layers at the target batch: costs fitted over the probes like times, then the model.
+    std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> cost_pts;
+    for (const IterationTiming& p : probes) {
+      for (const LayerTiming& l : p.layers) {
+        cost_pts[l.layer].first.emplace_back(p.batch, l.flops);
+        cost_pts[l.layer].second.emplace_back(p.batch, l.bytes);
+      }
+    }
+    for (const LayerTiming& l : ref.layers) {
+      if (timed[l.layer]) continue;
+      LayerCost c = cost_of(l);
+      c.flops = fit_at(cost_pts[l.layer].first, b);
+      c.bytes = fit_at(cost_pts[l.layer].second, b);
+      const LayerPrediction pr = model.predict(c);
+      LayerForecast lf{l.layer, pr.forward_ns * k / 1e6, pr.backward_ns * k / 1e6, l.grad_bytes};
+      lf.source = pr.source;
+      modelled[l.layer] = lf;
+    }
+    f.notes.push_back(fmt::format("timed {} of {} layers ({} design); the rest from per-kind roofline models: {}",
+                                  chosen.size(), n, o.design, model.describe()));
+  }
   f.other_ms = fit_at(other, b) / 1e6;
 
   // Links of the groups (tp innermost, then dp, then pp).
@@ -252,6 +346,11 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, 
   for (const LayerTiming& l : ref.layers) {
     auto& [fw, bw] = pts[l.layer];
     LayerForecast lf{l.layer, fit_at(fw, b) / 1e6, fit_at(bw, b) / 1e6, l.grad_bytes};
+    if (auto it = modelled.find(l.layer); it != modelled.end()) {
+      lf.forward_ms = it->second.forward_ms;
+      lf.backward_ms = it->second.backward_ms;
+      lf.source = it->second.source;
+    }
     total_grad += l.grad_bytes;
     const size_t i = f.per_layer.size();
     // Megatron's pairs: a column-parallel matmul (with parameters) shards the activations until the next one,
@@ -445,7 +544,8 @@ std::string step_time_to_json(const StepTimeForecast& f) {
   json layers = json::array(), buckets = json::array(), comm = json::array();
   for (const auto& l : f.per_layer) {
     layers.push_back({{"layer", l.layer}, {"forward_ms", l.forward_ms}, {"backward_ms", l.backward_ms},
-                      {"grad_bytes", l.grad_bytes}, {"tp_comm_ms", l.tp_comm_ms}, {"stage", l.stage}});
+                      {"grad_bytes", l.grad_bytes}, {"tp_comm_ms", l.tp_comm_ms}, {"stage", l.stage},
+                      {"source", l.source}});
   }
   for (const auto& b : f.buckets) {
     buckets.push_back({{"bytes", b.bytes}, {"ready_ms", b.ready_ms}, {"start_ms", b.start_ms}, {"end_ms", b.end_ms}});
@@ -458,7 +558,8 @@ std::string step_time_to_json(const StepTimeForecast& f) {
               {"step_ms", f.step_ms}, {"compute_ms", f.compute_ms}, {"forward_ms", f.forward_ms},
               {"backward_ms", f.backward_ms}, {"optimizer_ms", f.optimizer_ms}, {"other_ms", f.other_ms},
               {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"tp_comm_ms", f.tp_comm_ms},
-              {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"per_layer", layers},
+              {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"timed_layers", f.timed_layers},
+              {"per_layer", layers},
               {"buckets", buckets}, {"comm", comm}, {"clock", f.clock}, {"notes", f.notes}}
       .dump();
 }
@@ -468,10 +569,13 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
   for (const auto& l : t.layers) {
     layers.push_back({{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
                       {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
-                      {"out_bytes", l.out_bytes}});
+                      {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
+                      {"ops", l.ops}});
   }
+  json edges = json::array();
+  for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
-              {"clock", t.clock}, {"layers", layers}}
+              {"clock", t.clock}, {"layers", layers}, {"edges", edges}}
       .dump();
 }
 
@@ -490,7 +594,22 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
                      l.at("backward_order").get<int64_t>()};
       lt.kind = l.value("kind", std::string("other"));
       lt.out_bytes = l.value("out_bytes", int64_t{0});
+      lt.cost_kind = l.value("cost_kind", std::string("elementwise"));
+      lt.flops = l.value("flops", 0.0);
+      lt.bytes = l.value("bytes", 0.0);
+      lt.ops = l.value("ops", int64_t{0});
       t.layers.push_back(std::move(lt));
+    }
+    if (j.contains("edges")) {
+      for (const json& e : j.at("edges")) {
+        LayerEdge le{e.at(0).get<int64_t>(), e.at(1).get<int64_t>(), e.at(2).get<int64_t>()};
+        const auto n = static_cast<int64_t>(t.layers.size());
+        if (le.src < 0 || le.src >= n || le.dst < 0 || le.dst >= n) {
+          GPUCAST_USER_ERROR("iteration timing: edge {} -> {} names a layer that is not there ({} layers)", le.src,
+                             le.dst, n);
+        }
+        t.edges.push_back(le);
+      }
     }
   } catch (const json::exception& e) {
     GPUCAST_USER_ERROR("iteration timing: not a gpucast iteration timing ({})", e.what());

@@ -117,6 +117,7 @@ class TimeForecast:
     tp_comm_ms: float
     pp_comm_ms: float
     bubble_ms: float
+    timed_layers: int
     per_layer: list
     buckets: list
     comm: list
@@ -134,7 +135,7 @@ class Forecast:
     timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
-                  time_scale: float = 1.0) -> TimeForecast:
+                  time_scale: float = 1.0, time_fraction: float = 1.0, design: str = "d-optimal") -> TimeForecast:
         """The step time at another batch size or parallel strategy from the same probes: compare strategies
         without tracing again. Raises ValueError where the probes did not run on the forecast's target."""
         if not self.timings or self.time is None:
@@ -142,7 +143,8 @@ class Forecast:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
-                                                    _format_link(link), float(time_scale))
+                                                    _format_link(link), float(time_scale), float(time_fraction),
+                                                    str(design))
         return TimeForecast(**json.loads(text))
 
     def to_dict(self) -> dict:
@@ -273,7 +275,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
-             link: dict | str | None = None) -> Forecast:
+             link: dict | str | None = None, time_fraction: float = 1.0) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -289,7 +291,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP gathers with prefetch, tensor-parallel
     all-reduces, the 1F1B pipeline and its bubble) over `link`: what gpucast.calibrate() returns (alpha_us,
     bytes_per_us), or the topology in the configuration grammar, e.g.
-    "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()).
+    "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
+    only that fraction of the layers (a D-optimal design over their FLOPs, bytes and kind) keeps its measured
+    times; the others are predicted by per-kind roofline models fitted on them (per_layer[i]["source"]).
 
     With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
     that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
@@ -371,7 +375,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
-    time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link)
+    time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
+                             time_fraction=time_fraction)
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [])
     from . import trackers
@@ -384,10 +389,11 @@ def _time_on_target(target: str, probe_device: str) -> bool:
 
 
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
-                   link: dict | None, time_scale: float = 1.0) -> TimeForecast | None:
+                   link: dict | str | None, time_scale: float = 1.0,
+                   time_fraction: float = 1.0) -> TimeForecast | None:
     """The step time from the probes' timings, where the probes ran on the target."""
     if not timings or not _time_on_target(target, probe_device):
         return None
     text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
-                                                _format_link(link), float(time_scale))
+                                                _format_link(link), float(time_scale), float(time_fraction))
     return TimeForecast(**json.loads(text))

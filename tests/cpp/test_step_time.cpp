@@ -18,6 +18,7 @@ Trace make_trace(int64_t k, int64_t out_bytes = 0) {
   Trace t;
   uint64_t seq = 1;
   int64_t now = 0;
+  uint64_t last_output = 0;
   auto op = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t dur, int64_t fwd = -1) {
     OpRecord o;
     o.id = static_cast<int64_t>(t.ops.size());
@@ -33,7 +34,14 @@ Trace make_trace(int64_t k, int64_t out_bytes = 0) {
     if (out_bytes > 0 && phase == Phase::Forward && scope == Scope::Function) {
       Value v;
       v.kind = Value::Kind::Tensor;
-      v.tensors.push_back(TensorMeta{{out_bytes / 4}, {1}, "float32", "cpu", 1});
+      if (last_output != 0) {  // consumes the previous forward op's output
+        Value in;
+        in.kind = Value::Kind::Tensor;
+        in.tensors.push_back(TensorMeta{{out_bytes / 4}, {1}, "float32", "cpu", last_output});
+        o.inputs.push_back(in);
+      }
+      last_output = 1000 + static_cast<uint64_t>(o.id);
+      v.tensors.push_back(TensorMeta{{out_bytes / 4}, {1}, "float32", "cpu", last_output});
       o.outputs.push_back(v);
     }
     now += dur + 10;  // 10 ns between ops: "other"
@@ -190,6 +198,45 @@ TEST(StepTime, TensorParallelSplitsMatmulsAndAllReducesEachPair) {
   EXPECT_EQ(f.per_layer[0].grad_bytes, 300 << 10);
   EXPECT_NEAR(f.step_ms, 40 / 1e6 + 3.0 + 7.0 + 2 * ar + 250 / 1e6, 1e-9);
   EXPECT_NEAR(f.exposed_comm_ms, 2 * ar, 1e-12);
+}
+
+TEST(StepTime, LayerGraphEdgesCarryTheBytesPassed) {
+  const auto probes = probes_with_outputs();
+  const IterationTiming& it = probes.back();
+  // Net.a's output feeds Net.b (1 MiB at batch 8); Net.a reads the previous iteration's output of Net.b, which
+  // lies outside the iteration: no edge.
+  ASSERT_EQ(it.edges.size(), 1u);
+  EXPECT_EQ(it.edges[0].src, 0);
+  EXPECT_EQ(it.edges[0].dst, 1);
+  EXPECT_EQ(it.edges[0].bytes, 1 << 20);
+  const IterationTiming back = iteration_timing_from_json(iteration_timing_to_json(it));
+  ASSERT_EQ(back.edges.size(), 1u);
+  EXPECT_EQ(back.edges[0].bytes, 1 << 20);
+  EXPECT_EQ(back.layers[1].kind, "matmul");
+  EXPECT_EQ(err([] { iteration_timing_from_json(R"({"batch":1,"wall_ns":1,"optimizer_ns":0,"other_ns":0,)"
+                                                R"("clock":"cpu","layers":[],"edges":[[0,1,5]]})"); }),
+            "iteration timing: edge 0 -> 1 names a layer that is not there (0 layers)");
+}
+
+TEST(StepTime, SparseTimingPredictsTheUntimedLayers) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.time_fraction = 0.5;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_EQ(f.timed_layers, 1);
+  ASSERT_EQ(f.per_layer.size(), 2u);
+  const int measured = (f.per_layer[0].source == "measured") + (f.per_layer[1].source == "measured");
+  EXPECT_EQ(measured, 1);
+  ASSERT_FALSE(f.notes.empty());
+  EXPECT_EQ(f.notes[0].rfind("timed 1 of 2 layers (d-optimal design); the rest from per-kind roofline models: ", 0), 0u);
+  // The probes' wall times anchor the total: at a probe's own batch the step is its measured iteration.
+  EXPECT_NEAR(f.step_ms, probes.back().wall_ns / 1e6, 1e-6);
+  o.time_fraction = 0;
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: time_fraction should be in (0, 1], got 0");
+  o.time_fraction = 0.5;
+  o.design = "best";
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: design should be d-optimal or random, got 'best'");
 }
 
 TEST(StepTime, PipelineOneFOneB) {

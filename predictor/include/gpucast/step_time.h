@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "gpucast/comm_model.h"
+#include "gpucast/layer_model.h"
 #include "gpucast/parallel.h"
 #include "gpucast/trace.h"
 
@@ -43,6 +44,18 @@ struct LayerTiming {
   int64_t backward_order = 0;  // rank of the layer's first backward op in the iteration (reduction order)
   std::string kind = "other";  // "matmul", "embedding", "conv" or "other": what tensor parallelism splits
   int64_t out_bytes = 0;      // output of the layer's last forward op (what tp all-reduces, pp sends)
+  // Cost features (layer_model.h): the kind of its costliest op, forward FLOPs, bytes and top-level ops.
+  std::string cost_kind = "elementwise";
+  double flops = 0;
+  double bytes = 0;
+  int64_t ops = 0;
+};
+
+// Bytes passed from one layer to another in forward (a tensor one layer produced and another consumed).
+struct LayerEdge {
+  int64_t src = 0;            // index in IterationTiming::layers
+  int64_t dst = 0;
+  int64_t bytes = 0;
 };
 
 struct IterationTiming {
@@ -51,6 +64,7 @@ struct IterationTiming {
   double optimizer_ns = 0;
   double other_ns = 0;        // wall - layers - optimizer
   std::vector<LayerTiming> layers;  // in forward order
+  std::vector<LayerEdge> edges;     // the layer graph, sorted by (src, dst)
   std::string clock;          // "device" when device times were recorded, else "cpu"
 };
 
@@ -66,6 +80,13 @@ struct StepTimeOptions {
   // Untraced over traced time of an iteration, measured in the same process: the tracer's own cost is taken out
   // of every probe's compute times (1: none).
   double time_scale = 1.0;
+  // Sparse timing: the fraction of layers whose times are used (1: all), chosen by a "d-optimal" or "random"
+  // design; the others are predicted by per-kind roofline models fitted on them, from `prior` where a kind
+  // has no timed layer.
+  double time_fraction = 1.0;
+  std::string design = "d-optimal";
+  uint64_t design_seed = 0;
+  DeviceRates prior{5e10, 1e10, 5e-6};  // a CPU core: 50 GFLOP/s, 10 GB/s, 5 us per op
 };
 
 struct LayerForecast {
@@ -75,6 +96,7 @@ struct LayerForecast {
   int64_t grad_bytes = 0;     // per rank
   double tp_comm_ms = 0;      // tensor-parallel all-reduces of this layer (forward and backward)
   int64_t stage = 0;          // pipeline stage
+  std::string source = "measured";  // or how the layer model predicted it (layer_model.h)
 };
 
 // One collective or send of the forecast step, on its stream, in ms from the step's start.
@@ -110,6 +132,7 @@ struct StepTimeForecast {
   double tp_comm_ms = 0;
   double pp_comm_ms = 0;
   double bubble_ms = 0;       // pipeline fill and drain: step - micro_batches * slowest stage
+  int64_t timed_layers = -1;  // layers whose measured times were used (-1: all)
   std::vector<LayerForecast> per_layer;
   std::vector<BucketForecast> buckets;  // DDP / ZeRO buckets
   std::vector<CommForecast> comm;

@@ -1,0 +1,190 @@
+"""The step-time dataset gpucast's graph network is trained on, and that bench/scaledl_compare.py splits.
+
+For every case (an architecture family, a size variant, an optimizer and a target batch) this script runs
+gpucast.forecast(target="cpu") from probes at batch 2, 4 and 8 (one thread), then measures the real step at the
+target batch in the same process (3 warm-up iterations, the median of --iterations). One JSON line per case:
+
+  family, model, batch, optimizer, threads, device peak rates (measured here: a large float32 matmul and a large
+  copy), the layer graph at the target batch (nodes: kind, forward FLOPs and bytes, forecast ms; edges: bytes
+  passed), the forecast (sum of layer times, optimizer, other), the probes' per-layer measurements (what a
+  per-layer regressor learns from), and the measured step (median and interquartile range).
+
+Families: GPT-2, BERT and T5 (transformers), ViT and DeiT (timm), ResNet and MobileNet (torchvision), ConvNeXt
+(timm), and gpucast's zoo MLP, CNN, LSTM and GPT; several widths and depths each; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+
+def variants():
+    """(family, model name, builder, make_batch, loss) for every size variant."""
+    import timm
+    import torch.nn.functional as F
+    import torchvision.models as tvm
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, T5Config,
+                              T5ForConditionalGeneration)
+    from examples import zoo
+    cls = zoo._classification_batch
+    tok = zoo._token_batch
+    out = []
+    for h, n in ((64, 2), (128, 2), (128, 4), (192, 3)):
+        out.append(("gpt2", f"gpt2_h{h}_l{n}", lambda h=h, n=n: zoo.HFLogits(GPT2LMHeadModel(GPT2Config(
+            vocab_size=1000, n_positions=64, n_embd=h, n_layer=n, n_head=4, use_cache=False,
+            attn_implementation="sdpa"))), tok(1000, 32), zoo._shifted_sequence_loss))
+        out.append(("bert", f"bert_h{h}_l{n}", lambda h=h, n=n: zoo.HFLogits(BertForSequenceClassification(BertConfig(
+            vocab_size=1000, hidden_size=h, num_hidden_layers=n, num_attention_heads=4, intermediate_size=2 * h,
+            max_position_embeddings=128, num_labels=2, attn_implementation="sdpa"))), tok(1000, 32, num_labels=2),
+            F.cross_entropy))
+    for d, n in ((64, 2), (128, 2), (128, 3)):
+        out.append(("t5", f"t5_d{d}_l{n}", lambda d=d, n=n: T5Seq2Seq(T5ForConditionalGeneration(T5Config(
+            vocab_size=1000, d_model=d, d_kv=d // 4, d_ff=2 * d, num_layers=n, num_heads=4, decoder_start_token_id=0,
+            use_cache=False))), tok(1000, 32), zoo._shifted_sequence_loss))
+    for d, n in ((96, 4), (192, 4), (192, 8)):
+        out.append(("vit", f"vit_d{d}_l{n}", lambda d=d, n=n: timm.models.vision_transformer.VisionTransformer(
+            img_size=64, patch_size=16, embed_dim=d, depth=n, num_heads=3, num_classes=10), cls((3, 64, 64)),
+            F.cross_entropy))
+    for name in ("deit_tiny_patch16_224",):
+        for img in (32, 64):
+            out.append(("deit", f"deit_tiny_{img}", lambda name=name, img=img: timm.create_model(
+                name, pretrained=False, img_size=img, num_classes=10), cls((3, img, img)), F.cross_entropy))
+    for name, img in (("resnet18", 32), ("resnet18", 64), ("resnet34", 32)):
+        out.append(("resnet", f"{name}_{img}", lambda name=name: getattr(tvm, name)(num_classes=10), cls((3, img, img)),
+                    F.cross_entropy))
+    for name, img in (("mobilenet_v3_small", 64), ("mobilenet_v2", 32), ("mobilenet_v3_large", 32)):
+        out.append(("mobilenet", f"{name}_{img}", lambda name=name: getattr(tvm, name)(num_classes=10),
+                    cls((3, img, img)), F.cross_entropy))
+    for name in ("convnext_atto", "convnext_femto"):
+        out.append(("convnext", name, lambda name=name: timm.create_model(name, pretrained=False, num_classes=10),
+                    cls((3, 64, 64)), F.cross_entropy))
+    for name in ("mlp", "cnn", "lstm", "gpt"):
+        case = zoo.CASES[name]
+        out.append((f"zoo_{name}", name, case.make_model, case.make_batch, case.loss_fn))
+    return out
+
+
+class T5Seq2Seq(nn.Module):
+    """T5 on token ids (the decoder reads the same ids), returning logits like the other token models."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, decoder_input_ids=ids).logits
+
+
+def device_rates() -> dict:
+    """This CPU's float32 matmul rate and copy bandwidth on one thread (a rough roofline for the features)."""
+    import torch
+    a = torch.randn(512, 512)
+    b = torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    gflops = 10 * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e9
+    x = torch.empty(16 << 20, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    gbps = 10 * 2 * x.numel() / (time.perf_counter() - t0) / 1e9
+    return {"peak_gflops": round(gflops, 2), "mem_gbps": round(gbps, 2)}
+
+
+def measure(step, batch, iterations):
+    for _ in range(3):
+        step(batch)
+    ts = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        step(batch)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(ts, n=4)
+    return statistics.median(ts), q[2] - q[0]
+
+
+def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iterations, rates) -> dict:
+    import torch
+    import gpucast
+    from examples import zoo
+    torch.manual_seed(0)
+    model = make_model()
+    opt = zoo.make_optimizer(optimizer, model.parameters())
+    step = zoo.make_step(model, opt, loss_fn)
+    fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu")
+    measured, iqr = measure(step, make_batch(batch), iterations)
+    t = fc.time
+    probes = [json.loads(x) for x in fc.timings]
+    ref = max(probes, key=lambda p: p["batch"])
+    scale = batch / ref["batch"]
+    nodes = []
+    for lay, pred in zip(ref["layers"], t.per_layer):
+        nodes.append({"kind": lay.get("cost_kind", lay["kind"]), "flops": lay.get("flops", 0.0) * scale,
+                      "bytes": lay.get("bytes", 0.0) * scale,
+                      "pred_ms": pred["forward_ms"] + pred["backward_ms"]})
+    return {"family": family, "model": name, "batch": batch, "optimizer": optimizer,
+            "global": {"batch": batch, "threads": torch.get_num_threads(), "optimizer": optimizer, "world": 1,
+                       "strategy": "single", **rates},
+            "nodes": nodes, "edges": [[e[0], e[1], e[2] * scale] for e in ref.get("edges", [])],
+            "sum_layers_ms": t.compute_ms, "comm_ms": 0.0, "optimizer_ms": t.optimizer_ms, "other_ms": t.other_ms,
+            "measured_ms": round(measured, 4), "measured_iqr_ms": round(iqr, 4),
+            "params": sum(p.numel() for p in model.parameters()),
+            "probes": [{"batch": p["batch"], "optimizer_ns": p["optimizer_ns"], "other_ns": p["other_ns"],
+                        "layers": [{"kind": x.get("cost_kind", x["kind"]), "flops": x.get("flops", 0.0),
+                                    "bytes": x.get("bytes", 0.0), "forward_ns": x["forward_ns"],
+                                    "backward_ns": x["backward_ns"]} for x in p["layers"]]} for p in probes]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "dataset" / "step_times.jsonl.gz"))
+    ap.add_argument("--batches", default="16,32")
+    ap.add_argument("--optimizers", default="adamw,sgd")
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma-separated families")
+    args = ap.parse_args()
+    import torch
+    import warnings
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    rates = device_rates()
+    print(f"device: {rates}", file=sys.stderr)
+    only = set(args.only.split(",")) if args.only else None
+    n = 0
+    t_start = time.time()
+    with gzip.open(args.out, "wt", encoding="utf-8") as f:
+        for family, name, make_model, make_batch, loss_fn in variants():
+            if only and family not in only:
+                continue
+            for optimizer in args.optimizers.split(","):
+                for batch in [int(b) for b in args.batches.split(",")]:
+                    row = record(family, name, make_model, make_batch, loss_fn, optimizer, batch, args.iterations,
+                                 rates)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    n += 1
+                    err = 100 * (row["sum_layers_ms"] - row["measured_ms"]) / row["measured_ms"]
+                    print(f"{time.time() - t_start:7.1f}s {family:<10} {name:<22} {optimizer:<5} b{batch:<3} "
+                          f"measured {row['measured_ms']:8.2f} ms, forecast {row['sum_layers_ms']:8.2f} ({err:+.1f} %)",
+                          file=sys.stderr, flush=True)
+    print(json.dumps({"bench": "step_dataset", "cases": n, "device": rates}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
