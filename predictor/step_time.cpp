@@ -105,14 +105,33 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   int64_t backward_rank = 0;
   std::unordered_map<uint64_t, int64_t> producer;  // storage -> layer that last wrote it in forward
   std::map<std::pair<int64_t, int64_t>, int64_t> edge_bytes;
+  // Which unit each recorded op's cost lands in: a layer's forward (2 li) or backward (2 li + 1), the optimizer
+  // (-2) or the rest (-3): the unit of the op itself or of its enclosing op.
+  std::vector<int64_t> owner(t.ops.size(), -3);
+  auto count = [&](const OpRecord& op, int64_t unit) {
+    owner[static_cast<size_t>(op.id)] = unit;
+    ++it.ops_total;
+    if (unit == -2) {
+      ++it.optimizer_ops;
+    } else if (unit == -3) {
+      ++it.other_ops;
+    } else {
+      LayerTiming& l = it.layers[static_cast<size_t>(unit / 2)];
+      ++(unit % 2 ? l.backward_ops_all : l.forward_ops_all);
+    }
+  };
   for (const OpRecord& op : t.ops) {
     if (op.start_seq <= lo || op.end_seq > hi || !op.complete) continue;
+    const int64_t inherited = op.parent >= 0 && static_cast<size_t>(op.parent) < owner.size()
+                                  ? owner[static_cast<size_t>(op.parent)]
+                                  : -3;
     if (first_ns < 0 || op.start_ns < first_ns) first_ns = op.start_ns;
     last_ns = std::max(last_ns, op.end_ns);
     if (op.device_ns >= 0) device = true;
     const bool top = op.parent < 0;
     if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
       it.optimizer_ns += duration(op);
+      count(op, -2);
     } else if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {
       LayerTiming& l = layer(op.module.empty() ? kOutside : op.module);
       const int64_t li = static_cast<int64_t>(index[l.layer]);
@@ -132,12 +151,16 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       const std::string kind = op_kind(op.name);
       if (kind_rank(kind) > kind_rank(l.kind)) l.kind = kind;
       l.out_bytes = value_bytes(op.outputs);
+      count(op, 2 * li);
     } else if (op.phase == Phase::Backward && op.scope == Scope::BackwardFunction &&
                (top || t.ops[op.parent].scope != Scope::BackwardFunction)) {
       const std::string name = op.fwd_op >= 0 && !t.ops[op.fwd_op].module.empty() ? t.ops[op.fwd_op].module : kOutside;
       LayerTiming& l = layer(name);
       l.backward_ns += duration(op);
       if (l.backward_order < 0) l.backward_order = backward_rank++;
+      count(op, 2 * static_cast<int64_t>(index[name]) + 1);
+    } else {
+      count(op, inherited);
     }
   }
   for (const Allocation& a : t.allocations) {
@@ -203,7 +226,25 @@ std::vector<int64_t> balanced_stages(const std::vector<double>& cost, int64_t pa
 
 }  // namespace
 
-StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& probes, const StepTimeOptions& o) {
+// The tracer's own cost out of a probe: where the untraced wall time is known, (wall - untraced) / ops per
+// recorded op, taken out of each unit by its op count.
+static IterationTiming without_tracer_cost(IterationTiming p) {
+  if (!(p.untraced_wall_ns > 0) || p.ops_total <= 0 || p.wall_ns <= p.untraced_wall_ns) return p;
+  const double c = (p.wall_ns - p.untraced_wall_ns) / static_cast<double>(p.ops_total);
+  auto less = [&](double& t, int64_t ops) { t = std::max(0.0, t - c * static_cast<double>(ops)); };
+  for (LayerTiming& l : p.layers) {
+    less(l.forward_ns, l.forward_ops_all);
+    less(l.backward_ns, l.backward_ops_all);
+  }
+  less(p.optimizer_ns, p.optimizer_ops);
+  less(p.other_ns, p.other_ops);
+  p.wall_ns = p.untraced_wall_ns;
+  return p;
+}
+
+StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, const StepTimeOptions& o) {
+  std::vector<IterationTiming> probes;
+  for (const IterationTiming& p : traced) probes.push_back(without_tracer_cost(p));
   if (probes.empty()) GPUCAST_USER_ERROR("step time: no probe iterations to forecast from");
   const ParallelConfig& P = o.parallel;
   for (auto [key, v] : {std::pair<const char*, int64_t>{"dp", P.dp}, {"tp", P.tp}, {"pp", P.pp},
@@ -570,12 +611,14 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
     layers.push_back({{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
                       {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
                       {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
-                      {"ops", l.ops}});
+                      {"ops", l.ops}, {"forward_ops_all", l.forward_ops_all},
+                      {"backward_ops_all", l.backward_ops_all}});
   }
   json edges = json::array();
   for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
-              {"clock", t.clock}, {"layers", layers}, {"edges", edges}}
+              {"clock", t.clock}, {"layers", layers}, {"edges", edges}, {"ops_total", t.ops_total},
+              {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns}}
       .dump();
 }
 
@@ -588,6 +631,10 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.optimizer_ns = j.at("optimizer_ns").get<double>();
     t.other_ns = j.at("other_ns").get<double>();
     t.clock = j.at("clock").get<std::string>();
+    t.ops_total = j.value("ops_total", int64_t{0});
+    t.optimizer_ops = j.value("optimizer_ops", int64_t{0});
+    t.other_ops = j.value("other_ops", int64_t{0});
+    t.untraced_wall_ns = j.value("untraced_wall_ns", -1.0);
     for (const json& l : j.at("layers")) {
       LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
                      l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),
@@ -598,6 +645,8 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
       lt.flops = l.value("flops", 0.0);
       lt.bytes = l.value("bytes", 0.0);
       lt.ops = l.value("ops", int64_t{0});
+      lt.forward_ops_all = l.value("forward_ops_all", int64_t{0});
+      lt.backward_ops_all = l.value("backward_ops_all", int64_t{0});
       t.layers.push_back(std::move(lt));
     }
     if (j.contains("edges")) {

@@ -83,6 +83,26 @@ TEST(StepTime, IterationTimingOfTheLastIteration) {
   EXPECT_EQ(it.other_ns, 40);
 }
 
+TEST(StepTime, TheTracersCostComesOutByOpCount) {
+  IterationTiming it = iteration_timing(make_trace(1000), 4);
+  EXPECT_EQ(it.ops_total, 5);  // two forward ops, two backward nodes, the optimizer step
+  EXPECT_EQ(it.optimizer_ops, 1);
+  EXPECT_EQ(it.other_ops, 0);
+  EXPECT_EQ(it.layers[0].forward_ops_all, 1);
+  EXPECT_EQ(it.layers[1].backward_ops_all, 1);
+  it.untraced_wall_ns = it.wall_ns - 500;  // 100 ns per recorded op
+  StepTimeOptions o;
+  o.batch_size = 4;
+  const StepTimeForecast f = forecast_step_time({it}, o);
+  EXPECT_NEAR(f.forward_ms, (900 + 1900) / 1e6, 1e-12);
+  EXPECT_NEAR(f.backward_ms, (3900 + 2900) / 1e6, 1e-12);
+  EXPECT_NEAR(f.optimizer_ms, 400 / 1e6, 1e-15);
+  EXPECT_NEAR(f.other_ms, 40 / 1e6, 1e-15);
+  const IterationTiming back = iteration_timing_from_json(iteration_timing_to_json(it));
+  EXPECT_EQ(back.untraced_wall_ns, it.untraced_wall_ns);
+  EXPECT_EQ(back.layers[0].forward_ops_all, 1);
+}
+
 TEST(StepTime, FitsScaleLayersToTheTargetBatch) {
   // Layer times a + c b with a = 0: k = 250 b.
   std::vector<IterationTiming> probes;

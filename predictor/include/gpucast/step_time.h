@@ -49,6 +49,9 @@ struct LayerTiming {
   double flops = 0;
   double bytes = 0;
   int64_t ops = 0;
+  // Every recorded op whose cost lands in the layer's forward / backward time (nested ones included).
+  int64_t forward_ops_all = 0;
+  int64_t backward_ops_all = 0;
 };
 
 // Bytes passed from one layer to another in forward (a tensor one layer produced and another consumed).
@@ -66,6 +69,12 @@ struct IterationTiming {
   std::vector<LayerTiming> layers;  // in forward order
   std::vector<LayerEdge> edges;     // the layer graph, sorted by (src, dst)
   std::string clock;          // "device" when device times were recorded, else "cpu"
+  int64_t ops_total = 0;      // recorded ops in the iteration
+  int64_t optimizer_ops = 0;
+  int64_t other_ops = 0;
+  // The same step run without the tracer (wall time, measured by the caller; -1: not measured). The tracer's
+  // cost, wall_ns - untraced_wall_ns, is then taken out of every unit in proportion to its recorded ops.
+  double untraced_wall_ns = -1;
 };
 
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
