@@ -7,7 +7,8 @@ target batch in the same process (3 warm-up iterations, the median of --iteratio
   family, model, batch, optimizer, threads, device peak rates (measured here: a large float32 matmul and a large
   copy), the layer graph at the target batch (nodes: kind, forward FLOPs and bytes, forecast ms; edges: bytes
   passed), the forecast (sum of layer times, optimizer, other), the probes' per-layer measurements (what a
-  per-layer regressor learns from), and the measured step (median and interquartile range).
+  per-layer regressor learns from) and their iteration timings as gpucast records them (to forecast again, e.g.
+  with sparse timing), and the measured step (median and interquartile range).
 
 Families: GPT-2, BERT and T5 (transformers), ViT and DeiT (timm), ResNet and MobileNet (torchvision), ConvNeXt
 (timm), and gpucast's zoo MLP, CNN, LSTM and GPT; several widths and depths each; nothing is downloaded.
@@ -85,27 +86,6 @@ class T5Seq2Seq(nn.Module):
         return self.model(input_ids=ids, decoder_input_ids=ids).logits
 
 
-def device_rates() -> dict:
-    """This CPU's float32 matmul rate and copy bandwidth on one thread (a rough roofline for the features)."""
-    import torch
-    a = torch.randn(512, 512)
-    b = torch.randn(512, 512)
-    for _ in range(3):
-        a @ b
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    gflops = 10 * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e9
-    x = torch.empty(16 << 20, dtype=torch.uint8)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    gbps = 10 * 2 * x.numel() / (time.perf_counter() - t0) / 1e9
-    return {"peak_gflops": round(gflops, 2), "mem_gbps": round(gbps, 2)}
-
-
 def measure(step, batch, iterations):
     for _ in range(3):
         step(batch)
@@ -121,29 +101,25 @@ def measure(step, batch, iterations):
 def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iterations, rates) -> dict:
     import torch
     import gpucast
+    from gpucast._forecast import step_graph
     from examples import zoo
     torch.manual_seed(0)
     model = make_model()
     opt = zoo.make_optimizer(optimizer, model.parameters())
     step = zoo.make_step(model, opt, loss_fn)
-    fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu")
+    fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu", gnn=None)
     measured, iqr = measure(step, make_batch(batch), iterations)
     t = fc.time
     probes = [json.loads(x) for x in fc.timings]
-    ref = max(probes, key=lambda p: p["batch"])
-    scale = batch / ref["batch"]
-    nodes = []
-    for lay, pred in zip(ref["layers"], t.per_layer):
-        nodes.append({"kind": lay.get("cost_kind", lay["kind"]), "flops": lay.get("flops", 0.0) * scale,
-                      "bytes": lay.get("bytes", 0.0) * scale,
-                      "pred_ms": pred["forward_ms"] + pred["backward_ms"]})
-    return {"family": family, "model": name, "batch": batch, "optimizer": optimizer,
-            "global": {"batch": batch, "threads": torch.get_num_threads(), "optimizer": optimizer, "world": 1,
-                       "strategy": "single", **rates},
-            "nodes": nodes, "edges": [[e[0], e[1], e[2] * scale] for e in ref.get("edges", [])],
-            "sum_layers_ms": t.compute_ms, "comm_ms": 0.0, "optimizer_ms": t.optimizer_ms, "other_ms": t.other_ms,
+    # The graph exactly as the forecast builds it for the network (gpucast._forecast.step_graph).
+    g = step_graph(fc.timings, t, optimizer, rates)
+    return {"family": family, "model": name, "batch": batch, "optimizer": optimizer, "global": g["global"],
+            "nodes": g["nodes"], "edges": g["edges"],
+            "sum_layers_ms": g["sum_layers_ms"], "comm_ms": g["comm_ms"], "optimizer_ms": t.optimizer_ms,
+            "other_ms": t.other_ms,
             "measured_ms": round(measured, 4), "measured_iqr_ms": round(iqr, 4),
             "params": sum(p.numel() for p in model.parameters()),
+            "timings": list(fc.timings),
             "probes": [{"batch": p["batch"], "optimizer_ns": p["optimizer_ns"], "other_ns": p["other_ns"],
                         "layers": [{"kind": x.get("cost_kind", x["kind"]), "flops": x.get("flops", 0.0),
                                     "bytes": x.get("bytes", 0.0), "forward_ns": x["forward_ns"],
@@ -162,7 +138,8 @@ def main() -> int:
     import warnings
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    rates = device_rates()
+    from gpucast._forecast import cpu_rates
+    rates = cpu_rates()
     print(f"device: {rates}", file=sys.stderr)
     only = set(args.only.split(",")) if args.only else None
     n = 0

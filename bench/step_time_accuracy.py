@@ -1,17 +1,23 @@
 """Step-time forecast accuracy on this machine.
 
 CPU, one process: for the zoo and real architectures (torchvision, timm, transformers; random weights, AdamW, one
-thread), gpucast.forecast(target="cpu") forecasts the step time at a target batch from traced probes at batch 2, 4
-and 8; then the real step is measured in the same process (3 warm-up iterations, then the median of --iterations,
-with its interquartile range). Every layer of the probes is timed (sparse timing is not built yet).
+thread), gpucast.forecast(target="cpu", time_fraction=0.25) forecasts the step time at a target batch from traced
+probes at batch 2, 4 and 8 with a quarter of the layers timed (D-optimal design; the rest from per-kind roofline
+models) and the shipped graph network's correction; then the real step is measured in the same process (3 warm-up
+iterations, then the median of --iterations, with its interquartile range). Beside it, from the same probes: the
+forecast without the graph network (alpha = beta = 1: the ablation) and with every layer timed. These cases'
+families are in the network's training data (in-domain); out-of-domain numbers (families held out of the
+network's training) come from bench/scaledl_compare.py, run here as well unless --skip-scaledl.
+
+Overhead: the probes' traced iteration over the same step untraced (the forecast times both), median over the
+cases' probes.
 
 Distributed (--ddp N): torchrun-style N processes on this machine, DDP over gloo on loopback, one thread each. Rank
 0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; then
 every rank measures the real DDP step (median of --iterations).
 
-NeuSight's 4-GPU measurements: bench/neusight_parallel.py (dp4 forecast; tp4 / pp4 not modelled yet).
-Signed error = (forecast - measured) / measured. Last line: one JSON object (cpu_ood_mre_pct is null: no graph
-network is trained yet, so there is no held-out family to speak of).
+NeuSight's 4-GPU measurements: bench/neusight_parallel.py (dp4, tp4, pp4); vTrain's data-parallel scaling:
+bench/vtrain_scaling.py; both run here. Signed error = (forecast - measured) / measured. Last line: one JSON object.
 """
 from __future__ import annotations
 
@@ -56,22 +62,35 @@ def measure(step, batch, iterations):
     return statistics.median(ts), q[2] - q[0]
 
 
-def cpu_cases(names, iterations):
+def cpu_cases(names, iterations, fraction):
     import torch
     import gpucast
     torch.set_num_threads(1)
     rows = []
-    print(f"{'case':<20} {'batch':>5} {'measured ms':>12} {'IQR':>6} {'forecast ms':>12} {'err %':>7}")
+    print(f"{'case':<20} {'batch':>5} {'measured ms':>12} {'IQR':>6} {'gpucast ms':>11} {'err %':>7} "
+          f"{'α=β=1 %':>8} {'all timed %':>11} {'alpha':>6} {'timed':>7} {'traced/untraced':>15}")
     for name in names:
         batch = CASES[name]
         case, model, opt, step = build(name)
-        fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu")
+        fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
+                              time_fraction=fraction)
         measured, iqr = measure(step, case.make_batch(batch), iterations)
-        err = 100.0 * (fc.time.step_ms - measured) / measured
-        rows.append({"case": name, "batch": batch, "measured_ms": round(measured, 3), "iqr_ms": round(iqr, 3),
-                     "forecast_ms": round(fc.time.step_ms, 3), "err_pct": round(err, 2),
-                     "layers": len(fc.time.per_layer)})
-        print(f"{name:<20} {batch:>5} {measured:>12.2f} {iqr:>6.2f} {fc.time.step_ms:>12.2f} {err:>+7.2f}")
+        t = fc.time
+        plain = fc.step_time(batch, time_fraction=fraction, gnn=None).step_ms
+        every = fc.step_time(batch, gnn=None).step_ms
+        ratios = [p["wall_ns"] / p["untraced_wall_ns"] for p in map(json.loads, fc.timings)
+                  if p.get("untraced_wall_ns", -1) > 0]
+        err = 100.0 * (t.step_ms - measured) / measured
+        row = {"case": name, "batch": batch, "measured_ms": round(measured, 3), "iqr_ms": round(iqr, 3),
+               "forecast_ms": round(t.step_ms, 3), "err_pct": round(err, 2), "alpha": round(t.alpha, 4),
+               "correction": t.correction, "no_gnn_ms": round(plain, 3),
+               "no_gnn_err_pct": round(100.0 * (plain - measured) / measured, 2), "all_timed_ms": round(every, 3),
+               "all_timed_err_pct": round(100.0 * (every - measured) / measured, 2), "layers": len(t.per_layer),
+               "timed_layers": t.timed_layers, "traced_over_untraced": [round(x, 4) for x in ratios]}
+        rows.append(row)
+        print(f"{name:<20} {batch:>5} {measured:>12.2f} {iqr:>6.2f} {t.step_ms:>11.2f} {err:>+7.2f} "
+              f"{row['no_gnn_err_pct']:>+8.2f} {row['all_timed_err_pct']:>+11.2f} {t.alpha:>6.3f} "
+              f"{t.timed_layers:>3}/{len(t.per_layer):<3} {statistics.median(ratios) if ratios else float('nan'):>15.3f}")
     return rows
 
 
@@ -92,7 +111,7 @@ def ddp_worker(args):
         fc_ms = None
         if rank == 0:
             fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
-                                  parallel=dict(dp=world), link=link)
+                                  parallel=dict(dp=world), link=link, time_fraction=args.fraction)
             fc_ms = (fc.time.step_ms, fc.time.compute_ms, fc.time.exposed_comm_ms, fc.time.comm_ms)
         dist.barrier()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -112,14 +131,14 @@ def ddp_worker(args):
         print(json.dumps(out))
 
 
-def ddp_cases(names, world, iterations):
+def ddp_cases(names, world, iterations, fraction):
     procs = []
     env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE=str(world),
                 OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
     for r in range(world):
         env = dict(env0, RANK=str(r), LOCAL_RANK=str(r))
         procs.append(subprocess.Popen([sys.executable, __file__, "--ddp-worker", "--ddp-cases", ",".join(names),
-                                       "--iterations", str(iterations)], env=env, stdout=subprocess.PIPE,
+                                       "--iterations", str(iterations), "--fraction", str(fraction)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=3600) for p in procs]
     for p, (o, e) in zip(procs, outs):
@@ -141,25 +160,45 @@ def main():
     ap.add_argument("--ddp", default="2,4", help="comma-separated process counts for the DDP part ('' to skip)")
     ap.add_argument("--ddp-cases", default="mlp,cnn,gpt")
     ap.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fraction", type=float, default=0.25, help="fraction of layers timed (default 0.25)")
+    ap.add_argument("--skip-scaledl", action="store_true", help="do not run bench/scaledl_compare.py")
     args = ap.parse_args()
     if args.ddp_worker:
         return ddp_worker(args)
-    rows = cpu_cases(args.cases.split(","), args.iterations)
+    rows = cpu_cases(args.cases.split(","), args.iterations, args.fraction)
     mre = statistics.mean(abs(r["err_pct"]) for r in rows)
-    print(f"CPU, one process: mean |error| {mre:.2f} % over {len(rows)} cases")
+    mre_plain = statistics.mean(abs(r["no_gnn_err_pct"]) for r in rows)
+    mre_all = statistics.mean(abs(r["all_timed_err_pct"]) for r in rows)
+    ratios = [x for r in rows for x in r["traced_over_untraced"]]
+    overhead = statistics.median(ratios) if ratios else None
+    print(f"CPU, one process, {args.fraction:.0%} of layers timed: mean |error| {mre:.2f} % with the graph network, "
+          f"{mre_plain:.2f} % without (alpha = beta = 1), {mre_all:.2f} % every layer timed without it; "
+          f"{len(rows)} cases (in-domain families)")
+    print(f"overhead: traced probe iteration / untraced, median over {len(ratios)} probes: {overhead:.3f}x")
     ddp = {}
     for w in [int(x) for x in args.ddp.split(",") if x]:
-        ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.iterations)
+        ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.iterations, args.fraction)
         print(f"DDP x{w}: mean |error| {statistics.mean(abs(r['err_pct']) for r in ddp[w]):.2f} %")
     ddp2 = ddp.get(2)
-    ns = subprocess.run([sys.executable, str(ROOT / "bench" / "neusight_parallel.py")], capture_output=True, text=True,
-                        env=dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}"))
-    print("\n".join(ns.stdout.strip().splitlines()[:-1]))
-    neusight = json.loads(ns.stdout.strip().splitlines()[-1]) if ns.returncode == 0 else {"neusight_mre_pct": None}
-    print(json.dumps({"bench": "step_time_accuracy", "cpu_mre_pct": round(mre, 3), "cpu_ood_mre_pct": None,
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
+
+    def run(script, *extra):
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / script), *extra], capture_output=True, text=True,
+                           env=env)
+        lines = p.stdout.strip().splitlines()
+        print("\n".join(lines[:-1]))
+        return json.loads(lines[-1]) if p.returncode == 0 and lines else {}
+    neusight = run("neusight_parallel.py")
+    vtrain = run("vtrain_scaling.py")
+    scaledl = {} if args.skip_scaledl else run("scaledl_compare.py")
+    ood = scaledl.get("table", {}).get("gpucast + GNN | out-of-domain", {}).get("mre_pct")
+    print(json.dumps({"bench": "step_time_accuracy", "cpu_mre_pct": round(mre, 3), "cpu_ood_mre_pct": ood,
                       "ddp_mre_pct": None if not ddp2 else round(statistics.mean(abs(r["err_pct"]) for r in ddp2), 3),
-                      "neusight_mre_pct": neusight["neusight_mre_pct"], "cases": rows,
-                      "ddp": {str(w): r for w, r in ddp.items()}, "neusight": neusight.get("cases", [])}))
+                      "neusight_mre_pct": neusight.get("neusight_mre_pct"), "cases": rows,
+                      "cpu_no_gnn_mre_pct": round(mre_plain, 3), "cpu_all_timed_mre_pct": round(mre_all, 3),
+                      "overhead_ratio": None if overhead is None else round(overhead, 4),
+                      "vtrain_mre_pct": vtrain.get("mre_pct"), "ddp": {str(w): r for w, r in ddp.items()},
+                      "neusight": neusight.get("cases", []), "scaledl": scaledl}))
     return 0
 
 

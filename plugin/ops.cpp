@@ -225,9 +225,9 @@ TORCH_LIBRARY(gpucast, m) {
           });
         });
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
-        "float time_fraction=1.0, str design=\"d-optimal\") -> str",
+        "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
-           double time_scale, double time_fraction, const std::string& design) {
+           double time_scale, double time_fraction, const std::string& design, int64_t design_seed) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -238,6 +238,7 @@ TORCH_LIBRARY(gpucast, m) {
             o.time_scale = time_scale;
             o.time_fraction = time_fraction;
             o.design = design;
+            o.design_seed = static_cast<uint64_t>(design_seed);
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });

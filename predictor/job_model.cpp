@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
+#include "gpucast/weights_cache.h"
 #include "gpucast/job_features.h"
 
 namespace gpucast {
@@ -260,30 +261,7 @@ JobEstimate predict_job_memory(const JobDescription& job, const std::string& wei
   if (weights_path.empty()) {
     why = "no weights file for the learned model";
   } else {
-    static std::mutex mu;
-    static std::map<std::string, std::pair<int64_t, std::shared_ptr<const LearnedJobModel>>> cache;
-    static std::map<std::string, std::pair<int64_t, std::string>> failures;
-    struct stat st {};
-    const int64_t mtime = ::stat(weights_path.c_str(), &st) == 0 ? int64_t(st.st_mtim.tv_sec) * 1000000000 +
-                                                                       st.st_mtim.tv_nsec
-                                                                 : -1;
-    std::shared_ptr<const LearnedJobModel> model;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = cache.find(weights_path);
-      if (it != cache.end() && it->second.first == mtime) model = it->second.second;
-      auto ft = failures.find(weights_path);
-      if (!model && ft != failures.end() && ft->second.first == mtime) why = ft->second.second;
-      if (!model && why.empty()) {
-        try {
-          model = load_job_model(weights_path);
-          cache[weights_path] = {mtime, model};
-        } catch (const std::exception& e) {
-          why = e.what();
-          failures[weights_path] = {mtime, why};
-        }
-      }
-    }
+    const auto model = cached_model<LearnedJobModel>(weights_path, &load_job_model, &why);
     if (model) {
       try {
         return learned_job_estimate(*model, job);

@@ -198,6 +198,7 @@ struct Point {
 constexpr double kGridLo = -4, kGridHi = 2, kGridStep = 0.25;  // log10 of the rates over the prior's
 constexpr double kBoundLo = -8, kBoundHi = 4;
 constexpr int kMaxSteps = 1000;  // pattern-search moves from one start
+constexpr double kMaxExtrapolation = 4;  // predict() trusts a fit up to this many times the work it saw
 constexpr double kPull = 1e-6;  // per point and squared decade: breaks ties (a bound no point reaches) to the prior
 
 class Objective {
@@ -291,6 +292,8 @@ PassFit fit_pass(const Measured& m, const DeviceRates& prior, Phase pass, const 
   p.rates = prior;
   p.samples = m.size();
   const double k = pass == Phase::Backward ? 2 : 1;
+  for (auto [c, y] : m) p.max_work_s = std::max(p.max_work_s, roofline_ns(*c, DeviceRates{prior.flops_per_s,
+                                                                                          prior.bytes_per_s, 0}, pass) / 1e9);
   auto rms = [&](const DeviceRates& r) {
     double s = 0;
     for (auto [c, y] : m) s += std::pow(roofline_ns(*c, r, pass) / 1e9 / y - 1, 2);
@@ -724,9 +727,22 @@ const KindFit& LayerTimeModel::fit_for(std::string_view kind) const {
 
 LayerPrediction LayerTimeModel::predict(const LayerCost& c) const {
   const KindFit& k = fit_for(c.kind);
-  const std::string& source =
+  std::string source =
       source_rank(k.forward.source) <= source_rank(k.backward.source) ? k.forward.source : k.backward.source;
-  return {roofline_ns(c, k.forward.rates, Phase::Forward), roofline_ns(c, k.backward.rates, Phase::Backward), source};
+  // A fit says nothing far beyond the work of the layers it saw: past kMaxExtrapolation times their largest
+  // roofline work, the prior's rates price the work (the fitted per-op overhead kept).
+  auto guarded = [&](const PassFit& f, Phase pass) {
+    const DeviceRates work_only{prior_.flops_per_s, prior_.bytes_per_s, 0};
+    const double work = roofline_ns(c, work_only, pass) / 1e9;
+    if (f.source == "prior" || f.max_work_s <= 0 || work <= kMaxExtrapolation * f.max_work_s) {
+      return roofline_ns(c, f.rates, pass);
+    }
+    source = "prior";
+    return roofline_ns(c, DeviceRates{prior_.flops_per_s, prior_.bytes_per_s, f.rates.op_overhead_s}, pass);
+  };
+  const double fw = guarded(k.forward, Phase::Forward);
+  const double bw = guarded(k.backward, Phase::Backward);
+  return {fw, bw, source};
 }
 
 std::string LayerTimeModel::describe() const {

@@ -1,4 +1,6 @@
-// gpucast-train: trains the job-level memory model (gpucast/job_model.h) from JSON Lines files of labelled jobs.
+// gpucast-train: trains the job-level memory model (gpucast/job_model.h) from JSON Lines files of labelled jobs, and
+// (subcommand step-gnn) the step-time graph network (gpucast/step_gnn.h) from JSON Lines files of step graphs.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -9,11 +11,13 @@
 
 #include "gpucast/error.h"
 #include "gpucast/job_model.h"
+#include "gpucast/step_gnn.h"
 
 namespace {
 
 const char* kUsage =
     "usage: gpucast-train --train FILE --val FILE --out WEIGHTS [options]\n"
+    "       gpucast-train step-gnn --train FILE --val FILE --out WEIGHTS [options]   (see step-gnn --help)\n"
     "Trains gpucast's job-level memory model (BiGRU-optimized Transformer) and writes its weights.\n"
     "FILE: JSON Lines, one labelled job per line: {\"job\": <job description>, \"label_bytes\": <peak bytes>}\n"
     "options:\n"
@@ -24,6 +28,22 @@ const char* kUsage =
     "  --lr X          AdamW learning rate (default 0.002)\n"
     "  --d-model N     width of the projection and of each GRU direction (default 32)\n"
     "  --layers N      Transformer encoder layers (default 2)\n"
+    "  --threads N     torch CPU threads (default: torch's choice)\n"
+    "  --verbose       one line per epoch on stderr\n";
+
+const char* kStepGnnUsage =
+    "usage: gpucast-train step-gnn --train FILE --val FILE --out WEIGHTS [options]\n"
+    "Trains gpucast's step-time graph network (ScaleDL's GNN: step_ms = alpha * sum_layers_ms + beta * comm_ms) and\n"
+    "writes its weights.\n"
+    "FILE: JSON Lines, one step graph per line, measured_ms required: {\"family\", \"model\", \"global\": {...},\n"
+    "      \"nodes\": [...], \"edges\": [[src, dst, bytes], ...], \"sum_layers_ms\", \"comm_ms\", \"measured_ms\"}\n"
+    "options:\n"
+    "  --seed N        random seed (default 0)\n"
+    "  --epochs N      most epochs (default 400)\n"
+    "  --patience N    stop after N epochs without a better validation loss (default 40)\n"
+    "  --batch N       graphs per step (default 32)\n"
+    "  --lr X          AdamW learning rate (default 0.003)\n"
+    "  --d-model N     width of the node and graph embeddings (default 32)\n"
     "  --threads N     torch CPU threads (default: torch's choice)\n"
     "  --verbose       one line per epoch on stderr\n";
 
@@ -58,10 +78,83 @@ long number(const std::string& flag, const char* text) {
   return v;
 }
 
+std::vector<gpucast::StepGraph> read_graphs(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) GPUCAST_USER_ERROR("gpucast-train step-gnn: cannot open '{}'", path);
+  std::vector<gpucast::StepGraph> out;
+  std::string line;
+  for (int n = 1; std::getline(f, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n);
+    out.push_back(gpucast::step_graph_from_json(line, where));
+    if (out.back().measured_ms <= 0) {
+      GPUCAST_USER_ERROR("{}: measured_ms: missing; training needs the measured time", where);
+    }
+  }
+  if (out.empty()) GPUCAST_USER_ERROR("gpucast-train step-gnn: '{}' holds no graphs", path);
+  return out;
+}
+
+double positive_number(const std::string& flag, const char* text) {
+  char* end = nullptr;
+  const double v = std::strtod(text, &end);
+  if (end == text || *end != '\0' || !(v > 0)) {
+    GPUCAST_USER_ERROR("gpucast-train: {} expects a number > 0, got '{}'", flag, text);
+  }
+  return v;
+}
+
+int step_gnn_main(int argc, char** argv) {
+  std::string train_path, val_path, out_path;
+  gpucast::StepGnnTrainOptions o;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> const char* {
+      if (i + 1 >= argc) GPUCAST_USER_ERROR("gpucast-train step-gnn: {} needs a value", a);
+      return argv[++i];
+    };
+    if (a == "--train") train_path = value();
+    else if (a == "--val") val_path = value();
+    else if (a == "--out") out_path = value();
+    else if (a == "--seed") o.seed = static_cast<uint64_t>(number(a, value()));
+    else if (a == "--epochs") o.max_epochs = number(a, value());
+    else if (a == "--patience") o.patience = number(a, value());
+    else if (a == "--batch") o.batch_size = std::max(1L, number(a, value()));
+    else if (a == "--lr") o.lr = positive_number(a, value());
+    else if (a == "--d-model") o.d_model = std::max(1L, number(a, value()));
+    else if (a == "--threads") o.threads = static_cast<int>(number(a, value()));
+    else if (a == "--verbose") o.verbose = true;
+    else if (a == "-h" || a == "--help") {
+      std::fputs(kStepGnnUsage, stdout);
+      return 0;
+    } else {
+      GPUCAST_USER_ERROR("gpucast-train step-gnn: unknown argument '{}'\n{}", a, kStepGnnUsage);
+    }
+  }
+  if (train_path.empty() || val_path.empty() || out_path.empty()) {
+    GPUCAST_USER_ERROR("gpucast-train step-gnn: --train, --val and --out are required\n{}", kStepGnnUsage);
+  }
+  const auto train = read_graphs(train_path);
+  const auto val = read_graphs(val_path);
+  const gpucast::StepGnnTrainResult r = gpucast::train_step_gnn(train, val, o, out_path);
+  std::printf("%s\n", nlohmann::json({{"train_graphs", train.size()},
+                                      {"val_graphs", val.size()},
+                                      {"epochs", r.epochs},
+                                      {"best_epoch", r.best_epoch},
+                                      {"train_mse_log", r.train_loss},
+                                      {"val_mse_log", r.val_loss},
+                                      {"seconds", std::round(r.train_seconds * 10) / 10},
+                                      {"weights", out_path}})
+                          .dump()
+                          .c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
+    if (argc > 1 && std::string(argv[1]) == "step-gnn") return step_gnn_main(argc, argv);
     std::string train_path, val_path, out_path;
     gpucast::TrainOptions o;
     for (int i = 1; i < argc; ++i) {

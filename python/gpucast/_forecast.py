@@ -124,6 +124,12 @@ class TimeForecast:
     comm: list
     clock: str
     notes: list = field(default_factory=list)
+    # The graph network's correction (ScaleDL's alpha for compute, beta for exposed communication) and where it
+    # came from: "gnn", or why it was not applied; step_ms includes it, uncorrected_step_ms does not.
+    alpha: float = 1.0
+    beta: float = 1.0
+    correction: str = "none"
+    uncorrected_step_ms: float = 0.0
 
 
 @dataclass
@@ -134,9 +140,12 @@ class Forecast:
     context: dict
     time: TimeForecast | None = None
     timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
+    target: str = "cpu"
+    optimizer_name: str = "other"
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
-                  time_scale: float = 1.0, time_fraction: float = 1.0, design: str = "d-optimal") -> TimeForecast:
+                  time_scale: float = 1.0, time_fraction: float = 1.0, design: str = "d-optimal",
+                  gnn: str | None = "") -> TimeForecast:
         """The step time at another batch size or parallel strategy from the same probes: compare strategies
         without tracing again. Raises ValueError where the probes did not run on the forecast's target."""
         if not self.timings or self.time is None:
@@ -146,7 +155,9 @@ class Forecast:
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
                                                     str(design))
-        return TimeForecast(**json.loads(text))
+        tf = TimeForecast(**json.loads(text))
+        _correct(tf, self.timings, self.target, self.optimizer_name, gnn)
+        return tf
 
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "context": self.context,
@@ -276,7 +287,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
-             link: dict | str | None = None, time_fraction: float = 1.0) -> Forecast:
+             link: dict | str | None = None, time_fraction: float = 1.0, gnn: str | None = "") -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -295,6 +306,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
     only that fraction of the layers (a D-optimal design over their FLOPs, bytes and kind) keeps its measured
     times; the others are predicted by per-kind roofline models fitted on them (per_layer[i]["source"]).
+    The graph network (ScaleDL's alpha and beta) then corrects the step on target "cpu": `gnn` is a weights
+    file ("" the shipped one; None: no correction); fc.time.alpha, beta, correction, uncorrected_step_ms.
 
     With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
     that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
@@ -380,9 +393,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
-                             time_fraction=time_fraction)
+                             time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn)
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
-                  context=context, time=time_fc, timings=timings if time_fc is not None else [])
+                  context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
+                  optimizer_name=_optimizer_name(optimizer))
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -406,16 +420,95 @@ def _with_untraced_wall(timing: str, step: Callable[[Any], Any], batch: Any, run
     return json.dumps(d)
 
 
+_RATES: dict = {}
+
+
+def cpu_rates() -> dict:
+    """This CPU's float32 matmul rate and copy bandwidth on the current thread count, measured once per process
+    (a few milliseconds): global features of the graph network."""
+    if not _RATES:
+        a = torch.randn(512, 512)
+        b = torch.randn(512, 512)
+        for _ in range(3):
+            a @ b
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        gflops = 10 * 2 * 512 ** 3 / (time.perf_counter() - t0) / 1e9
+        x = torch.empty(16 << 20, dtype=torch.uint8)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            y.copy_(x)
+        gbps = 10 * 2 * x.numel() / (time.perf_counter() - t0) / 1e9
+        _RATES.update(peak_gflops=round(gflops, 2), mem_gbps=round(gbps, 2))
+    return dict(_RATES)
+
+
+def step_graph(timings: list, tf: TimeForecast, optimizer: str, rates: dict) -> dict:
+    """The graph network's input for a forecast step: the layers of the largest probe at the forecast's per-rank
+    batch (kind, FLOPs, bytes, forecast ms), the bytes passed between them, and the global settings."""
+    probes = [json.loads(x) for x in timings]
+    ref = max(probes, key=lambda p: p["batch"])
+    scale = tf.per_rank_batch / ref["batch"]
+    nodes = [{"kind": lay.get("cost_kind", "elementwise"), "flops": lay.get("flops", 0.0) * scale,
+              "bytes": lay.get("bytes", 0.0) * scale, "pred_ms": pl["forward_ms"] + pl["backward_ms"]}
+             for lay, pl in zip(ref["layers"], tf.per_layer)]
+    world = tf.dp * tf.tp * tf.pp
+    strategy = ("single" if world == 1 else "pp" if tf.pp > 1 else "tp" if tf.tp > 1 else
+                "fsdp" if tf.dp_mode == "fsdp" else "ddp")
+    return {"family": "", "model": "",
+            "global": {"batch": tf.batch_size, "threads": torch.get_num_threads(), "optimizer": optimizer,
+                       "world": world, "strategy": strategy, **rates},
+            "nodes": nodes, "edges": [[e[0], e[1], e[2] * scale] for e in ref.get("edges", [])],
+            "sum_layers_ms": tf.compute_ms, "comm_ms": tf.exposed_comm_ms, "measured_ms": None}
+
+
+def _optimizer_name(optimizer) -> str:
+    name = type(optimizer).__name__.lower() if optimizer is not None else ""
+    return name if name in ("sgd", "adam", "adamw") else "other"
+
+
+def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, weights: str | None) -> None:
+    """Apply the graph network's alpha and beta. The shipped network is trained on single-process CPU steps: it
+    corrects target "cpu" only, and with communication (world > 1) its alpha corrects the compute of the rank
+    (asked as a single-process step) while beta stays 1. weights: a file, "" for the shipped one, None for none."""
+    tf.uncorrected_step_ms = tf.step_ms
+    if weights is None:
+        tf.correction = "none: disabled (gnn=None)"
+        return
+    if target != "cpu":
+        tf.correction = "none: the shipped graph network is trained on CPU steps only"
+        return
+    graph = step_graph(timings, tf, optimizer_name, cpu_rates())
+    world = graph["global"]["world"]
+    if world > 1:
+        graph["global"].update(world=1, strategy="single", batch=tf.per_rank_batch)
+        graph["comm_ms"] = 0.0
+    c = json.loads(torch.ops.gpucast.step_correction(json.dumps(graph), weights))
+    tf.correction = c["source"]
+    if c["source"] == "gnn":
+        tf.alpha, tf.beta = c["alpha"], (c["beta"] if world == 1 else 1.0)
+        tf.step_ms = tf.step_ms + (tf.alpha - 1.0) * tf.compute_ms + (tf.beta - 1.0) * tf.exposed_comm_ms
+        if world > 1:
+            tf.notes.append("graph network: alpha from the rank's compute; beta = 1 (trained without communication)")
+    else:
+        tf.notes.append(f"graph network not applied ({c['source']}): alpha = beta = 1")
+
+
 def _time_on_target(target: str, probe_device: str) -> bool:
     return (target == "cpu" and probe_device == "cpu") or (target != "cpu" and probe_device.startswith("cuda"))
 
 
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
-                   link: dict | str | None, time_scale: float = 1.0,
-                   time_fraction: float = 1.0) -> TimeForecast | None:
+                   link: dict | str | None, time_scale: float = 1.0, time_fraction: float = 1.0,
+                   optimizer_name: str = "other", gnn: str | None = "") -> TimeForecast | None:
     """The step time from the probes' timings, where the probes ran on the target."""
     if not timings or not _time_on_target(target, probe_device):
         return None
     text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
                                                 _format_link(link), float(time_scale), float(time_fraction))
-    return TimeForecast(**json.loads(text))
+    tf = TimeForecast(**json.loads(text))
+    _correct(tf, timings, target, optimizer_name, gnn)
+    return tf

@@ -411,6 +411,24 @@ TEST(LayerModel, KindsWithoutMeasurementsFallBack) {
   EXPECT_EQ(p.backward_ns, roofline_ns(costs[4], kPrior, Phase::Backward));
 }
 
+TEST(LayerModel, NoExtrapolationFarBeyondTheFittedWork) {
+  // Two small matmuls (1e6 and 2e6 FLOPs) fit the kind; a layer 1e6 times larger is priced at the prior's
+  // rates, keeping the fitted per-op overhead; one within 4x of the largest keeps the fit.
+  std::vector<LayerCost> costs = {{"a", "matmul", 1e6, 1e4, 1}, {"b", "matmul", 2e6, 2e4, 2}};
+  LayerTimeModel m;
+  m.fit(costs, measure(costs, {0, 1}), kPrior);
+  const KindFit& k = m.fit_for("matmul");
+  const LayerCost big{"big", "matmul", 1e12, 1e9, 3};
+  const LayerPrediction p = m.predict(big);
+  EXPECT_EQ(p.source, "prior");
+  EXPECT_NEAR(p.forward_ns, 3 * k.forward.rates.op_overhead_s * 1e9 + std::max(1e12 / 1e15, 1e9 / 4e12) * 1e9, 1e-6);
+  EXPECT_NEAR(p.backward_ns, 3 * k.backward.rates.op_overhead_s * 1e9 + 2 * std::max(1e12 / 1e15, 1e9 / 4e12) * 1e9,
+              1e-6);
+  const LayerCost near{"near", "matmul", 7e6, 7e4, 1};
+  EXPECT_EQ(m.predict(near).source, "kind");
+  EXPECT_NEAR(m.predict(near).forward_ns, roofline_ns(near, k.forward.rates, Phase::Forward), 1e-9);
+}
+
 TEST(LayerModel, PassWithoutTimesFallsBackAlone) {
   std::vector<LayerCost> costs = synthetic_layers(4, "matmul", 3);
   for (size_t i = 2; i < 4; ++i) costs[i].kind = "conv";

@@ -15,8 +15,9 @@ def forecast(**kw):
 
 
 def test_time_fields_and_timeline(tmp_path):
-    fc = forecast()
+    fc = forecast(gnn=None)
     t = fc.time
+    assert t.correction == "none: disabled (gnn=None)" and t.alpha == 1.0 and t.uncorrected_step_ms == t.step_ms
     assert t.clock == "cpu" and t.dp == 1 and t.per_rank_batch == 16
     assert t.step_ms == pytest.approx(t.forward_ms + t.backward_ms + t.optimizer_ms + t.other_ms)
     assert t.compute_ms == pytest.approx(t.step_ms) and t.exposed_comm_ms == 0 and t.buckets == []
@@ -51,7 +52,7 @@ def test_ddp_buckets_over_a_link():
     ar = [2 * (2 - 1) / 2 * b["bytes"] / 500.0 / 1e3 + 2 * 20.0 / 1e3 for b in t.buckets]
     assert t.comm_ms == pytest.approx(sum(ar))
     assert t.step_ms == pytest.approx(t.compute_ms + t.exposed_comm_ms)
-    no_link = forecast(batch=32, parallel=dict(dp=2)).time
+    no_link = forecast(batch=32, parallel=dict(dp=2), gnn=None).time
     assert no_link.notes == ["no data-parallel link for 2 ranks (gpucast.calibrate() or link=...): its "
                              "communication is not counted"]
 
@@ -110,3 +111,29 @@ def test_more_stages_than_layers():
         forecast(batch=128, parallel=dict(pp=128))
     assert str(e.value).splitlines()[0] == (f"parallel: 'pp' 128 is more than the {layers} layers the probes found: "
                                             "every stage needs a layer")
+
+
+def test_graph_network_corrects_the_cpu_step():
+    fc = forecast(batch=32)
+    t = fc.time
+    assert t.correction == "gnn", t.correction
+    assert t.alpha != 1.0 and 0.2 < t.alpha < 4.5
+    assert t.step_ms == pytest.approx(t.uncorrected_step_ms + (t.alpha - 1) * t.compute_ms
+                                      + (t.beta - 1) * t.exposed_comm_ms)
+    # The same probes without the network, and with a weights file that is not there: alpha = beta = 1.
+    raw = fc.step_time(32, gnn=None)
+    assert raw.step_ms == pytest.approx(t.uncorrected_step_ms)
+    missing = fc.step_time(32, gnn="/nonexistent/step_gnn.gcw")
+    assert missing.step_ms == pytest.approx(t.uncorrected_step_ms)
+    assert missing.correction.startswith("none: ") and "/nonexistent/step_gnn.gcw" in missing.correction
+    assert missing.notes[-1].startswith("graph network not applied (none: ")
+
+
+def test_sparse_timing_reports_what_was_measured():
+    fc = forecast(batch=32, time_fraction=0.25, gnn=None)
+    t = fc.time
+    n = len(t.per_layer)
+    measured = [x for x in t.per_layer if x["source"] == "measured"]
+    assert t.timed_layers == len(measured) == -(-n // 4)  # a quarter of the layers, rounded up
+    assert {x["source"] for x in t.per_layer} - {"measured"} <= {"kind", "pooled", "scaled_prior", "prior"}
+    assert t.notes[0].startswith(f"timed {len(measured)} of {n} layers (d-optimal design)")

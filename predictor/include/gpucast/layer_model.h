@@ -99,6 +99,7 @@ struct PassFit {
   std::string source = "prior";
   size_t samples = 0;        // measurements it was fitted on
   double rms_rel_error = 0;  // over those measurements
+  double max_work_s = 0;     // the largest roofline work (prior rates, no overhead) among them
 };
 
 struct KindFit {
@@ -113,7 +114,8 @@ class LayerTimeModel {
   // prior ratio (1), or the prior. Deterministic. Errors (UserError): a prior rate not positive (overhead
   // negative), a sample's index out of range.
   void fit(const std::vector<LayerCost>& costs, const std::vector<LayerSample>& samples, const DeviceRates& prior);
-  // UserError before fit().
+  // UserError before fit(). Beyond 4x the largest work (the prior's roofline without overhead) of the layers a
+  // pass was fitted on, that pass prices the work at the prior's rates (keeping its fitted overhead), source "prior".
   LayerPrediction predict(const LayerCost& c) const;
   // The model predict() uses for a kind (the fallback for a kind without measurements or not in kLayerCostKinds).
   const KindFit& fit_for(std::string_view kind) const;

@@ -1,0 +1,298 @@
+"""ScaleDL's comparison (its Table I) on gpucast's step-time dataset, and D-optimal against random sparse timing.
+
+Data: bench/dataset/step_times.jsonl.gz (bench/step_dataset.py: real architectures of 12 families on this CPU,
+one thread, each at two optimizers and two target batches; the measured step is the median of 10 iterations).
+Every method predicts the measured step time of a case:
+
+  Random Forest   on hyperparameters and totals (log batch, optimizer, log parameters, log total FLOPs and bytes,
+                  layer count, device rates): scikit-learn, 300 trees, on log time;
+  MLP-ACC         a per-layer MLP (kind, log FLOPs, log bytes) trained on the layers' measured times in the
+                  training cases' probes, summed over a case's layers at its target batch, then a linear map from
+                  the log of the sum to the log of the step fitted on the training cases (the optimizer and the
+                  rest of the step);
+  BiRNN           a bidirectional GRU over the layer sequence (pooled into at most 64 chunks) joined with the
+                  global features, on log time (PyTorch, trained here);
+  gpucast, α=β=1  the in-process forecast from probes at batch 2, 4, 8 (per-layer fits; nothing trained);
+  gpucast + GNN   the same, corrected by the graph network (ScaleDL's α, β), trained on the training split
+                  with build/bin/gpucast-train step-gnn.
+
+Splits: in-domain: 5 folds over all cases (each case predicted once, by models that did not see it);
+out-of-domain: 4 folds of held-out families (each case predicted by models that never saw its family). Errors: mean
+relative error (MRE) and RMSE in ms. Then sparse timing: the same forecast with 25 % of the layers timed, chosen
+by a D-optimal design or at random (5 seeds), against every layer timed: step error, and the error of the summed
+untimed layers against their measured times.
+Last line: one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+DATA = ROOT / "bench" / "dataset" / "step_times.jsonl.gz"
+KINDS = ["matmul", "conv", "attention", "norm", "embedding", "pool", "elementwise", "other"]
+TRAIN = ROOT / "build" / "bin" / "gpucast-train"
+
+
+def load(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def global_row(r: dict) -> list[float]:
+    g = r["global"]
+    flops = sum(n["flops"] for n in r["nodes"])
+    nbytes = sum(n["bytes"] for n in r["nodes"])
+    return [math.log(r["batch"]), float(r["optimizer"] == "sgd"), float(r["optimizer"] == "adamw"),
+            math.log(r["params"]), math.log1p(flops), math.log1p(nbytes), float(len(r["nodes"])),
+            math.log(g["peak_gflops"]), math.log(g["mem_gbps"])]
+
+
+def node_row(kind: str, flops: float, nbytes: float) -> list[float]:
+    return [float(kind == k) for k in KINDS] + [math.log1p(flops), math.log1p(nbytes)]
+
+
+def folds(records, by_family: bool, k: int = 5):
+    """(train indices, test indices) pairs covering every case once as test."""
+    idx = np.arange(len(records))
+    if by_family:
+        fams = sorted({r["family"] for r in records})
+        for j in range(min(k - 1, len(fams))):  # four folds of families, round robin
+            held = set(fams[j::min(k - 1, len(fams))])
+            test = [i for i in idx if records[i]["family"] in held]
+            yield [i for i in idx if records[i]["family"] not in held], test
+        return
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(idx)
+    for j in range(k):
+        test = sorted(perm[j::k].tolist())
+        yield sorted(set(idx.tolist()) - set(test)), test
+
+
+def rf_predict(train, test):
+    from sklearn.ensemble import RandomForestRegressor
+    m = RandomForestRegressor(n_estimators=300, random_state=0, n_jobs=1)
+    m.fit([global_row(r) for r in train], [math.log(r["measured_ms"]) for r in train])
+    return np.exp(m.predict([global_row(r) for r in test]))
+
+
+def mlp_acc_predict(train, test):
+    from sklearn.linear_model import LinearRegression
+    from sklearn.neural_network import MLPRegressor
+    from sklearn.preprocessing import StandardScaler
+    X, y = [], []
+    rng = np.random.default_rng(0)
+    for r in train:
+        for p in r["probes"]:
+            for lay in p["layers"]:
+                X.append(node_row(lay["kind"], lay["flops"], lay["bytes"]))
+                y.append(math.log1p((lay["forward_ns"] + lay["backward_ns"]) / 1e3))  # log1p(us)
+    if len(X) > 6000:  # a sample of the layers keeps the fit to seconds
+        keep = rng.choice(len(X), 6000, replace=False)
+        X, y = [X[i] for i in keep], [y[i] for i in keep]
+    scaler = StandardScaler().fit(X)
+    mlp = MLPRegressor(hidden_layer_sizes=(64, 64), max_iter=300, random_state=0, early_stopping=True)
+    mlp.fit(scaler.transform(X), y)
+
+    def summed(r):
+        rows = [node_row(n["kind"], n["flops"], n["bytes"]) for n in r["nodes"]]
+        return float(np.sum(np.expm1(mlp.predict(scaler.transform(rows)))) / 1e3)
+    # One factor from the summed layers to the step (the optimizer and the rest), fitted on log time.
+    lin = LinearRegression().fit([[math.log(summed(r))] for r in train], [math.log(r["measured_ms"]) for r in train])
+    return np.exp(lin.predict([[math.log(summed(r))] for r in test]))
+
+
+def birnn_predict(train, test, epochs: int = 120):
+    import torch
+    torch.manual_seed(0)
+
+    def sequence(r, most: int = 64):
+        """The layer sequence; longer ones pooled into `most` contiguous chunks (kinds averaged, FLOPs and bytes
+        summed) to keep the recurrent pass short."""
+        nodes = r["nodes"]
+        if len(nodes) <= most:
+            return [node_row(n["kind"], n["flops"], n["bytes"]) for n in nodes]
+        out = []
+        for chunk in np.array_split(np.arange(len(nodes)), most):
+            kinds = np.mean([[float(nodes[i]["kind"] == k) for k in KINDS] for i in chunk], axis=0).tolist()
+            out.append(kinds + [math.log1p(sum(nodes[i]["flops"] for i in chunk)),
+                                math.log1p(sum(nodes[i]["bytes"] for i in chunk))])
+        return out
+
+    def tensors(rs):
+        seqs = [torch.tensor(sequence(r), dtype=torch.float32) for r in rs]
+        return seqs, torch.tensor([global_row(r) for r in rs], dtype=torch.float32)
+    tr_seq, tr_g = tensors(train)
+    te_seq, te_g = tensors(test)
+    allx = torch.cat(tr_seq)
+    mu, sd = allx.mean(0), allx.std(0) + 1e-6
+    gmu, gsd = tr_g.mean(0), tr_g.std(0) + 1e-6
+    y = torch.tensor([math.log(r["measured_ms"]) for r in train])
+    ymu, ysd = y.mean(), y.std() + 1e-6
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = torch.nn.GRU(allx.shape[1], 32, batch_first=True, bidirectional=True)
+            self.head = torch.nn.Sequential(torch.nn.Linear(64 + tr_g.shape[1], 64), torch.nn.ReLU(),
+                                            torch.nn.Linear(64, 1))
+
+        def forward(self, seqs, g):
+            packed = torch.nn.utils.rnn.pack_sequence([(s - mu) / sd for s in seqs], enforce_sorted=False)
+            _, h = self.gru(packed)
+            return self.head(torch.cat([h[0], h[1], (g - gmu) / gsd], 1)).squeeze(1)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=1e-4)
+    for _ in range(epochs):
+        opt.zero_grad()
+        loss = torch.mean((net(tr_seq, tr_g) - (y - ymu) / ysd) ** 2)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return torch.exp(net(te_seq, te_g) * ysd + ymu).numpy()
+
+
+GRAPH_KEYS = ("family", "model", "global", "nodes", "edges", "sum_layers_ms", "comm_ms", "measured_ms")
+
+
+def graph(r: dict) -> dict:
+    return {k: r[k] for k in GRAPH_KEYS}
+
+
+def gnn_predict(train, test, seed: int = 0, threads: int = 1, keep: str | None = None):
+    """Train the graph network on `train` (a tenth held for early stopping) and correct `test`."""
+    import torch
+    import gpucast  # noqa: F401
+    if not TRAIN.exists():
+        return None
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(train))
+    n_val = max(1, len(train) // 10)
+    val = [train[i] for i in order[:n_val]]
+    fit = [train[i] for i in order[n_val:]]
+    with tempfile.TemporaryDirectory() as d:
+        for name, rs in (("train", fit), ("val", val)):
+            with open(os.path.join(d, f"{name}.jsonl"), "w") as f:
+                for r in rs:
+                    f.write(json.dumps(graph(r)) + "\n")
+        out = keep or os.path.join(d, "gnn.gcw")
+        p = subprocess.run([str(TRAIN), "step-gnn", "--train", os.path.join(d, "train.jsonl"), "--val",
+                            os.path.join(d, "val.jsonl"), "--out", out, "--seed", str(seed), "--threads",
+                            str(threads)], capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"gpucast-train step-gnn failed: {p.stderr[-2000:]}")
+        preds = []
+        for r in test:
+            c = json.loads(torch.ops.gpucast.step_correction(json.dumps(graph(r)), out))
+            if c["source"] != "gnn":
+                raise SystemExit(f"graph network not applied: {c['source']}")
+            preds.append(c["alpha"] * r["sum_layers_ms"] + c["beta"] * r["comm_ms"])
+        return np.array(preds)
+
+
+def errors(pred, truth):
+    pred, truth = np.asarray(pred, float), np.asarray(truth, float)
+    return float(np.mean(np.abs(pred - truth) / truth) * 100), float(np.sqrt(np.mean((pred - truth) ** 2)))
+
+
+def sparse_timing(records, fraction: float, seeds: int = 5):
+    import torch
+    import gpucast  # noqa: F401
+    out = {"d-optimal": [], "random": [], "all": []}
+    layer_err = {"d-optimal": [], "random": []}
+    for r in records:
+        full = json.loads(torch.ops.gpucast.forecast_step_time(r["timings"], r["batch"], "", "", 1.0, 1.0))
+        out["all"].append(full["step_ms"])
+        ref = {x["layer"]: x["forward_ms"] + x["backward_ms"] for x in full["per_layer"]}
+        for design, runs in (("d-optimal", [0]), ("random", list(range(1, seeds + 1)))):
+            steps, lerr = [], []
+            for seed in runs:
+                fc = json.loads(torch.ops.gpucast.forecast_step_time(r["timings"], r["batch"], "", "", 1.0, fraction,
+                                                                     design, seed))
+                steps.append(fc["step_ms"])
+                untimed = [x for x in fc["per_layer"] if x["source"] != "measured"]
+                meas = sum(ref[x["layer"]] for x in untimed)
+                pred = sum(x["forward_ms"] + x["backward_ms"] for x in untimed)
+                if meas > 0:
+                    lerr.append(abs(pred - meas) / meas * 100)
+            out[design].append(statistics.fmean(steps))
+            if lerr:
+                layer_err[design].append(statistics.fmean(lerr))
+    return out, layer_err
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--weights-out", default="", help="also train the network on every case and write it here")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(2)
+    records = load(Path(args.data))
+    truth = np.array([r["measured_ms"] for r in records])
+    fams = sorted({r["family"] for r in records})
+    print(f"{len(records)} cases, {len(fams)} families ({', '.join(fams)}); measured steps "
+          f"{truth.min():.2f}-{truth.max():.1f} ms")
+    methods = {"Random Forest": rf_predict, "MLP-ACC": mlp_acc_predict, "BiRNN": birnn_predict,
+               "gpucast (α=β=1)": None, "gpucast + GNN": gnn_predict}
+    table = {}
+    for split, by_family in (("in-domain", False), ("out-of-domain", True)):
+        for name, fn in methods.items():
+            print(f"  {split}: {name} ...", file=sys.stderr, flush=True)
+            pred = np.zeros(len(records))
+            if fn is None:
+                pred = np.array([r["sum_layers_ms"] for r in records])
+            else:
+                ok = True
+                for tr, te in folds(records, by_family):
+                    p = fn([records[i] for i in tr], [records[i] for i in te])
+                    if p is None:
+                        ok = False
+                        break
+                    pred[te] = p
+                if not ok:
+                    continue
+            table[(name, split)] = errors(pred, truth)
+    print(f"\n{'method':<18} {'in-domain MRE':>14} {'RMSE ms':>9} {'out-of-domain MRE':>18} {'RMSE ms':>9}")
+    for name in methods:
+        a = table.get((name, "in-domain"))
+        b = table.get((name, "out-of-domain"))
+        if a is None:
+            print(f"{name:<18} {'(not run: build/bin/gpucast-train missing)':>40}")
+            continue
+        print(f"{name:<18} {a[0]:>13.2f}% {a[1]:>9.2f} {b[0]:>17.2f}% {b[1]:>9.2f}")
+    print("ScaleDL's published: 9.39 % in-domain, 11.88 % out-of-domain (RF 35.75 %, MLP-ACC 15.81 %, BiRNN 19.78 %)")
+    steps, lerr = sparse_timing(records, args.fraction)
+    s_all = errors(steps["all"], truth)[0]
+    s_d = errors(steps["d-optimal"], truth)[0]
+    s_r = errors(steps["random"], truth)[0]
+    print(f"\nsparse timing, {args.fraction:.0%} of the layers timed (the probes' wall times anchor the step): step MRE "
+          f"{s_d:.2f} % D-optimal, {s_r:.2f} % random (mean of 5 seeds), {s_all:.2f} % every layer timed; summed "
+          f"untimed layers against their measured times: {statistics.fmean(lerr['d-optimal']):.1f} % D-optimal, "
+          f"{statistics.fmean(lerr['random']):.1f} % random")
+    if args.weights_out:
+        gnn_predict(records, records[:1], keep=args.weights_out)
+        print(f"graph network trained on all {len(records)} cases: {args.weights_out}")
+    res = {"bench": "scaledl_compare", "cases": len(records), "families": fams,
+           "table": {f"{n} | {s}": {"mre_pct": round(v[0], 3), "rmse_ms": round(v[1], 3)} for (n, s), v in table.items()},
+           "sparse": {"fraction": args.fraction, "step_mre_pct": {"d-optimal": round(s_d, 3), "random": round(s_r, 3),
+                                                                  "all": round(s_all, 3)},
+                      "untimed_layers_err_pct": {k: round(statistics.fmean(v), 3) for k, v in lerr.items()}}}
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+// torch.ops.gpucast.step_correction and step_gnn_weights_path: the step-time graph network (gpucast/step_gnn.h).
+// A bad graph (gpucast::UserError) becomes ValueError; a missing or bad weights file is no error: the answer is
+// alpha = beta = 1 with a source that says why.
+#include <torch/library.h>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/error.h"
+#include "gpucast/step_gnn.h"
+
+namespace gpucast {
+namespace {
+
+// ops.cpp's translate lives in its own anonymous namespace; this file needs only its UserError case.
+template <typename F>
+auto translate_step_gnn(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const UserError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  throw std::logic_error("unreachable");
+}
+
+// {"alpha", "beta", "source", "step_ms"}: step_ms = alpha * sum_layers_ms + beta * comm_ms.
+std::string step_correction_json(const std::string& graph_json, const std::string& weights) {
+  return translate_step_gnn([&] {
+    const StepGraph g = step_graph_from_json(graph_json, "graph");
+    const StepCorrection c = predict_step_correction(g, weights.empty() ? default_step_gnn_weights() : weights);
+    const nlohmann::json out = {{"alpha", c.alpha},
+                                {"beta", c.beta},
+                                {"source", c.source},
+                                {"step_ms", c.alpha * g.sum_layers_ms + c.beta * g.comm_ms}};
+    return out.dump();
+  });
+}
+
+}  // namespace
+}  // namespace gpucast
+
+TORCH_LIBRARY_FRAGMENT(gpucast, m) {
+  m.def("step_correction(str graph_json, str weights='') -> str", &gpucast::step_correction_json);
+  m.def("step_gnn_weights_path() -> str", [] { return gpucast::default_step_gnn_weights(); });
+}

@@ -1,0 +1,114 @@
+// gpucast/step_gnn.h: ScaleDL's graph network for step-time forecasts, and its training.
+//
+// One training step is a DAG of layers: nodes carry the layer's kind, FLOPs, bytes and the layer model's predicted
+// time; edges carry the bytes one layer passes to the next; the graph carries the job (batch, threads, optimizer,
+// world size, strategy), the device (peak GFLOP/s, memory GB/s), the summed layer time and the communication time.
+// The network (LibTorch nn): node encoder MLP -> 2 TransformerConv-style attention message-passing layers (query
+// from the destination, key and value from the source plus a projection of the edge; softmax over each node's
+// incoming edges, self-loop included; residual + LayerNorm) -> mean and max pooling over nodes -> with an MLP of
+// the global features -> MLP -> two outputs squashed to log alpha, log beta = 1.5 tanh(o) (alpha, beta in [0.22,
+// 4.5]; 1 at zero output, where training starts). The forecast is step_ms = alpha * sum_layers_ms + beta * comm_ms;
+// training minimises the squared error of its log. Features are standardised with the training set's mean and
+// deviation, stored with the weights. This header hides torch: the plugin and the training program include it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace gpucast {
+
+inline constexpr const char* kStepGnnName = "scaledl-gnn";
+inline constexpr int kStepGnnVersion = 1;
+inline constexpr int64_t kMaxStepGraphNodes = 65536;
+inline constexpr int64_t kMaxStepGraphEdges = 1 << 20;
+
+struct StepNode {
+  std::string kind;     // matmul, conv, attention, norm, embedding, pool, elementwise, other
+  double flops = 0;
+  double bytes = 0;     // bytes the layer reads and writes
+  double pred_ms = 0;   // the layer model's predicted time
+};
+
+struct StepEdge {
+  int64_t src = 0;      // node indices; src feeds dst
+  int64_t dst = 0;
+  double bytes = 0;     // bytes passed from src to dst
+};
+
+struct StepGlobals {
+  int64_t batch = 1;
+  int64_t threads = 1;
+  std::string optimizer = "sgd";   // sgd, adam, adamw, other
+  int64_t world = 1;
+  std::string strategy = "single"; // single, ddp, fsdp, tp, pp
+  double peak_gflops = 1;
+  double mem_gbps = 1;
+};
+
+struct StepGraph {
+  std::vector<StepNode> nodes;
+  std::vector<StepEdge> edges;
+  StepGlobals globals;
+  double sum_layers_ms = 0;
+  double comm_ms = 0;
+  double measured_ms = -1;         // -1: unknown (a graph only to be predicted)
+  std::string family;
+  std::string model;
+};
+
+// One JSON object (a line of the benchmark's JSON Lines file): {"family", "model", "global": {...}, "nodes":
+// [{"kind", "flops", "bytes", "pred_ms"}, ...], "edges": [[src, dst, bytes], ...], "sum_layers_ms", "comm_ms",
+// "measured_ms" (absent or null: unknown)}. Errors name `where` and the field ("data.jsonl:3: edges[2]: src 7 is
+// not a node (4 nodes)"); an unknown kind, optimizer or strategy is an error that lists the known ones.
+StepGraph step_graph_from_json(const std::string& text, const std::string& where);
+// The same checks on a graph built in C++ (ranges, edge ends, names); errors name `where` and the field.
+void validate_step_graph(const StepGraph& graph, const std::string& where);
+
+struct StepCorrection {
+  double alpha = 1;    // scales sum_layers_ms
+  double beta = 1;     // scales comm_ms
+  std::string source;  // "gnn", or "none: <why the network was not used>"
+};
+
+class StepGnn;  // the network and its normalisation
+
+// Loads and validates a weights file (format, model name and version, configuration, normalisation, tensor names
+// and shapes); errors name the path, what was expected and what was found, and say how to get a good file.
+std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path);
+// The network's correction for one graph (validated first: a bad graph throws UserError).
+StepCorrection step_correction(const StepGnn& model, const StepGraph& graph);
+// What the plugin answers: the network's correction when `weights_path` loads (cached by path and modification
+// time), else alpha = beta = 1 with source "none: <the error>". A bad file never throws; a bad graph does.
+StepCorrection predict_step_correction(const StepGraph& graph, const std::string& weights_path);
+// $GPUCAST_STEP_GNN_WEIGHTS, else data/step_gnn.gcw beside the directory of the binary holding this code
+// (lib/libgpucast.so in the installed package and the build tree, bin/gpucast-train in the build tree).
+std::string default_step_gnn_weights();
+
+struct StepGnnTrainOptions {
+  uint64_t seed = 0;
+  int64_t max_epochs = 400;
+  int64_t patience = 40;     // epochs without a better validation loss before stopping
+  int64_t batch_size = 32;   // graphs per optimizer step
+  double lr = 3e-3;
+  double weight_decay = 1e-4;
+  int64_t d_model = 32;
+  int threads = 0;           // 0: torch's default
+  bool verbose = false;      // one line per epoch on stderr
+};
+
+struct StepGnnTrainResult {
+  int64_t epochs = 0;
+  int64_t best_epoch = 0;    // 0: no epoch beat alpha = beta = 1, whose weights are written
+  double train_loss = 0;     // mean squared error of log step time of the written weights, training graphs
+  double val_loss = 0;       // the same on the validation graphs
+  double train_seconds = 0;
+};
+
+// Trains from a fixed seed (deterministic given the seed and the thread count) with early stopping on `val`, and
+// writes the best weights to `out_path`. Every graph needs measured_ms > 0.
+StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std::vector<StepGraph>& val,
+                                  const StepGnnTrainOptions& options, const std::string& out_path);
+
+}  // namespace gpucast

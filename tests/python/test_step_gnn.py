@@ -1,0 +1,252 @@
+"""The step-time graph network (ScaleDL's GNN): training with `gpucast-train step-gnn` on synthetic graphs, the
+correction it recovers, the fallback to alpha = beta = 1 for missing and bad weights, and graph validation."""
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpucast
+
+ROOT = Path(__file__).resolve().parents[2]
+# gpucast-train sits in bin/ beside the lib/ the plugin was loaded from (build/ or $GPUCAST_LIBRARY's build tree).
+TRAIN = Path(gpucast.library_path()).resolve().parents[1] / "bin" / "gpucast-train"
+FIX = "; retrain with gpucast-train step-gnn or reinstall gpucast to get the shipped weights"
+# The synthetic truth: step_ms = alpha * sum_layers_ms + beta * comm_ms, per family; the families differ in their
+# layer kinds (convolutions or matrix products), which only the node features show.
+TRUTH = {"convnet": (1.3, 1.0), "transformer": (0.8, 1.5)}
+KINDS = {"convnet": ["conv", "conv", "norm", "elementwise", "pool"],
+         "transformer": ["matmul", "matmul", "attention", "norm", "elementwise", "embedding"]}
+
+
+def synthetic_graph(rng, family, nodes=(8, 30)):
+    n = rng.randint(*nodes)
+    peak, bw = rng.choice([(100.0, 20.0), (400.0, 50.0), (19500.0, 1555.0)])
+    layers = []
+    for _ in range(n):
+        flops, size = 10 ** rng.uniform(6, 10), 10 ** rng.uniform(4, 8)
+        layers.append({"kind": rng.choice(KINDS[family]), "flops": flops, "bytes": size,
+                       "pred_ms": flops / (peak * 1e6) + size / (bw * 1e6)})
+    edges = [[i, i + 1, layers[i]["bytes"] / 2] for i in range(n - 1)]
+    edges += [[i, i + 2, layers[i]["bytes"] / 4] for i in range(0, n - 2, 3)]  # skip connections
+    world = rng.choice([1, 2, 4])
+    sum_ms = sum(x["pred_ms"] for x in layers)
+    comm_ms = 0.0 if world == 1 else sum_ms * rng.uniform(0.1, 0.5)
+    alpha, beta = TRUTH[family]
+    return {"family": family, "model": f"{family}-{n}",
+            "global": {"batch": rng.choice([8, 16, 32]), "threads": 1, "optimizer": rng.choice(["sgd", "adamw"]),
+                       "world": world, "strategy": "single" if world == 1 else "ddp", "peak_gflops": peak,
+                       "mem_gbps": bw},
+            "nodes": layers, "edges": edges, "sum_layers_ms": sum_ms, "comm_ms": comm_ms,
+            "measured_ms": (alpha * sum_ms + beta * comm_ms) * math.exp(rng.gauss(0, 0.02))}
+
+
+def synthetic(seed, count):
+    rng = random.Random(seed)
+    return [synthetic_graph(rng, ["convnet", "transformer"][i % 2]) for i in range(count)]
+
+
+def write_jsonl(path, graphs):
+    path.write_text("".join(json.dumps(g) + "\n" for g in graphs))
+    return path
+
+
+def train(tmp, out, *args, train_graphs=240, val_graphs=60):
+    t = write_jsonl(tmp / "train.jsonl", synthetic(1, train_graphs))
+    v = write_jsonl(tmp / "val.jsonl", synthetic(2, val_graphs))
+    r = subprocess.run([str(TRAIN), "step-gnn", "--train", str(t), "--val", str(v), "--out", str(out), "--threads", "1",
+                        *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def correction(graph, weights):
+    return json.loads(torch.ops.gpucast.step_correction(json.dumps(graph), str(weights)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("step_gnn")
+    info = train(tmp, tmp / "w.gcw", "--seed", "0", "--epochs", "150")
+    return tmp / "w.gcw", info
+
+
+def test_training_recovers_the_correction(trained):
+    path, info = trained
+    assert (info["train_graphs"], info["val_graphs"]) == (240, 60)
+    assert info["best_epoch"] > 0 and info["val_mse_log"] < 0.005, info
+    for g in synthetic(3, 30):
+        c = correction(g, path)
+        alpha, beta = TRUTH[g["family"]]
+        assert c["source"] == "gnn"
+        assert abs(c["alpha"] / alpha - 1) < 0.10, (g["family"], c)
+        assert c["step_ms"] == pytest.approx(c["alpha"] * g["sum_layers_ms"] + c["beta"] * g["comm_ms"])
+        if g["comm_ms"] > 0:
+            assert abs(c["beta"] / beta - 1) < 0.25, (g["family"], c)
+    # A lone layer without edges, nothing to predict against: still an answer.
+    lone = dict(synthetic(4, 1)[0], edges=[], measured_ms=None)
+    lone["nodes"] = lone["nodes"][:1]
+    c = correction(lone, path)
+    assert c["source"] == "gnn" and 0.2 < c["alpha"] < 4.5 and 0.2 < c["beta"] < 4.5
+
+
+def test_training_is_deterministic(tmp_path):
+    outs = []
+    for k in range(2):
+        info = train(tmp_path, tmp_path / f"w{k}.gcw", "--seed", "7", "--epochs", "3", "--patience", "100",
+                     train_graphs=48, val_graphs=16)
+        assert info["epochs"] == 3
+        outs.append((tmp_path / f"w{k}.gcw").read_bytes())
+    assert outs[0] == outs[1]
+
+
+def _fnv1a(b: bytes) -> int:
+    h = 1469598103934665603
+    for x in b:
+        h = ((h ^ x) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _rewrite_header(src: Path, dst: Path, **changes):
+    """A copy of a weights file with header fields changed and the checksum recomputed."""
+    b = src.read_bytes()
+    n = struct.unpack_from("<I", b, 12)[0]
+    header = json.loads(b[16:16 + n])
+    header.update(changes)
+    h = json.dumps(header).encode()
+    body = b[:12] + struct.pack("<I", len(h)) + h + b[16 + n:-8]
+    dst.write_bytes(body + struct.pack("<Q", _fnv1a(body)))
+
+
+GRAPH = synthetic(5, 1)[0]
+
+
+def fallback_source(path):
+    c = correction(GRAPH, path)
+    assert (c["alpha"], c["beta"]) == (1.0, 1.0)
+    assert c["step_ms"] == pytest.approx(GRAPH["sum_layers_ms"] + GRAPH["comm_ms"])
+    return c["source"]
+
+
+def test_missing_weights_fall_back(tmp_path):
+    p = tmp_path / "nope.gcw"
+    assert fallback_source(p) == f"none: cannot open weights file '{p}': No such file or directory"
+
+
+def test_truncated_weights_fall_back(trained, tmp_path):
+    b = trained[0].read_bytes()
+    p = tmp_path / "w.gcw"
+    p.write_bytes(b[:len(b) // 2])
+    assert fallback_source(p) == (f"none: weights file '{p}' is corrupt or truncated: its checksum does not match "
+                                  f"its {len(b) // 2} bytes; retrain with gpucast-train or reinstall gpucast to get "
+                                  "the shipped weights")
+
+
+def test_other_versions_and_models_fall_back(trained, tmp_path):
+    v2 = tmp_path / "v2.gcw"
+    _rewrite_header(trained[0], v2, model_version=2)
+    assert fallback_source(v2) == f"none: weights file '{v2}' holds model version 2; this gpucast reads version 1{FIX}"
+    other = tmp_path / "other.gcw"
+    _rewrite_header(trained[0], other, model="bigru-transformer")
+    assert fallback_source(other) == (f"none: weights file '{other}' holds model \"bigru-transformer\", expected "
+                                      f"\"scaledl-gnn\"{FIX}")
+    narrow = tmp_path / "narrow.gcw"
+    _rewrite_header(trained[0], narrow, node_mean=[0.0] * 3)
+    assert fallback_source(narrow) == (f"none: weights file '{narrow}': node normalisation has 3/11 values, expected "
+                                       f"11{FIX}")
+
+
+def test_fixed_file_is_read_again(trained, tmp_path):
+    """The cache is keyed by modification time: a file repaired in place is loaded again."""
+    p = tmp_path / "w.gcw"
+    p.write_bytes(b"GPUCASTJ")
+    assert fallback_source(p).startswith(f"none: weights file '{p}' is truncated")
+    shutil.copyfile(trained[0], p)
+    os.utime(p, ns=(1, 10**18))
+    assert correction(GRAPH, p)["source"] == "gnn"
+
+
+def test_default_weights():
+    path = torch.ops.gpucast.step_gnn_weights_path()
+    assert path.endswith(os.path.join("data", "step_gnn.gcw"))
+    c = json.loads(torch.ops.gpucast.step_correction(json.dumps(GRAPH)))
+    if os.path.exists(path):
+        assert c["source"] == "gnn"
+    else:  # no shipped weights yet: the correction is the identity
+        assert c == {"alpha": 1.0, "beta": 1.0, "source": f"none: cannot open weights file '{path}': No such file or "
+                     "directory", "step_ms": pytest.approx(GRAPH["sum_layers_ms"] + GRAPH["comm_ms"])}
+
+
+def test_environment_variable_names_the_weights(tmp_path):
+    p = tmp_path / "nope.gcw"
+    out = subprocess.run(
+        [sys.executable, "-c", "import gpucast, torch; print(torch.ops.gpucast.step_gnn_weights_path())"],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, GPUCAST_STEP_GNN_WEIGHTS=str(p), PYTHONPATH=f"{ROOT / 'python'}"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(p)
+
+
+def bad(graph):
+    with pytest.raises(ValueError) as e:
+        torch.ops.gpucast.step_correction(graph if isinstance(graph, str) else json.dumps(graph), "")
+    return str(e.value).splitlines()[0]
+
+
+def test_bad_graphs_are_value_errors():
+    g = json.loads(json.dumps(GRAPH))
+    n = len(g["nodes"])
+    assert bad("{\"nodes\": [") == "graph: not JSON (byte 12)"
+    assert bad([1]) == "graph: expected a JSON object (one step graph), got array"
+    assert bad(dict(g, edges=g["edges"][:2] + [[n + 3, 0, 1.0]])) == (
+        f"graph: edges[2]: src {n + 3} is not a node ({n} nodes)")
+    assert bad(dict(g, edges=[[0, -1, 1.0]])) == f"graph: edges[0]: dst -1 is not a node ({n} nodes)"
+    assert bad(dict(g, edges=[[1, 1, 1.0]])) == (
+        "graph: edges[0]: src and dst are both 1; a layer does not feed itself (self-loops are implied)")
+    assert bad(dict(g, edges=[[0, 1]])) == "graph: edges[0]: expected [src, dst, bytes], got [0,1]"
+    assert bad(dict(g, nodes=[dict(g["nodes"][0], kind="lstm")], edges=[])) == (
+        "graph: nodes[0].kind: \"lstm\" is not a known kind; known kinds: \"matmul\", \"conv\", \"attention\", "
+        "\"norm\", \"embedding\", \"pool\", \"elementwise\", \"other\" (write \"other\" for any other)")
+    assert bad(dict(g, nodes=[dict(g["nodes"][0], flops=-5)], edges=[])) == (
+        "graph: nodes[0].flops: expected a finite number >= 0, got -5")
+    assert bad(dict(g, nodes=[], edges=[])) == "graph: nodes: empty; a step graph needs at least one layer"
+    assert bad(dict(g, **{"global": dict(g["global"], optimizer="lamb")})) == (
+        "graph: global.optimizer: \"lamb\" is not a known optimizer; known optimizers: \"sgd\", \"adam\", \"adamw\", "
+        "\"other\" (write \"other\" for any other)")
+    assert bad(dict(g, **{"global": {k: v for k, v in g["global"].items() if k != "batch"}})) == (
+        "graph: global.batch: missing (expected an integer >= 1)")
+    assert bad(dict(g, **{"global": dict(g["global"], world=0)})) == (
+        "graph: global.world: expected an integer >= 1, got 0")
+    assert bad(dict(g, sum_layers_ms=0, comm_ms=0)) == (
+        "graph: sum_layers_ms and comm_ms are both 0; the forecast scales them, so one must be > 0")
+    assert bad(dict(g, measured_ms=-2)) == "graph: measured_ms: expected a finite number > 0, got -2"
+
+
+def test_trainer_bad_input(tmp_path):
+    def run(*args):
+        return subprocess.run([str(TRAIN), "step-gnn", *args], capture_output=True, text=True, timeout=60)
+    r = run("--train", "x.jsonl")
+    assert r.returncode == 2 and r.stderr.startswith("gpucast-train step-gnn: --train, --val and --out are required")
+    data = tmp_path / "d.jsonl"
+    g = synthetic(6, 3)
+    write_jsonl(data, [g[0], dict(g[1], measured_ms=None)])
+    r = run("--train", str(data), "--val", str(data), "--out", str(tmp_path / "w.gcw"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{data}:2: measured_ms: missing; training needs the measured time"
+    write_jsonl(data, [g[0], g[1], dict(g[2], edges=[[0, 1, 2.0], [1, 2, 2.0], [99, 0, 1.0]])])
+    r = run("--train", str(data), "--val", str(data), "--out", str(tmp_path / "w.gcw"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"{data}:3: edges[2]: src 99 is not a node ({len(g[2]['nodes'])} nodes)"
+    assert not (tmp_path / "w.gcw").exists()
+    # The job model's command line is unchanged.
+    r = subprocess.run([str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("usage: gpucast-train --train FILE --val FILE --out WEIGHTS")
+    r = run("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: gpucast-train step-gnn --train FILE")
