@@ -358,7 +358,7 @@ def label(c, model, opt, step, make, measure, probe_ok, probes, held0, index, fo
     fc_bytes = None
     if not measure or (index % forecast_every == 0 and probe_ok):
         fc = gpucast.forecast(step, make, c["batch"], model=model, optimizer=opt, target="cpu",
-                              probe_batch_sizes=probes)
+                              probe_batch_sizes=probes, gnn=None)  # no step-time network: it would stay loaded
         fc_bytes = int(fc.memory.peak_allocated_bytes)
         if not measure and fc_bytes > MAX_LABEL:
             return {"label_bytes": None}

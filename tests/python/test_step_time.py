@@ -41,7 +41,7 @@ def test_time_fields_and_timeline(tmp_path):
 
 
 def test_ddp_buckets_over_a_link():
-    fc = forecast(batch=32, parallel=dict(dp=2), link={"alpha_us": 20.0, "bytes_per_us": 500.0})
+    fc = forecast(batch=32, parallel=dict(dp=2), link={"alpha_us": 20.0, "bytes_per_us": 500.0}, gnn=None)
     t = fc.time
     assert t.dp == 2 and t.per_rank_batch == 16
     grads = sum(x["grad_bytes"] for x in t.per_layer)
@@ -59,14 +59,14 @@ def test_ddp_buckets_over_a_link():
 
 def test_other_strategies_over_a_topology(tmp_path):
     link = "intra:pcie4,gpus_per_node:2,inter:eth-100g"
-    fc = forecast(batch=32, parallel=dict(dp=2, dp_mode="fsdp"), link=link)
-    ddp = fc.step_time(32, parallel=dict(dp=2), link=link)
-    zero = fc.step_time(32, parallel=dict(dp=2, dp_mode="zero2"), link=link)
+    fc = forecast(batch=32, parallel=dict(dp=2, dp_mode="fsdp"), link=link, gnn=None)
+    ddp = fc.step_time(32, parallel=dict(dp=2), link=link, gnn=None)
+    zero = fc.step_time(32, parallel=dict(dp=2, dp_mode="zero2"), link=link, gnn=None)
     fsdp = fc.time
-    assert fc.step_time(32, parallel=dict(dp=2, dp_mode="fsdp"), link=link) == fsdp
-    tp = fc.step_time(32, parallel=dict(tp=2), link=link)
-    pp = fc.step_time(32, parallel=dict(pp=2, micro_batches=4), link=link)
-    across = fc.step_time(32, parallel=dict(dp=4), link=link)  # 4 ranks on 2-GPU nodes: the Ethernet link
+    assert fc.step_time(32, parallel=dict(dp=2, dp_mode="fsdp"), link=link, gnn=None) == fsdp
+    tp = fc.step_time(32, parallel=dict(tp=2), link=link, gnn=None)
+    pp = fc.step_time(32, parallel=dict(pp=2, micro_batches=4), link=link, gnn=None)
+    across = fc.step_time(32, parallel=dict(dp=4), link=link, gnn=None)  # 4 ranks on 2-GPU nodes: the Ethernet link
     grads = sum(x["grad_bytes"] for x in ddp.per_layer)
     assert [c["kind"] for c in zero.comm][-1] == "dp_all_gather" and zero.comm[-1]["bytes"] == grads
     assert zero.optimizer_ms == pytest.approx(ddp.optimizer_ms / 2)
