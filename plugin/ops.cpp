@@ -225,9 +225,11 @@ TORCH_LIBRARY(gpucast, m) {
           });
         });
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
-        "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0) -> str",
+        "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
+        "float prior_bytes_per_s=0.0) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
-           double time_scale, double time_fraction, const std::string& design, int64_t design_seed) {
+           double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
+           double prior_flops, double prior_bytes) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -239,6 +241,8 @@ TORCH_LIBRARY(gpucast, m) {
             o.time_fraction = time_fraction;
             o.design = design;
             o.design_seed = static_cast<uint64_t>(design_seed);
+            if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
+            if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });

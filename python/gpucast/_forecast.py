@@ -125,7 +125,8 @@ class TimeForecast:
     clock: str
     notes: list = field(default_factory=list)
     # The graph network's correction (ScaleDL's alpha for compute, beta for exposed communication) and where it
-    # came from: "gnn", or why it was not applied; step_ms includes it, uncorrected_step_ms does not.
+    # came from: "gnn", or why it was not applied; step_ms, compute_ms and exposed_comm_ms include it (the
+    # per-layer and per-phase times do not), uncorrected_step_ms does not.
     alpha: float = 1.0
     beta: float = 1.0
     correction: str = "none"
@@ -154,7 +155,7 @@ class Forecast:
             raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
-                                                    str(design))
+                                                    str(design), 0, *_prior(self.target, time_fraction))
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn)
         return tf
@@ -465,6 +466,15 @@ def step_graph(timings: list, tf: TimeForecast, optimizer: str, rates: dict) -> 
             "sum_layers_ms": tf.compute_ms, "comm_ms": tf.exposed_comm_ms, "measured_ms": None}
 
 
+def _prior(target: str, time_fraction: float) -> tuple:
+    """The layer models' prior rates (FLOP/s, bytes/s) for sparse timing: this CPU's, measured; 0 elsewhere (the
+    core's defaults)."""
+    if target != "cpu" or time_fraction >= 1.0:
+        return 0.0, 0.0
+    r = cpu_rates()
+    return r["peak_gflops"] * 1e9, r["mem_gbps"] * 1e9
+
+
 def _optimizer_name(optimizer) -> str:
     name = type(optimizer).__name__.lower() if optimizer is not None else ""
     return name if name in ("sgd", "adam", "adamw") else "other"
@@ -491,6 +501,8 @@ def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, 
     if c["source"] == "gnn":
         tf.alpha, tf.beta = c["alpha"], (c["beta"] if world == 1 else 1.0)
         tf.step_ms = tf.step_ms + (tf.alpha - 1.0) * tf.compute_ms + (tf.beta - 1.0) * tf.exposed_comm_ms
+        tf.compute_ms *= tf.alpha
+        tf.exposed_comm_ms *= tf.beta
         if world > 1:
             tf.notes.append("graph network: alpha from the rank's compute; beta = 1 (trained without communication)")
     else:
@@ -508,7 +520,8 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     if not timings or not _time_on_target(target, probe_device):
         return None
     text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
-                                                _format_link(link), float(time_scale), float(time_fraction))
+                                                _format_link(link), float(time_scale), float(time_fraction),
+                                                "d-optimal", 0, *_prior(target, time_fraction))
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn)
     return tf

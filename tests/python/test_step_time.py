@@ -118,11 +118,12 @@ def test_graph_network_corrects_the_cpu_step():
     t = fc.time
     assert t.correction == "gnn", t.correction
     assert t.alpha != 1.0 and 0.2 < t.alpha < 4.5
-    assert t.step_ms == pytest.approx(t.uncorrected_step_ms + (t.alpha - 1) * t.compute_ms
-                                      + (t.beta - 1) * t.exposed_comm_ms)
     # The same probes without the network, and with a weights file that is not there: alpha = beta = 1.
     raw = fc.step_time(32, gnn=None)
     assert raw.step_ms == pytest.approx(t.uncorrected_step_ms)
+    assert t.step_ms == pytest.approx(raw.step_ms + (t.alpha - 1) * raw.compute_ms
+                                      + (t.beta - 1) * raw.exposed_comm_ms)
+    assert t.compute_ms == pytest.approx(t.alpha * raw.compute_ms)
     missing = fc.step_time(32, gnn="/nonexistent/step_gnn.gcw")
     assert missing.step_ms == pytest.approx(t.uncorrected_step_ms)
     assert missing.correction.startswith("none: ") and "/nonexistent/step_gnn.gcw" in missing.correction
