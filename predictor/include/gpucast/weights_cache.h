@@ -2,10 +2,13 @@
 //
 // Both learned models (job_model.h, step_gnn.h) are asked many times per process; their weights files are read
 // once, and read again only when the file changes. A file that fails to load is remembered the same way, so the
-// error is not paid for on every call.
+// error is not paid for on every call. Building the network draws its initial weights from torch's default
+// generator before the file's replace them: the caller's random stream is put back as it was.
 #pragma once
 
 #include <sys/stat.h>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdint>
 #include <exception>
@@ -34,6 +37,20 @@ std::shared_ptr<const Model> cached_model(const std::string& path,
     *why = ft->second.second;
     return nullptr;
   }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor rng;
+  {
+    std::lock_guard<std::mutex> g(gen.mutex());
+    rng = gen.get_state();
+  }
+  struct Restore {
+    at::Generator& gen;
+    at::Tensor& rng;
+    ~Restore() {
+      std::lock_guard<std::mutex> g(gen.mutex());
+      gen.set_state(rng);
+    }
+  } restore{gen, rng};
   try {
     std::shared_ptr<const Model> model = load(path);
     cache[path] = {mtime, model};
