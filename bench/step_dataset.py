@@ -86,18 +86,6 @@ class T5Seq2Seq(nn.Module):
         return self.model(input_ids=ids, decoder_input_ids=ids).logits
 
 
-def measure(step, batch, iterations):
-    for _ in range(3):
-        step(batch)
-    ts = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        step(batch)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    q = statistics.quantiles(ts, n=4)
-    return statistics.median(ts), q[2] - q[0]
-
-
 def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iterations, rates) -> dict:
     import torch
     import gpucast
@@ -108,6 +96,7 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
     opt = zoo.make_optimizer(optimizer, model.parameters())
     step = zoo.make_step(model, opt, loss_fn)
     fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu", gnn=None)
+    from step_time_accuracy import measure  # the same measurement as the accuracy bench
     measured, iqr = measure(step, make_batch(batch), iterations)
     t = fc.time
     probes = [json.loads(x) for x in fc.timings]

@@ -213,27 +213,7 @@ std::shared_ptr<const LearnedJobModel> load_job_model(const std::string& path) {
                        kLayerFeatures, kJobFeatures, fix);
   }
   auto model = std::make_shared<LearnedJobModel>(c, n, h.value("trained", json::object()));
-  std::map<std::string, const WeightsTensor*> by_name;
-  for (const auto& t : w.tensors) by_name[t.name] = &t;
-  torch::NoGradGuard ng;
-  auto params = model->net->named_parameters(/*recurse=*/true);
-  if (params.size() != w.tensors.size()) {
-    GPUCAST_USER_ERROR("weights file '{}' has {} tensors, the model has {}{}", path, w.tensors.size(), params.size(),
-                       fix);
-  }
-  for (auto& p : params) {
-    auto it = by_name.find(p.key());
-    if (it == by_name.end()) GPUCAST_USER_ERROR("weights file '{}' lacks tensor '{}'{}", path, p.key(), fix);
-    const WeightsTensor& t = *it->second;
-    if (t.shape != p.value().sizes().vec()) {
-      GPUCAST_USER_ERROR("weights file '{}': tensor '{}' has shape [{}], the model expects [{}]{}", path, p.key(),
-                         fmt::join(t.shape, ","), fmt::join(p.value().sizes().vec(), ","), fix);
-    }
-    for (float v : t.data) {
-      if (!std::isfinite(v)) GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds a non-finite value{}", path, p.key(), fix);
-    }
-    p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
-  }
+  load_parameters(*model->net, w, path, fix);
   return model;
 }
 
@@ -383,12 +363,7 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
   w.header_json = h.dump();
   size_t i = 0;
   for (const auto& p : net->named_parameters(/*recurse=*/true)) {
-    torch::Tensor t = best[i++].contiguous();
-    WeightsTensor wt;
-    wt.name = p.key();
-    wt.shape = t.sizes().vec();
-    wt.data.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-    w.tensors.push_back(std::move(wt));
+    w.tensors.push_back(weights_tensor(p.key(), best[i++]));
   }
   write_weights_file(out_path, w);
   return r;

@@ -565,29 +565,7 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   check_norm("edge", n.edge_mean, n.edge_std, kEdgeFeatures);
   check_norm("global", n.global_mean, n.global_std, kGlobalFeatures);
   auto model = std::make_shared<StepGnn>(c, n, h.value("trained", json::object()));
-  std::map<std::string, const WeightsTensor*> by_name;
-  for (const auto& t : w.tensors) by_name[t.name] = &t;
-  torch::NoGradGuard ng;
-  auto params = model->net->named_parameters(/*recurse=*/true);
-  if (params.size() != w.tensors.size()) {
-    GPUCAST_USER_ERROR("weights file '{}' has {} tensors, the model has {}{}", path, w.tensors.size(), params.size(),
-                       kFix);
-  }
-  for (auto& p : params) {
-    auto it = by_name.find(p.key());
-    if (it == by_name.end()) GPUCAST_USER_ERROR("weights file '{}' lacks tensor '{}'{}", path, p.key(), kFix);
-    const WeightsTensor& t = *it->second;
-    if (t.shape != p.value().sizes().vec()) {
-      GPUCAST_USER_ERROR("weights file '{}': tensor '{}' has shape [{}], the model expects [{}]{}", path, p.key(),
-                         fmt::join(t.shape, ","), fmt::join(p.value().sizes().vec(), ","), kFix);
-    }
-    for (float v : t.data) {
-      if (!std::isfinite(v)) {
-        GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds a non-finite value{}", path, p.key(), kFix);
-      }
-    }
-    p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
-  }
+  load_parameters(*model->net, w, path, kFix);
   return model;
 }
 
@@ -755,12 +733,7 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
               {"best_epoch", r.best_epoch}, {"train_mse_log", r.train_loss}, {"val_mse_log", r.val_loss}}}};
   w.header_json = h.dump();
   for (const auto& p : net->named_parameters(/*recurse=*/true)) {
-    const torch::Tensor t = p.value().detach().contiguous();
-    WeightsTensor wt;
-    wt.name = p.key();
-    wt.shape = t.sizes().vec();
-    wt.data.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-    w.tensors.push_back(std::move(wt));
+    w.tensors.push_back(weights_tensor(p.key(), p.value()));
   }
   write_weights_file(out_path, w);
   return r;

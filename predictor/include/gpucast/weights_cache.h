@@ -1,4 +1,5 @@
-// gpucast/weights_cache.h: a learned model loaded once per weights file and modification time.
+// gpucast/weights_cache.h: the learned models' weights in LibTorch: a network's parameters to and from a weights
+// file (job_features.h), and a model loaded once per weights file and modification time.
 //
 // Both learned models (job_model.h, step_gnn.h) are asked many times per process; their weights files are read
 // once, and read again only when the file changes. A file that fails to load is remembered the same way, so the
@@ -9,7 +10,10 @@
 #include <sys/stat.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/ranges.h>
+#include <torch/torch.h>
 
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -18,7 +22,49 @@
 #include <string>
 #include <utility>
 
+#include "gpucast/error.h"
+#include "gpucast/job_features.h"
+
 namespace gpucast {
+
+// A weights-file tensor holding `t` (float32).
+inline WeightsTensor weights_tensor(const std::string& name, const torch::Tensor& t) {
+  const torch::Tensor c = t.detach().contiguous();
+  WeightsTensor wt;
+  wt.name = name;
+  wt.shape = c.sizes().vec();
+  wt.data.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  return wt;
+}
+
+// Copies the file's tensors into the network's parameters: one per parameter, by name, of the same shape, every
+// value finite; errors name the path and the tensor and end with `fix` (how to get a good file).
+inline void load_parameters(torch::nn::Module& net, const WeightsFile& w, const std::string& path,
+                            const std::string& fix) {
+  std::map<std::string, const WeightsTensor*> by_name;
+  for (const auto& t : w.tensors) by_name[t.name] = &t;
+  torch::NoGradGuard ng;
+  auto params = net.named_parameters(/*recurse=*/true);
+  if (params.size() != w.tensors.size()) {
+    GPUCAST_USER_ERROR("weights file '{}' has {} tensors, the model has {}{}", path, w.tensors.size(), params.size(),
+                       fix);
+  }
+  for (auto& p : params) {
+    auto it = by_name.find(p.key());
+    if (it == by_name.end()) GPUCAST_USER_ERROR("weights file '{}' lacks tensor '{}'{}", path, p.key(), fix);
+    const WeightsTensor& t = *it->second;
+    if (t.shape != p.value().sizes().vec()) {
+      GPUCAST_USER_ERROR("weights file '{}': tensor '{}' has shape [{}], the model expects [{}]{}", path, p.key(),
+                         fmt::join(t.shape, ","), fmt::join(p.value().sizes().vec(), ","), fix);
+    }
+    for (float v : t.data) {
+      if (!std::isfinite(v)) {
+        GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds a non-finite value{}", path, p.key(), fix);
+      }
+    }
+    p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
+  }
+}
 
 // The model in `path` (load(path) the first time, and after the file changed); null with *why set to the load
 // error when it does not load.
