@@ -116,6 +116,8 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
             return {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in seq}
         if kind == "config":
             config.update(items(rec.config.update))
+        elif kind == "run":  # config set before the run record was written travels inside it
+            config.update(items(rec.run.config.update))
         elif kind == "summary":
             summary.update(items(rec.summary.update))
         elif kind == "history":
