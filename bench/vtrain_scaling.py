@@ -31,14 +31,9 @@ VOCAB = 50304
 
 
 def link(gpus: int) -> str:
-    import torch
-    path = VTRAIN / "trace" / "a100" / f"AR_GPU{gpus}_1M_1024M_LUT"
-    sizes, us = [], []
-    for line in path.read_text().splitlines()[1:]:
-        f = line.split(",")
-        sizes.append(float(f[0]))
-        us.append(float(f[3]) / 1e3)
-    alpha, bw = torch.ops.gpucast.fit_allreduce(sizes, us, gpus)
+    """The ring link fitted to vTrain's nccl-tests table for `gpus` A100s (neusight_parallel's fit)."""
+    from neusight_parallel import a100_link
+    alpha, bw = a100_link(gpus)
     return f"alpha_us:{alpha},bytes_per_us:{bw}"
 
 
