@@ -176,6 +176,25 @@ void tag(const std::vector<int64_t>& ptrs, const std::string& device, const std:
   translate([&] { tag_blocks(ptrs, device, category_from_string(category)); });
 }
 
+// Tags the storages of the given tensors (undefined ones and those without storage are skipped), grouped by
+// device: one call from Python for a whole parameter, gradient or state list.
+void tag_tensors(const std::vector<std::optional<at::Tensor>>& tensors, const std::string& category) {
+  translate([&] {
+    const Category c = category_from_string(category);
+    std::map<std::string, std::vector<int64_t>> by_device;
+    for (const auto& t : tensors) {
+      if (!t || !t->defined() || !t->has_storage()) continue;
+      try {
+        const void* p = t->storage().data_ptr().get();
+        if (p != nullptr) by_device[t->device().str()].push_back(reinterpret_cast<int64_t>(p));
+      } catch (const std::exception&) {
+        // A tensor subclass without a real storage (fake, functional): nothing to tag.
+      }
+    }
+    for (const auto& [device, ptrs] : by_device) tag_blocks(ptrs, device, c);
+  });
+}
+
 c10::intrusive_ptr<TraceHolder> load(const std::string& path) {
   return translate([&] { return hold(load_trace(path)); });
 }
@@ -305,6 +324,7 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("push_module(str path) -> ()", [](const std::string& p) { gpucast::push_module(p); });
   m.def("pop_module() -> ()", [] { gpucast::pop_module(); });
   m.def("tag(int[] ptrs, str device, str category) -> ()", &gpucast::tag);
+  m.def("tag_tensors(Tensor?[] tensors, str category) -> ()", &gpucast::tag_tensors);
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
   m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
   m.def("parse_auto_config(str text) -> str[]", [](const std::string& text) {

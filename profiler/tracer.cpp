@@ -5,6 +5,8 @@
 #include <cstring>
 #include <deque>
 #include <string_view>
+#include <thread>
+#include <array>
 #include <mutex>
 #include <unordered_map>
 
@@ -75,6 +77,25 @@ struct ThreadRecords {
   std::vector<int64_t> dims;
   std::vector<RawEvent> events;
   std::vector<Tag> tags;
+
+  // Emptied for the next trace. The buffers are kept (no reallocation and no fresh pages in the next trace's
+  // first iteration) up to kKeptBytes; larger ones are released, so an idle process holds little.
+  static constexpr size_t kKeptBytes = size_t{32} << 20;
+  size_t capacity_bytes() const {
+    return ops.capacity() * sizeof(RawOp) + values.capacity() * sizeof(RawValue) + dims.capacity() * sizeof(int64_t) +
+           events.capacity() * sizeof(RawEvent) + tags.capacity() * sizeof(Tag);
+  }
+  void clear() {
+    if (capacity_bytes() > kKeptBytes) {
+      *this = ThreadRecords();
+      return;
+    }
+    ops.clear();
+    values.clear();
+    dims.clear();
+    events.clear();
+    tags.clear();
+  }
 };
 
 struct OpenOp {
@@ -84,8 +105,23 @@ struct OpenOp {
   bool optimizer;  // opened an optimizer region
 };
 
+// A thread's buffer lock: taken by its own thread around each record (uncontended: one exchange and one store),
+// and by stop_trace for the moment it takes the records over.
+class SpinLock {
+ public:
+  void lock() noexcept {
+    while (flag_.exchange(true, std::memory_order_acquire)) {
+      while (flag_.load(std::memory_order_relaxed)) std::this_thread::yield();
+    }
+  }
+  void unlock() noexcept { flag_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> flag_{false};
+};
+
 struct ThreadState {
-  std::mutex mu;  // uncontended while recording; taken by stop_trace when draining
+  SpinLock mu;  // uncontended while recording; taken by stop_trace when draining
   bool busy = false;  // set while this thread is inside gpucast code holding `mu`
   uint64_t tid = 0;
   uint64_t slot = 0;  // position in the registry: the high half of this thread's op keys
@@ -100,8 +136,26 @@ struct ThreadState {
   std::deque<std::string> names;
   std::unordered_map<std::string_view, int32_t> name_ids;
 
+  // Names come mostly from operator schemas, whose text does not move: a direct-mapped cache keyed by the
+  // pointer (checked against the text, since a scope's name may be a temporary) saves hashing the name.
+  struct CacheEntry {
+    const char* ptr = nullptr;
+    int32_t id = -1;
+  };
+  std::array<CacheEntry, 512> name_cache{};
+
   int32_t intern(const char* text) {
-    std::string_view v(text == nullptr ? "" : text);
+    if (text == nullptr) text = "";
+    CacheEntry& c = name_cache[(reinterpret_cast<uintptr_t>(text) >> 3) % name_cache.size()];
+    if (c.ptr == text && std::strcmp(names[static_cast<size_t>(c.id)].c_str(), text) == 0) return c.id;
+    const int32_t id = intern_slow(text);
+    c.ptr = text;
+    c.id = id;
+    return id;
+  }
+
+  int32_t intern_slow(const char* text) {
+    std::string_view v(text);
     auto it = name_ids.find(v);
     if (it != name_ids.end()) return it->second;
     names.emplace_back(v);
@@ -112,7 +166,7 @@ struct ThreadState {
 
   void reset(uint64_t gen) {
     generation = gen;
-    rec = ThreadRecords();
+    rec.clear();
     stack.clear();
     open_bwd_nodes.clear();
     modules.clear();
@@ -592,12 +646,12 @@ RecordedTrace stop_recording() {
   g.unlock();  // thread buffers are handed over under their own locks
 
   for (const auto& ts : threads) {
-    std::lock_guard<std::mutex> tl(ts->mu);
+    std::lock_guard<SpinLock> tl(ts->mu);
     if (ts->generation != gen) continue;
     RawThreadRecords r;
     r.tid = ts->tid;
     r.slot = ts->slot;
-    r.rec = std::move(ts->rec);
+    r.rec = ts->rec;  // a copy: the thread keeps its buffers for the next trace (reset below)
     r.names.assign(ts->names.begin(), ts->names.end());
     ts->reset(gen);
     raw.threads.push_back(std::move(r));

@@ -300,7 +300,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
 
     Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
-    per-layer fits over the probes' timings, evaluated at each rank's micro-batch, and the communication of
+    per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
+    one warm-up and three timed iterations untraced, then one traced), evaluated at each rank's micro-batch, and the communication of
     `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP gathers with prefetch, tensor-parallel
     all-reduces, the 1F1B pipeline and its bubble) over `link`: what gpucast.calibrate() returns (alpha_us,
     bytes_per_us), or the topology in the configuration grammar, e.g.
@@ -371,9 +372,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     step(batch)
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
-                timing = t.result.handle.iteration_timing(b)
                 if _time_on_target(target, probe_device):
-                    timing = _with_untraced_wall(timing, step, batch)
+                    t = None  # the memory trace is not needed any more
+                    timing = _steady_timing(step, batch, b)
+                else:
+                    timing = t.result.handle.iteration_timing(b)
                 timings.append(timing)
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
@@ -403,21 +406,29 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     return fc
 
 
-def _with_untraced_wall(timing: str, step: Callable[[Any], Any], batch: Any, runs: int = 3) -> str:
-    """The probe's step timed without the tracer (median of `runs`): the forecast takes the tracer's own cost
-    out of the traced times by op count."""
+def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, warm: int = 1, runs: int = 3) -> str:
+    """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
+    created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
+    untraced iterations, `runs` timed untraced ones (their median: the untraced wall, which lets the forecast
+    take the tracer's own cost out of the traced times by op count), then one traced iteration."""
     cuda = any(t.is_cuda for t in _flatten(batch, []))
-    times = []
-    for _ in range(runs):
+
+    def once() -> int:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         step(batch)
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter_ns() - t0)
-    d = json.loads(timing)
-    d["untraced_wall_ns"] = float(sorted(times)[len(times) // 2])
+        return time.perf_counter_ns() - t0
+
+    for _ in range(warm):
+        once()
+    times = sorted(once() for _ in range(runs))
+    with trace() as t:
+        step(batch)
+    d = json.loads(t.result.handle.iteration_timing(b))
+    d["untraced_wall_ns"] = float(times[len(times) // 2])
     return json.dumps(d)
 
 

@@ -34,24 +34,10 @@ def trace_options() -> str:
     return _ops.trace_options_help()
 
 
-def _storages(tensors: Iterable[Any]) -> dict[str, list[int]]:
-    """Storage data pointers of the given tensors, grouped by device."""
-    out: dict[str, list[int]] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if ptr:
-            out.setdefault(str(t.device), []).append(ptr)
-    return out
-
-
 def _tag(tensors: Iterable[Any], category: str) -> None:
-    for device, ptrs in _storages(tensors).items():
-        _ops.tag(ptrs, device, category)
+    ts = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if ts:
+        _ops.tag_tensors(ts, category)
 
 
 def _flatten(obj: Any, out: list) -> list:

@@ -221,7 +221,7 @@ def test_step_time_forecast_beside_measured(tmp_path):
     assert [x["kind"] for x in lines] == ["forecast", "measured", "measured"]
     assert lines[0]["time"]["step_ms"] == fc.time.step_ms > 0
     assert [x["layer"] for x in lines[0]["time"]["per_layer"]] == [
-        "(outside modules)", "MLP.net.0", "MLP.net.1", "MLP.net.2", "MLP.net.3", "MLP.net.4"]
+        "MLP.net.0", "MLP.net.1", "MLP.net.2", "MLP.net.3", "MLP.net.4", "(outside modules)"]
     for x in lines[1:]:
         assert x["gpucast/forecast_step_ms"] == pytest.approx(fc.time.step_ms)
         assert x["gpucast/forecast_exposed_comm_ms"] == 0.0
