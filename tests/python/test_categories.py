@@ -48,3 +48,28 @@ def test_activations_and_temporaries_are_found():
     for a in allocs:
         if a.category == "activation":
             assert ev[a.alloc_event].phase == "forward" and ev[a.free_event].phase == "backward"
+
+
+def test_tag_tensors_skips_none_and_groups_by_device():
+    """tag_tensors: one call for a list; None entries are skipped; the tagged block gets the category."""
+    import torch
+    with gpucast.trace() as t:
+        x = torch.empty(1000)  # 4,000 bytes, allocated inside the trace
+        torch.ops.gpucast.tag_tensors([None, x, x[10:]], "optimizer_state")
+    blocks = [a for a in t.allocations if a.category == "optimizer_state"]
+    assert [(a.bytes, a.device) for a in blocks] == [(4000, "cpu")]
+    with pytest.raises(ValueError, match="unknown category .weights.; expected one of .parameter."):
+        with gpucast.trace():
+            torch.ops.gpucast.tag_tensors([x], "weights")
+
+
+def test_scope_names_that_reuse_a_buffer_are_recorded_as_written():
+    """Names of user scopes live in buffers that the next scope may reuse: each op keeps its own text."""
+    import torch
+    names = [f"gpucast_test_scope_{i}" for i in range(40)] + ["gpucast_test_scope_3"]
+    with gpucast.trace() as t:
+        for n in names:
+            with torch.autograd.profiler.record_function(n):
+                torch.ones(1)
+    recorded = [op.name for op in t.ops if op.name.startswith("gpucast_test_scope_")]
+    assert recorded == names
