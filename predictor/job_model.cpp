@@ -164,24 +164,8 @@ class LearnedJobModel {
 std::shared_ptr<const LearnedJobModel> load_job_model(const std::string& path) {
   const WeightsFile w = read_weights_file(path);
   const char* fix = "; retrain with gpucast-train or reinstall gpucast to get the shipped weights";
-  json h;
-  try {
-    h = json::parse(w.header_json);
-  } catch (const json::parse_error& e) {
-    GPUCAST_USER_ERROR("weights file '{}': header is not JSON (byte {}){}", path, e.byte, fix);
-  }
-  auto field = [&](const char* key) -> const json& {
-    if (!h.is_object() || !h.contains(key)) GPUCAST_USER_ERROR("weights file '{}': header lacks '{}'{}", path, key, fix);
-    return h[key];
-  };
-  if (field("model") != kJobModelName) {
-    GPUCAST_USER_ERROR("weights file '{}' holds model {}, expected \"{}\"{}", path, field("model").dump(), kJobModelName,
-                       fix);
-  }
-  if (field("model_version") != kJobModelVersion) {
-    GPUCAST_USER_ERROR("weights file '{}' holds model version {}; this gpucast reads version {}{}", path,
-                       field("model_version").dump(), kJobModelVersion, fix);
-  }
+  const WeightsHeader header(w, path, kJobModelName, kJobModelVersion, fix);
+  auto field = [&](const char* key) -> const json& { return header.field(key); };
   if (field("feature_version") != kJobFeatureVersion) {
     GPUCAST_USER_ERROR("weights file '{}' was trained on job features version {}; this gpucast computes version {}{}",
                        path, field("feature_version").dump(), kJobFeatureVersion, fix);
@@ -212,7 +196,7 @@ std::shared_ptr<const LearnedJobModel> load_job_model(const std::string& path) {
                        path, n.layer_mean.size(), n.layer_std.size(), n.job_mean.size(), n.job_std.size(),
                        kLayerFeatures, kJobFeatures, fix);
   }
-  auto model = std::make_shared<LearnedJobModel>(c, n, h.value("trained", json::object()));
+  auto model = std::make_shared<LearnedJobModel>(c, n, header.json().value("trained", json::object()));
   load_parameters(*model->net, w, path, fix);
   return model;
 }

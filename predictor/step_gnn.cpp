@@ -509,26 +509,8 @@ class StepGnn {
 
 std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   const WeightsFile w = read_weights_file(path);
-  json h;
-  try {
-    h = json::parse(w.header_json);
-  } catch (const json::parse_error& e) {
-    GPUCAST_USER_ERROR("weights file '{}': header is not JSON (byte {}){}", path, e.byte, kFix);
-  }
-  auto field = [&](const char* key) -> const json& {
-    if (!h.is_object() || !h.contains(key)) {
-      GPUCAST_USER_ERROR("weights file '{}': header lacks '{}'{}", path, key, kFix);
-    }
-    return h[key];
-  };
-  if (field("model") != kStepGnnName) {
-    GPUCAST_USER_ERROR("weights file '{}' holds model {}, expected \"{}\"{}", path, field("model").dump(), kStepGnnName,
-                       kFix);
-  }
-  if (field("model_version") != kStepGnnVersion) {
-    GPUCAST_USER_ERROR("weights file '{}' holds model version {}; this gpucast reads version {}{}", path,
-                       field("model_version").dump(), kStepGnnVersion, kFix);
-  }
+  const WeightsHeader header(w, path, kStepGnnName, kStepGnnVersion, kFix);
+  auto field = [&](const char* key) -> const json& { return header.field(key); };
   StepGnnConfig c;
   Normaliser n;
   try {
@@ -564,7 +546,7 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   check_norm("node", n.node_mean, n.node_std, kNodeFeatures);
   check_norm("edge", n.edge_mean, n.edge_std, kEdgeFeatures);
   check_norm("global", n.global_mean, n.global_std, kGlobalFeatures);
-  auto model = std::make_shared<StepGnn>(c, n, h.value("trained", json::object()));
+  auto model = std::make_shared<StepGnn>(c, n, header.json().value("trained", json::object()));
   load_parameters(*model->net, w, path, kFix);
   return model;
 }

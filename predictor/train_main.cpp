@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -104,36 +105,61 @@ double positive_number(const std::string& flag, const char* text) {
   return v;
 }
 
-int step_gnn_main(int argc, char** argv) {
-  std::string train_path, val_path, out_path;
-  gpucast::StepGnnTrainOptions o;
-  for (int i = 2; i < argc; ++i) {
+// The arguments both subcommands take, from argv[first] on; `extra` takes a subcommand's own flags (false: not
+// one of them). --lr is kept as written: each subcommand reads it its own way. Prints `usage` for -h/--help.
+struct TrainArgs {
+  std::string train, val, out;
+  const char* lr = nullptr;
+  bool help = false;
+};
+
+template <class Options>
+TrainArgs parse_train_args(int argc, char** argv, int first, const char* who, const char* usage, Options& o,
+                           const std::function<bool(const std::string&, const std::function<const char*()>&)>& extra) {
+  TrainArgs r;
+  for (int i = first; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&]() -> const char* {
-      if (i + 1 >= argc) GPUCAST_USER_ERROR("gpucast-train step-gnn: {} needs a value", a);
+    const std::function<const char*()> value = [&]() -> const char* {
+      if (i + 1 >= argc) GPUCAST_USER_ERROR("{}: {} needs a value", who, a);
       return argv[++i];
     };
-    if (a == "--train") train_path = value();
-    else if (a == "--val") val_path = value();
-    else if (a == "--out") out_path = value();
+    if (a == "--train") r.train = value();
+    else if (a == "--val") r.val = value();
+    else if (a == "--out") r.out = value();
     else if (a == "--seed") o.seed = static_cast<uint64_t>(number(a, value()));
     else if (a == "--epochs") o.max_epochs = number(a, value());
     else if (a == "--patience") o.patience = number(a, value());
     else if (a == "--batch") o.batch_size = std::max(1L, number(a, value()));
-    else if (a == "--lr") o.lr = positive_number(a, value());
-    else if (a == "--d-model") o.d_model = std::max(1L, number(a, value()));
+    else if (a == "--lr") r.lr = value();
     else if (a == "--threads") o.threads = static_cast<int>(number(a, value()));
     else if (a == "--verbose") o.verbose = true;
     else if (a == "-h" || a == "--help") {
-      std::fputs(kStepGnnUsage, stdout);
-      return 0;
-    } else {
-      GPUCAST_USER_ERROR("gpucast-train step-gnn: unknown argument '{}'\n{}", a, kStepGnnUsage);
+      std::fputs(usage, stdout);
+      r.help = true;
+      return r;
+    } else if (!extra(a, value)) {
+      GPUCAST_USER_ERROR("{}: unknown argument '{}'\n{}", who, a, usage);
     }
   }
-  if (train_path.empty() || val_path.empty() || out_path.empty()) {
-    GPUCAST_USER_ERROR("gpucast-train step-gnn: --train, --val and --out are required\n{}", kStepGnnUsage);
+  if (r.train.empty() || r.val.empty() || r.out.empty()) {
+    GPUCAST_USER_ERROR("{}: --train, --val and --out are required\n{}", who, usage);
   }
+  return r;
+}
+
+int step_gnn_main(int argc, char** argv) {
+  gpucast::StepGnnTrainOptions o;
+  const TrainArgs args = parse_train_args(argc, argv, 2, "gpucast-train step-gnn", kStepGnnUsage, o,
+                                          [&](const std::string& a, const std::function<const char*()>& value) {
+                                            if (a != "--d-model") return false;
+                                            o.d_model = std::max(1L, number(a, value()));
+                                            return true;
+                                          });
+  if (args.help) return 0;
+  if (args.lr) o.lr = positive_number("--lr", args.lr);
+  const std::string& train_path = args.train;
+  const std::string& val_path = args.val;
+  const std::string& out_path = args.out;
   const auto train = read_graphs(train_path);
   const auto val = read_graphs(val_path);
   const gpucast::StepGnnTrainResult r = gpucast::train_step_gnn(train, val, o, out_path);
@@ -155,36 +181,19 @@ int step_gnn_main(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     if (argc > 1 && std::string(argv[1]) == "step-gnn") return step_gnn_main(argc, argv);
-    std::string train_path, val_path, out_path;
     gpucast::TrainOptions o;
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto value = [&]() -> const char* {
-        if (i + 1 >= argc) GPUCAST_USER_ERROR("gpucast-train: {} needs a value", a);
-        return argv[++i];
-      };
-      if (a == "--train") train_path = value();
-      else if (a == "--val") val_path = value();
-      else if (a == "--out") out_path = value();
-      else if (a == "--seed") o.seed = static_cast<uint64_t>(number(a, value()));
-      else if (a == "--epochs") o.max_epochs = number(a, value());
-      else if (a == "--patience") o.patience = number(a, value());
-      else if (a == "--batch") o.batch_size = std::max(1L, number(a, value()));
-      else if (a == "--lr") o.lr = std::atof(value());
-      else if (a == "--d-model") o.model.d_model = std::max(2L, number(a, value()));
-      else if (a == "--layers") o.model.encoder_layers = std::max(1L, number(a, value()));
-      else if (a == "--threads") o.threads = static_cast<int>(number(a, value()));
-      else if (a == "--verbose") o.verbose = true;
-      else if (a == "-h" || a == "--help") {
-        std::fputs(kUsage, stdout);
-        return 0;
-      } else {
-        GPUCAST_USER_ERROR("gpucast-train: unknown argument '{}'\n{}", a, kUsage);
-      }
-    }
-    if (train_path.empty() || val_path.empty() || out_path.empty()) {
-      GPUCAST_USER_ERROR("gpucast-train: --train, --val and --out are required\n{}", kUsage);
-    }
+    const TrainArgs args = parse_train_args(argc, argv, 1, "gpucast-train", kUsage, o,
+                                            [&](const std::string& a, const std::function<const char*()>& value) {
+                                              if (a == "--d-model") o.model.d_model = std::max(2L, number(a, value()));
+                                              else if (a == "--layers") o.model.encoder_layers = std::max(1L, number(a, value()));
+                                              else return false;
+                                              return true;
+                                            });
+    if (args.help) return 0;
+    if (args.lr) o.lr = std::atof(args.lr);
+    const std::string& train_path = args.train;
+    const std::string& val_path = args.val;
+    const std::string& out_path = args.out;
     const auto train = read_jobs(train_path);
     const auto val = read_jobs(val_path);
     const gpucast::TrainResult r = gpucast::train_job_model(train, val, o, out_path);

@@ -1,13 +1,13 @@
 #include "gpucast/tracer.h"
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <string_view>
 #include <thread>
-#include <array>
-#include <mutex>
 #include <unordered_map>
 
 #include <ATen/record_function.h>

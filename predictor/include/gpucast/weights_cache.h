@@ -11,6 +11,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -65,6 +66,39 @@ inline void load_parameters(torch::nn::Module& net, const WeightsFile& w, const 
     p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
   }
 }
+
+// A weights file's JSON header, checked to hold `model` at `version`; field() returns a key the header must have.
+// Errors name the path and end with `fix`.
+class WeightsHeader {
+ public:
+  WeightsHeader(const WeightsFile& w, const std::string& path, const char* model, int version, std::string fix)
+      : path_(path), fix_(std::move(fix)) {
+    try {
+      h_ = nlohmann::json::parse(w.header_json);
+    } catch (const nlohmann::json::parse_error& e) {
+      GPUCAST_USER_ERROR("weights file '{}': header is not JSON (byte {}){}", path_, e.byte, fix_);
+    }
+    if (field("model") != model) {
+      GPUCAST_USER_ERROR("weights file '{}' holds model {}, expected \"{}\"{}", path_, field("model").dump(), model,
+                         fix_);
+    }
+    if (field("model_version") != version) {
+      GPUCAST_USER_ERROR("weights file '{}' holds model version {}; this gpucast reads version {}{}", path_,
+                         field("model_version").dump(), version, fix_);
+    }
+  }
+  const nlohmann::json& field(const char* key) const {
+    if (!h_.is_object() || !h_.contains(key)) {
+      GPUCAST_USER_ERROR("weights file '{}': header lacks '{}'{}", path_, key, fix_);
+    }
+    return h_[key];
+  }
+  const nlohmann::json& json() const { return h_; }
+
+ private:
+  std::string path_, fix_;
+  nlohmann::json h_;
+};
 
 // The model in `path` (load(path) the first time, and after the file changed); null with *why set to the load
 // error when it does not load.
