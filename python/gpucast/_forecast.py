@@ -303,8 +303,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
     one warm-up and three timed iterations untraced, then the faster of two traced ones), evaluated at each
     rank's micro-batch, and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
-    gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what gpucast.calibrate() returns (alpha_us,
-    bytes_per_us), or the topology in the configuration grammar, e.g.
+    gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
+    gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
     only that fraction of the layers (a D-optimal design over their FLOPs, bytes and kind) keeps its measured
     times; the others are predicted by per-kind roofline models fitted on them (per_layer[i]["source"]).
