@@ -1,3 +1,5 @@
+import json
+import struct
 import sys
 from pathlib import Path
 
@@ -34,3 +36,21 @@ def all_cases():
     cases = dict(zoo.CASES)
     cases.update(zoo.real_cases())
     return cases
+
+
+def _fnv1a(b: bytes) -> int:
+    h = 1469598103934665603
+    for x in b:
+        h = ((h ^ x) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def rewrite_weights_header(src: Path, dst: Path, **changes):
+    """A copy of a weights file with header fields changed and the checksum recomputed."""
+    b = src.read_bytes()
+    n = struct.unpack_from("<I", b, 12)[0]
+    header = json.loads(b[16:16 + n])
+    header.update(changes)
+    h = json.dumps(header).encode()
+    body = b[:12] + struct.pack("<I", len(h)) + h + b[16 + n:-8]
+    dst.write_bytes(body + struct.pack("<Q", _fnv1a(body)))

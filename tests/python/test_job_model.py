@@ -4,7 +4,6 @@ import gzip
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import gpucast
+from conftest import rewrite_weights_header
 
 ROOT = Path(__file__).resolve().parents[2]
 DATASET = ROOT / "bench/dataset/jobs.jsonl.gz"
@@ -70,24 +70,6 @@ def test_shipped_weights_answer():
     assert errs[len(errs) // 2] < 0.10  # median relative error on jobs the dataset holds
 
 
-def _fnv1a(b: bytes) -> int:
-    h = 1469598103934665603
-    for x in b:
-        h = ((h ^ x) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-def _rewrite_header(src: Path, dst: Path, **changes):
-    """A copy of a weights file with header fields changed and the checksum recomputed."""
-    b = src.read_bytes()
-    n = struct.unpack_from("<I", b, 12)[0]
-    header = json.loads(b[16:16 + n])
-    header.update(changes)
-    h = json.dumps(header).encode()
-    body = b[:12] + struct.pack("<I", len(h)) + h + b[16 + n:-8]
-    dst.write_bytes(body + struct.pack("<Q", _fnv1a(body)))
-
-
 JOB = {"schema_version": 1, "family": "mlp", "batch_size": 8,
        "layers": [{"kind": "linear", "dims": [16, 32], "params": 544, "activation_bytes_per_sample": 64}]}
 
@@ -141,16 +123,16 @@ def test_other_versions_fall_back(weights, tmp_path):
     assert fallback_note(other) == (f"learned model unavailable: weights file '{other}' has format version 2; this "
                                     f"gpucast reads version 1{FIX}; analytical estimate")
     model_v2 = tmp_path / "model_v2.gcw"
-    _rewrite_header(weights, model_v2, model_version=2)
+    rewrite_weights_header(weights, model_v2, model_version=2)
     assert fallback_note(model_v2) == (f"learned model unavailable: weights file '{model_v2}' holds model version 2; "
                                        f"this gpucast reads version 1{FIX}; analytical estimate")
     features_v9 = tmp_path / "features_v9.gcw"
-    _rewrite_header(weights, features_v9, feature_version=9)
+    rewrite_weights_header(weights, features_v9, feature_version=9)
     assert fallback_note(features_v9) == (
         f"learned model unavailable: weights file '{features_v9}' was trained on job features version 9; this "
         f"gpucast computes version 1{FIX}; analytical estimate")
     other_model = tmp_path / "other.gcw"
-    _rewrite_header(weights, other_model, model="random-forest")
+    rewrite_weights_header(weights, other_model, model="random-forest")
     assert fallback_note(other_model) == (
         f"learned model unavailable: weights file '{other_model}' holds model \"random-forest\", expected "
         f"\"bigru-transformer\"{FIX}; analytical estimate")

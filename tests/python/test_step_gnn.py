@@ -5,7 +5,6 @@ import math
 import os
 import random
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 import gpucast
+from conftest import rewrite_weights_header
 
 ROOT = Path(__file__).resolve().parents[2]
 # gpucast-train sits in bin/ beside the lib/ the plugin was loaded from (build/ or $GPUCAST_LIBRARY's build tree).
@@ -107,24 +107,6 @@ def test_training_is_deterministic(tmp_path):
     assert outs[0] == outs[1]
 
 
-def _fnv1a(b: bytes) -> int:
-    h = 1469598103934665603
-    for x in b:
-        h = ((h ^ x) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-def _rewrite_header(src: Path, dst: Path, **changes):
-    """A copy of a weights file with header fields changed and the checksum recomputed."""
-    b = src.read_bytes()
-    n = struct.unpack_from("<I", b, 12)[0]
-    header = json.loads(b[16:16 + n])
-    header.update(changes)
-    h = json.dumps(header).encode()
-    body = b[:12] + struct.pack("<I", len(h)) + h + b[16 + n:-8]
-    dst.write_bytes(body + struct.pack("<Q", _fnv1a(body)))
-
-
 GRAPH = synthetic(5, 1)[0]
 
 
@@ -151,14 +133,14 @@ def test_truncated_weights_fall_back(trained, tmp_path):
 
 def test_other_versions_and_models_fall_back(trained, tmp_path):
     v2 = tmp_path / "v2.gcw"
-    _rewrite_header(trained[0], v2, model_version=2)
+    rewrite_weights_header(trained[0], v2, model_version=2)
     assert fallback_source(v2) == f"none: weights file '{v2}' holds model version 2; this gpucast reads version 1{FIX}"
     other = tmp_path / "other.gcw"
-    _rewrite_header(trained[0], other, model="bigru-transformer")
+    rewrite_weights_header(trained[0], other, model="bigru-transformer")
     assert fallback_source(other) == (f"none: weights file '{other}' holds model \"bigru-transformer\", expected "
                                       f"\"scaledl-gnn\"{FIX}")
     narrow = tmp_path / "narrow.gcw"
-    _rewrite_header(trained[0], narrow, node_mean=[0.0] * 3)
+    rewrite_weights_header(trained[0], narrow, node_mean=[0.0] * 3)
     assert fallback_source(narrow) == (f"none: weights file '{narrow}': node normalisation has 3/11 values, expected "
                                        f"11{FIX}")
 
