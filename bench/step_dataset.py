@@ -1,7 +1,8 @@
 """The step-time dataset gpucast's graph network is trained on, and that bench/scaledl_compare.py splits.
 
 For every case (an architecture family, a size variant, an optimizer and a target batch) this script runs
-gpucast.forecast(target="cpu") from probes at batch 2, 4 and 8 (one thread), then measures the real step at the
+gpucast.forecast(target="cpu") from probes at batch 2, 4 and 8 (one thread; plus timing probes at 16 and 24 where
+the probes' convolutions ran PyTorch's CPU im2col path), then measures the real step at the
 target batch in the same process (3 warm-up iterations, the median of --iterations). One JSON line per case:
 
   family, model, batch, optimizer, threads, device peak rates (measured here: a large float32 matmul and a large

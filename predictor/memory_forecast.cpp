@@ -188,6 +188,11 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
 }
 
 // Where two probes' structures first differ; empty when they match.
+bool uses_im2col_conv(const Trace& t) {
+  return std::any_of(t.ops.begin(), t.ops.end(),
+                     [](const OpRecord& op) { return op.name == "aten::thnn_conv2d" || op.name == "aten::slow_conv3d"; });
+}
+
 std::string structure_difference(const Stream& a, const Trace& ta, const Stream& b, const Trace& tb) {
   const size_t n = std::min(a.entries.size(), b.entries.size());
   auto op_name = [](const Trace& t, int64_t op) { return op >= 0 ? t.ops[op].name : std::string("<no op>"); };
@@ -526,10 +531,17 @@ class Forecaster {
       const std::string diff = structure_difference(streams_[i], *in_.probes[i], streams_[ref], *in_.probes[ref]);
       if (!diff.empty()) {
         out_.scaled = false;
+        // PyTorch's CPU convolution picks its kernel by batch size (im2col for 1x1, stride-1 kernels on one
+        // thread below 16, mkldnn from 16 on): a known cause, named as such.
+        const bool kernels = uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref]);
         out_.warnings.push_back(fmt::format(
-            "probes at batch {} and {} differ in structure ({}): data-dependent control flow? The forecast is not "
-            "scaled: it repeats the batch-{} probe",
-            in_.probe_batch[i], in_.probe_batch[ref], diff, in_.probe_batch[ref]));
+            "probes at batch {} and {} differ in structure ({}): {} The forecast is not scaled: it repeats the "
+            "batch-{} probe",
+            in_.probe_batch[i], in_.probe_batch[ref], diff,
+            kernels ? "PyTorch's CPU convolution changes kernels at batch 16 (im2col below, mkldnn from 16 on, for "
+                      "1x1 stride-1 kernels on one thread); keep all probes below 16 or all at 16 and above."
+                    : "data-dependent control flow?",
+            in_.probe_batch[ref]));
         continue;
       }
       usable.push_back(i);

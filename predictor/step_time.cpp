@@ -128,6 +128,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     if (first_ns < 0 || op.start_ns < first_ns) first_ns = op.start_ns;
     last_ns = std::max(last_ns, op.end_ns);
     if (op.device_ns >= 0) device = true;
+    if (op.name == "aten::thnn_conv2d" || op.name == "aten::slow_conv3d") ++it.im2col_conv_ops;
     const bool top = op.parent < 0;
     if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
       it.optimizer_ns += duration(op);
@@ -279,16 +280,35 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,
                        ref.layers.size());
   }
+  // A layer's time is fitted on the probes that ran the same kernels as the largest one (the same number of
+  // recorded ops in its forward and its backward): below some batch size PyTorch picks other kernels (CPU
+  // convolutions: im2col below 16 on one thread), whose times say nothing about the target's.
+  std::unordered_map<std::string, std::pair<int64_t, int64_t>> ref_ops;
+  for (const LayerTiming& l : ref.layers) ref_ops[l.layer] = {l.forward_ops_all, l.backward_ops_all};
+  auto same_kernels = [&](const LayerTiming& l) {
+    auto it = ref_ops.find(l.layer);
+    return it == ref_ops.end() || it->second == std::pair<int64_t, int64_t>{l.forward_ops_all, l.backward_ops_all};
+  };
   std::vector<std::pair<double, double>> opt, other;
   std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> pts;
   const double k = o.time_scale;
+  std::map<std::string, int64_t> switched;  // layer -> probes left out
   for (const IterationTiming& p : probes) {
     opt.emplace_back(p.batch, k * p.optimizer_ns);
     other.emplace_back(p.batch, k * p.other_ns);
     for (const LayerTiming& l : p.layers) {
+      if (!same_kernels(l)) {
+        ++switched[l.layer];
+        continue;
+      }
       pts[l.layer].first.emplace_back(p.batch, k * l.forward_ns);
       pts[l.layer].second.emplace_back(p.batch, k * l.backward_ns);
     }
+  }
+  if (!switched.empty()) {
+    f.notes.push_back(fmt::format("{} layer(s) ran other kernels in smaller probes than the largest (batch {}; e.g. "
+                                  "'{}'): fitted only on the probes that ran the largest probe's kernels",
+                                  switched.size(), ref.batch, switched.begin()->first));
   }
   double optimizer_ns = 0;
   for (auto [x, y] : opt) optimizer_ns += y / static_cast<double>(opt.size());
@@ -315,7 +335,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     std::vector<LayerSample> samples;
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
-        if (!timed[l.layer]) continue;
+        if (!timed[l.layer] || !same_kernels(l)) continue;
         costs.push_back(cost_of(l));
         samples.push_back({costs.size() - 1, k * l.forward_ns, k * l.backward_ns});
       }
@@ -323,9 +343,15 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     LayerTimeModel model;
     model.fit(costs, samples, o.prior);
     f.timed_layers = static_cast<int64_t>(chosen.size());
-    // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones.
+    // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones; over the
+    // probes that ran the largest probe's kernels throughout where there are two (the model predicts those).
     other.clear();
+    int64_t uniform = 0;
     for (const IterationTiming& p : probes) {
+      uniform += std::all_of(p.layers.begin(), p.layers.end(), same_kernels) ? 1 : 0;
+    }
+    for (const IterationTiming& p : probes) {
+      if (uniform >= 2 && !std::all_of(p.layers.begin(), p.layers.end(), same_kernels)) continue;
       double layers = 0;
       for (const LayerTiming& l : p.layers) {
         if (timed[l.layer]) {
@@ -618,7 +644,8 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
   for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
               {"clock", t.clock}, {"layers", layers}, {"edges", edges}, {"ops_total", t.ops_total},
-              {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns}}
+              {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns},
+              {"im2col_conv_ops", t.im2col_conv_ops}}
       .dump();
 }
 
@@ -635,6 +662,7 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.optimizer_ops = j.value("optimizer_ops", int64_t{0});
     t.other_ops = j.value("other_ops", int64_t{0});
     t.untraced_wall_ns = j.value("untraced_wall_ns", -1.0);
+    t.im2col_conv_ops = j.value("im2col_conv_ops", int64_t{0});
     for (const json& l : j.at("layers")) {
       LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
                      l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),

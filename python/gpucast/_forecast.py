@@ -302,7 +302,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
     one warm-up and three timed iterations untraced, then the faster of two traced ones), evaluated at each
-    rank's micro-batch, and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
+    rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
+    convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
+    are added so that those layers are timed on the kernels the target runs), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
@@ -351,6 +353,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     forecaster = torch.classes.gpucast.MemoryForecaster()
     probe_device = "cpu"
     timings = []
+    kernel_probes = []  # timing-only probes at the batch sizes where the target's kernels start
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -382,6 +385,17 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 forecaster.add_probe_seq(t.result.handle, b, length)
             del batch, t
             state.restore()
+        for b in _kernel_probes(timings, batch_size, parallel, target, probe_device, design):
+            if show:
+                print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
+            gc.collect()
+            batch = make_batch(b)
+            for _ in range(iterations):  # what the memory trace does for the other probes: first steps
+                step(batch)
+            timings.append(_steady_timing(step, batch, b))
+            kernel_probes.append(b)
+            del batch
+            state.restore()
     finally:
         state.restore()
         if sys.stderr.isatty():
@@ -398,12 +412,44 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
                              time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn)
+    if time_fc is not None and kernel_probes:
+        time_fc.notes.insert(0, f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on "
+                                f"one thread below batch 16), the target batch runs them through mkldnn: timing "
+                                f"probes at batch {', '.join(map(str, kernel_probes))} added, and those layers "
+                                f"fitted on them")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer))
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+# PyTorch's CPU convolution runs 1x1, stride-1 kernels on one thread through im2col (thnn_conv2d) below this
+# batch size and through mkldnn from it on (aten/src/ATen/native/Convolution.cpp, ConvParams::use_mkldnn).
+_MKLDNN_CONV_MIN_BATCH = 16
+
+
+def _kernel_probes(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
+                   design: list) -> list:
+    """Batch sizes to time in addition to the probes, so that every layer is timed on the kernels the target
+    batch runs: where the probes' convolutions took the CPU im2col path and the per-rank target batch is at
+    least 16, probes at 16 and at 24 (when the target is that large). Timing only: the memory forecast keeps
+    the probes' traces."""
+    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
+        return []
+    p = parallel or {}
+    try:
+        per_rank = batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
+    except (TypeError, ValueError):
+        return []  # the forecaster's parser reports the bad value, naming the key
+    largest = max(b for b, _ in design)
+    if per_rank < _MKLDNN_CONV_MIN_BATCH or largest >= _MKLDNN_CONV_MIN_BATCH:
+        return []
+    if not any(json.loads(x).get("im2col_conv_ops", 0) > 0 for x in timings):
+        return []
+    lo = _MKLDNN_CONV_MIN_BATCH
+    return [lo] + ([lo + lo // 2] if per_rank >= lo + lo // 2 else [])
 
 
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, warm: int = 1, runs: int = 3,

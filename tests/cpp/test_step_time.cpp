@@ -121,6 +121,53 @@ TEST(StepTime, FitsScaleLayersToTheTargetBatch) {
   EXPECT_NEAR(f.per_layer[1].backward_ms, 3 * 250 * 32 / 1e6, 1e-12);
 }
 
+TEST(StepTime, LayersThatRanOtherKernelsInSmallProbesAreFittedOnTheLargeOnes) {
+  // Net.a runs another kernel at batch 2 and 4 (three recorded ops in its forward instead of one, 10x slower);
+  // from batch 8 on its time is 250 b like Net.b's.
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8, 16}) {
+    IterationTiming p = iteration_timing(make_trace(250 * b), b);
+    if (b < 8) {
+      p.layers[0].forward_ops_all = 3;
+      p.layers[0].forward_ns *= 10;
+      p.im2col_conv_ops = 2;
+    }
+    probes.push_back(p);
+  }
+  StepTimeOptions o;
+  o.batch_size = 32;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_NEAR(f.per_layer[0].forward_ms, 250 * 32 / 1e6, 1e-12);  // from batch 8 and 16 only
+  EXPECT_NEAR(f.per_layer[1].forward_ms, 2 * 250 * 32 / 1e6, 1e-12);
+  ASSERT_EQ(f.notes.size(), 1u);
+  EXPECT_EQ(f.notes[0], "1 layer(s) ran other kernels in smaller probes than the largest (batch 16; e.g. 'Net.a'): "
+                        "fitted only on the probes that ran the largest probe's kernels");
+  EXPECT_EQ(iteration_timing_from_json(iteration_timing_to_json(probes[0])).im2col_conv_ops, 2);
+  // One matching probe: its time in proportion to the batch.
+  probes.pop_back();
+  probes[2].layers[0].forward_ns = 250 * 8;
+  const StepTimeForecast g = forecast_step_time(probes, o);
+  EXPECT_NEAR(g.per_layer[0].forward_ms, 250 * 32 / 1e6, 1e-12);
+  // Sparse timing says the same.
+  o.time_fraction = 0.5;
+  const StepTimeForecast s = forecast_step_time(probes, o);
+  EXPECT_EQ(s.timed_layers, 1);
+  EXPECT_EQ(s.notes[0].rfind("1 layer(s) ran other kernels in smaller probes than the largest (batch 8;", 0), 0u);
+}
+
+TEST(StepTime, IterationTimingCountsIm2colConvolutions) {
+  Trace t = make_trace(1000);
+  OpRecord conv = t.ops[t.ops.size() - 5];  // the last iteration's first forward op
+  conv.id = static_cast<int64_t>(t.ops.size());
+  conv.name = "aten::thnn_conv2d";
+  conv.parent = conv.id - 5;
+  conv.start_seq = t.ops[static_cast<size_t>(conv.parent)].start_seq;
+  conv.end_seq = conv.start_seq;
+  t.ops.push_back(conv);
+  EXPECT_EQ(iteration_timing(t, 4).im2col_conv_ops, 1);
+  EXPECT_EQ(iteration_timing(make_trace(1000), 4).im2col_conv_ops, 0);
+}
+
 TEST(StepTime, DdpBucketsOverlapBackward) {
   std::vector<IterationTiming> probes;
   for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));

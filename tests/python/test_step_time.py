@@ -21,7 +21,9 @@ def test_time_fields_and_timeline(tmp_path):
     assert t.clock == "cpu" and t.dp == 1 and t.per_rank_batch == 16
     assert t.step_ms == pytest.approx(t.forward_ms + t.backward_ms + t.optimizer_ms + t.other_ms)
     assert t.compute_ms == pytest.approx(t.step_ms) and t.exposed_comm_ms == 0 and t.buckets == []
-    assert t.notes == []
+    # Attention's backward records three more ops from batch 4 on: its layers are fitted on batch 4 and 8.
+    assert t.notes == ["2 layer(s) ran other kernels in smaller probes than the largest (batch 8; e.g. "
+                       "'GPT.blocks.0.attn'): fitted only on the probes that ran the largest probe's kernels"]
     layers = [x["layer"] for x in t.per_layer]
     # In the order the steady iteration first runs them: the model's layers, then the loss outside modules.
     assert layers[:3] == ["GPT", "GPT.tok_emb", "GPT.pos_emb"] and layers[-1] == "(outside modules)"
@@ -54,8 +56,8 @@ def test_ddp_buckets_over_a_link():
     assert t.comm_ms == pytest.approx(sum(ar))
     assert t.step_ms == pytest.approx(t.compute_ms + t.exposed_comm_ms)
     no_link = forecast(batch=32, parallel=dict(dp=2), gnn=None).time
-    assert no_link.notes == ["no data-parallel link for 2 ranks (gpucast.calibrate() or link=...): its "
-                             "communication is not counted"]
+    assert no_link.notes[1:] == ["no data-parallel link for 2 ranks (gpucast.calibrate() or link=...): its "
+                                 "communication is not counted"]
 
 
 def test_other_strategies_over_a_topology(tmp_path):
@@ -138,4 +140,47 @@ def test_sparse_timing_reports_what_was_measured():
     measured = [x for x in t.per_layer if x["source"] == "measured"]
     assert t.timed_layers == len(measured) == -(-n // 4)  # a quarter of the layers, rounded up
     assert {x["source"] for x in t.per_layer} - {"measured"} <= {"kind", "pooled", "scaled_prior", "prior"}
-    assert t.notes[0].startswith(f"timed {len(measured)} of {n} layers (d-optimal design)")
+    assert t.notes[0].startswith("2 layer(s) ran other kernels in smaller probes")
+    assert t.notes[1].startswith(f"timed {len(measured)} of {n} layers (d-optimal design)")
+
+
+def test_timing_probes_where_the_cpu_convolution_kernel_changes():
+    # One thread: PyTorch runs the 1x1 convolutions through im2col below batch 16, through mkldnn from 16 on.
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 1),
+                                    torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = zoo.make_step(model, opt, torch.nn.functional.cross_entropy)
+
+        def make_batch(n):
+            return torch.randn(n, 3, 4, 4), torch.zeros(n, dtype=torch.long)
+
+        def probed(batch, **kw):
+            fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, gnn=None, **kw)
+            return fc, [json.loads(x)["batch"] for x in fc.timings]
+
+        fc, batches = probed(32)
+        assert batches == [2, 4, 8, 16, 24]
+        assert [json.loads(x)["im2col_conv_ops"] for x in fc.timings] == [2, 2, 2, 0, 0]
+        assert fc.time.notes[0] == (
+            "the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on one thread below "
+            "batch 16), the target batch runs them through mkldnn: timing probes at batch 16, 24 added, and those "
+            "layers fitted on them")
+        assert fc.time.notes[1].startswith("2 layer(s) ran other kernels in smaller probes than the largest (batch "
+                                           "24; e.g. 'Sequential.0')")
+        assert fc.probe_batch_sizes == (2, 4, 8)  # the memory forecast keeps the traced probes
+        assert probed(20)[1] == [2, 4, 8, 16]
+        assert probed(40, parallel=dict(dp=4))[1] == [2, 4, 8]  # 10 samples per rank: the probes' kernels
+        # A probe already runs the target's kernels: no timing probe; the memory forecast names the cause of the
+        # probes' different structure.
+        with pytest.warns(UserWarning, match=r"probes at batch 4 and 16 differ in structure \(.*\): PyTorch's CPU "
+                                             r"convolution changes kernels at batch 16 \(im2col below, mkldnn from "
+                                             r"16 on, for 1x1 stride-1 kernels on one thread\); keep all probes below "
+                                             r"16 or all at 16 and above\. The forecast is not scaled"):
+            assert probed(32, probe_batch_sizes=(4, 16))[1] == [4, 16]
+    finally:
+        torch.set_num_threads(threads)

@@ -3,7 +3,8 @@
 //
 // Per layer (a leaf module path) and phase (forward, backward), the probes' times are fitted with
 // t(b) = a + c * b (least squares over the probe batch sizes, a and c kept >= 0) and evaluated at the per-rank
-// target batch; the optimizer step is taken as independent of the batch; the rest of the iteration (Python,
+// target batch (only on the probes that ran the same kernels as the largest one in that layer: the same number
+// of recorded ops); the optimizer step is taken as independent of the batch; the rest of the iteration (Python,
 // the loss, zero_grad: "other") is fitted like a layer. With data parallelism (DDP), gradients are reduced in
 // buckets filled in the order backward produces them (the first bucket 1 MiB, then 25 MiB, as DDP does after its
 // first iteration): a bucket's all-reduce starts when its last gradient is ready and the previous all-reduce
@@ -75,6 +76,10 @@ struct IterationTiming {
   // The same step run without the tracer (wall time, measured by the caller; -1: not measured). The tracer's
   // cost, wall_ns - untraced_wall_ns, is then taken out of every unit in proportion to its recorded ops.
   double untraced_wall_ns = -1;
+  // Convolutions on PyTorch's CPU im2col path (aten::thnn_conv2d, aten::slow_conv3d), which it takes for 1x1,
+  // stride-1 kernels on one thread below batch 16 and runs through mkldnn from 16 on: probes below 16 then
+  // time another kernel than a larger target runs (gpucast.forecast adds probes at 16 and above).
+  int64_t im2col_conv_ops = 0;
 };
 
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
