@@ -133,7 +133,7 @@ def ddp_worker(args):
 
 def ddp_cases(names, world, iterations, fraction):
     procs = []
-    env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE=str(world),
+    env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                 OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
     for r in range(world):
         env = dict(env0, RANK=str(r), LOCAL_RANK=str(r))

@@ -10,18 +10,41 @@
 
 namespace gpucast {
 
+namespace {
+
+double ring_model_us(double bytes, double n, const Link& link) {
+  return 2.0 * (n - 1.0) / n * bytes / link.bytes_per_us + 2.0 * (n - 1.0) * link.alpha_us;
+}
+
+// The measured samples where they apply (ring, the rank count they were measured on); < 0 otherwise.
+double from_samples_us(double bytes, int64_t ranks, const Link& link) {
+  const auto& s = link.samples;
+  if (s.empty() || ranks != link.sample_ranks) return -1.0;
+  const double n = static_cast<double>(ranks);
+  if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + ring_model_us(bytes, n, link) - ring_model_us(s.front().bytes, n, link));
+  if (bytes >= s.back().bytes) return s.back().us + ring_model_us(bytes, n, link) - ring_model_us(s.back().bytes, n, link);
+  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const CollectiveSample& x) { return b < x.bytes; });
+  const auto lo = hi - 1;
+  return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+}
+
+}  // namespace
+
 double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
   if (algo == Algorithm::Tree) {
     return bytes / link.bytes_per_us + 2.0 * std::log2(n) * link.alpha_us;
   }
-  return 2.0 * (n - 1.0) / n * bytes / link.bytes_per_us + 2.0 * (n - 1.0) * link.alpha_us;
+  const double measured = from_samples_us(bytes, ranks, link);
+  return measured >= 0 ? measured : ring_model_us(bytes, n, link);
 }
 
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
+  const double measured = from_samples_us(bytes, ranks, link);
+  if (measured >= 0) return measured / 2.0;
   return (n - 1.0) / n * bytes / link.bytes_per_us + (n - 1.0) * link.alpha_us;
 }
 
@@ -108,7 +131,13 @@ Topology Topology::parse(const std::string& text) {
                       {"gpus_per_node", F::PositiveInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
                       {"inter", F::String, std::string(), {}, "interconnect between nodes (interconnect table)"},
                       {"inter_alpha_us", F::String, std::string(), {}, "inter-node latency per ring step"},
-                      {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"}});
+                      {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"},
+                      {"samples", F::String, std::string(), {}, "measured intra-node all-reduces: BYTES/US;BYTES/US;..."},
+                      {"ranks", F::PositiveInt, int64_t{0}, {}, "the rank count the samples were measured on"},
+                      {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
+                      {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
+                      {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
+                      {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"}});
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
@@ -141,6 +170,44 @@ Topology Topology::parse(const std::string& text) {
   };
   side("intra", "alpha_us", "bytes_per_us", t.have_intra, t.intra);
   side("inter", "inter_alpha_us", "inter_bytes_per_us", t.have_inter, t.inter);
+  if (cfg.was_set("samples") != cfg.was_set("ranks")) {
+    GPUCAST_USER_ERROR("link: 'samples' and 'ranks' go together; got only '{}'", cfg.was_set("samples") ? "samples" : "ranks");
+  }
+  if (cfg.was_set("samples")) {
+    if (!t.have_intra) GPUCAST_USER_ERROR("link: 'samples' refine an intra-node link: give alpha_us and bytes_per_us too");
+    const std::string& text = cfg.get_string("samples");
+    std::vector<CollectiveSample> samples;
+    size_t start = 0;
+    while (start <= text.size()) {
+      const size_t end = std::min(text.find(';', start), text.size());
+      const std::string item = text.substr(start, end - start);
+      const size_t slash = item.find('/');
+      CollectiveSample s{-1, -1};
+      try {
+        size_t u1 = 0, u2 = 0;
+        if (slash != std::string::npos) {
+          s.bytes = std::stod(item.substr(0, slash), &u1);
+          s.us = std::stod(item.substr(slash + 1), &u2);
+        }
+        if (u1 != slash || u2 != item.size() - slash - 1) s.bytes = -1;
+      } catch (const std::exception&) {
+        s.bytes = -1;
+      }
+      if (!(s.bytes > 0) || !(s.us > 0) || !std::isfinite(s.bytes) || !std::isfinite(s.us)) {
+        GPUCAST_USER_ERROR("link: 'samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got "
+                           "'{}' in '{}'", item, text);
+      }
+      samples.push_back(s);
+      start = end + 1;
+    }
+    std::sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
+    t.intra.samples = std::move(samples);
+    t.intra.sample_ranks = cfg.get_int("ranks");
+  }
+  t.overlap = cfg.get_bool("overlap");
+  t.memory_contention = number("memory_contention", true);
+  t.compute_contention = number("compute_contention", true);
+  t.balance = number("balance", true);
   return t;
 }
 

@@ -386,6 +386,29 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   }
   f.other_ms = fit_at(other, b) / 1e6;
 
+  // Ranks sharing one host's memory and cores run slower together than the probe ran alone: each layer by its
+  // memory-bound share (bytes against FLOPs at the host's balance), the optimizer as memory-bound, the rest of
+  // the step as compute-bound.
+  const Topology& T = o.topology;
+  const bool contended = P.dp * P.tp * P.pp > 1 && (T.memory_contention != 1.0 || T.compute_contention != 1.0);
+  auto contention = [&](double flops, double bytes) {
+    if (!contended) return 1.0;
+    const double mem = bytes, cmp = flops / T.balance;
+    const double share = mem + cmp > 0 ? mem / (mem + cmp) : 0.5;
+    return share * T.memory_contention + (1.0 - share) * T.compute_contention;
+  };
+  if (contended) {
+    f.other_ms *= T.compute_contention;
+    optimizer_ns *= T.memory_contention;
+    f.notes.push_back(fmt::format("ranks share the host: memory-bound work x{:.3f}, compute-bound x{:.3f} when all "
+                                  "run at once (measured by gpucast.calibrate())",
+                                  T.memory_contention, T.compute_contention));
+  }
+  if (!T.overlap && P.dp * P.tp * P.pp > 1) {
+    f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "
+                      "their time adds to the step");
+  }
+
   // Links of the groups (tp innermost, then dp, then pp).
   auto link = [&](const char* what, int64_t ranks, int64_t stride) -> const Link* {
     const Link* l = o.topology.link_for(ranks, stride);
@@ -418,6 +441,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       lf.backward_ms = it->second.backward_ms;
       lf.source = it->second.source;
     }
+    const double slowdown = contention(l.flops, l.bytes);
+    lf.forward_ms *= slowdown;
+    lf.backward_ms *= slowdown;
     total_grad += l.grad_bytes;
     const size_t i = f.per_layer.size();
     // Megatron's pairs: a column-parallel matmul (with parameters) shards the activations until the next one,
@@ -564,6 +590,13 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     pass(backward_units, true);
     const double compute_only = t + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total;
     t_end = std::max(compute, comm_free);
+    if (!T.overlap) {  // the collectives take the cores from the compute: their time adds
+      double fsdp_comm = 0;
+      for (const CommForecast& c : f.comm) {
+        if (c.kind.rfind("fsdp_", 0) == 0) fsdp_comm += c.end_ms - c.start_ms;
+      }
+      t_end = compute_only + fsdp_comm;
+    }
     f.exposed_comm_ms += t_end - compute_only;
     f.step_ms = t_end + f.optimizer_ms;
     return f;
@@ -578,7 +611,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     auto flush = [&](double ready) {
       if (cur.bytes == 0) return;
       cur.ready_ms = ready;
-      cur.start_ms = std::max(ready, prev_end);
+      // Without overlap (the ranks' threads fill every core) the reductions run after backward, one by one.
+      cur.start_ms = std::max(T.overlap ? ready : backward_end, prev_end);
       cur.end_ms = add_comm(reduce_kind, static_cast<double>(cur.bytes), cur.start_ms,
                             reduce_us(static_cast<double>(cur.bytes)));
       prev_end = cur.end_ms;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 import time
 
@@ -9,11 +10,20 @@ import torch
 import torch.distributed as dist
 
 
-def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int = 5, timeout_s: float = 60.0,
+def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int = 9, timeout_s: float = 60.0,
               group=None) -> dict:
     """Time all-reduces of `sizes` bytes on the initialized process group and fit a ring link to them:
-    alpha_us (latency per step) and bytes_per_us. Every rank must call it. A collective that does not finish
-    within timeout_s raises instead of hanging."""
+    alpha_us (latency per step) and bytes_per_us; the samples themselves are kept (the forecast interpolates
+    between them). Every rank must call it. A collective that does not finish within timeout_s raises instead
+    of hanging.
+
+    On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
+    memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
+    rank at once: slowdown factors), balance (this host's FLOP per byte from those two, which splits a layer's
+    time into memory- and compute-bound shares) and overlap: False where the ranks' threads fill every core
+    (LOCAL_WORLD_SIZE, else the world size, times torch.get_num_threads(), against the cores this process may
+    run on), so that a collective takes its cores from the compute instead of running beside it. More threads
+    than cores set both factors to at least threads / cores (time sharing)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
@@ -24,26 +34,80 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    samples = []
-    for size in sizes:
-        t = torch.ones(int(size) // 4, dtype=torch.float32, device=device)
-        times = []
-        for i in range(repeats + 1):  # the first is a warm-up
+
+    def wait(work, what: str) -> None:
+        try:
+            ok = work.wait(timeout)
+        except RuntimeError as e:
+            raise TimeoutError(f"gpucast.calibrate: {what} did not complete within {timeout_s:g} s on {ranks} ranks "
+                               f"({backend}): {e}") from e
+        if ok is False:
+            raise TimeoutError(f"gpucast.calibrate: {what} did not complete within {timeout_s:g} s on {ranks} ranks "
+                               f"({backend})")
+
+    # In rounds over the sizes (the first round a warm-up), so that a slow spell of the machine spreads over every
+    # size instead of shifting one; each size's median.
+    buffers = [torch.ones(int(size) // 4, dtype=torch.float32, device=device) for size in sizes]
+    times = [[] for _ in sizes]
+    for i in range(repeats + 1):
+        for j, (size, t) in enumerate(zip(sizes, buffers)):
             t0 = time.perf_counter()
-            work = dist.all_reduce(t, group=group, async_op=True)
-            try:
-                ok = work.wait(timeout)
-            except RuntimeError as e:
-                raise TimeoutError(f"gpucast.calibrate: an all-reduce of {size} bytes did not complete within "
-                                   f"{timeout_s:g} s on {ranks} ranks ({backend}): {e}") from e
-            if ok is False:
-                raise TimeoutError(f"gpucast.calibrate: an all-reduce of {size} bytes did not complete within "
-                                   f"{timeout_s:g} s on {ranks} ranks ({backend})")
+            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i:
-                times.append((time.perf_counter() - t0) * 1e6)
-        samples.append((float(size), statistics.median(times)))
+                times[j].append((time.perf_counter() - t0) * 1e6)
+    samples = [(float(size), statistics.median(ts)) for size, ts in zip(sizes, times)]
+    del buffers
     alpha, bw = torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks)
-    return {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
-            "samples": [{"bytes": s, "us": u} for s, u in samples]}
+    out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
+           "samples": [{"bytes": s, "us": u} for s, u in samples]}
+    if device.type == "cpu":
+        out.update(_host_sharing(ranks, group, wait))
+    return out
+
+
+def _host_sharing(ranks: int, group, wait) -> dict:
+    """Contention between the ranks on this host's memory and cores, and whether collectives can overlap."""
+    rank = dist.get_rank(group)
+    src = torch.full((16 << 20,), 1, dtype=torch.uint8)  # 16 MiB: beyond the caches of most cores
+    dst = torch.empty_like(src)
+    a = torch.full((256, 256), 0.5)  # not random: the caller's RNG stays as it was
+    b = torch.full((256, 256), 0.25)
+
+    def copy() -> None:
+        for _ in range(8):
+            dst.copy_(src)
+
+    def matmul() -> None:
+        for _ in range(16):
+            a @ b
+
+    def timed(fn, active: bool) -> float:
+        fn()  # warm-up
+        ts = []
+        for _ in range(5):
+            wait(dist.barrier(group=group, async_op=True), "a barrier")
+            t0 = time.perf_counter()
+            if active:
+                fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    alone_copy, all_copy = timed(copy, rank == 0), timed(copy, True)
+    alone_mm, all_mm = timed(matmul, rank == 0), timed(matmul, True)
+    # Rank 0's factors, shared with every rank so that all return the same result.
+    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm,
+                      (16 * 2 * 256 ** 3 / alone_mm) / (8 * 2 * src.numel() / alone_copy)], dtype=torch.float64)
+    wait(dist.broadcast(f, 0, group=group, async_op=True), "a broadcast")
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    # More threads than cores share them in time: at least that factor, however the short measurement fell.
+    share = local * torch.get_num_threads() / cores
+    return {"memory_contention": round(max(f[0].item(), share, 1.0), 4),
+            "compute_contention": round(max(f[1].item(), share, 1.0), 4),
+            "balance": round(f[2].item(), 4), "overlap": local * torch.get_num_threads() < cores,
+            "cores": cores, "local_ranks": local, "threads": torch.get_num_threads()}

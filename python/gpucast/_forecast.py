@@ -37,7 +37,8 @@ def devices() -> list[dict]:
     return rows
 
 
-_LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us")
+_LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
+              "samples", "ranks", "overlap", "memory_contention", "compute_contention", "balance")
 
 
 def _format_link(link: dict | str | None) -> str:
@@ -53,7 +54,22 @@ def _format_link(link: dict | str | None) -> str:
     if not any(k in link for k in _LINK_KEYS):
         raise ValueError("forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() returns) "
                          f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
-    return ",".join(f"{k}:{link[k]}" for k in _LINK_KEYS if k in link)
+    def text(k, v):
+        if k == "samples" and isinstance(v, (list, tuple)):  # what calibrate() returns: [{"bytes":, "us":}, ...]
+            try:
+                return ";".join(f"{float(x['bytes']):.17g}/{float(x['us']):.17g}" for x in v)
+            except (TypeError, KeyError, ValueError) as e:
+                raise ValueError(f"link: 'samples' should be a list of {{'bytes': ..., 'us': ...}} as "
+                                 f"gpucast.calibrate() returns, got {v!r}") from e
+        if isinstance(v, bool):
+            return "True" if v else "False"
+        return v
+    keys = [k for k in _LINK_KEYS if k in link]
+    if "samples" in keys and "alpha_us" not in keys and "intra" not in keys:
+        keys.remove("samples")  # samples refine an intra-node link; alone they are not one
+    if "samples" not in keys and "ranks" in keys:
+        keys.remove("ranks")
+    return ",".join(f"{k}:{text(k, link[k])}" for k in keys)
 
 
 def _format_parallel(parallel: dict | None) -> str:

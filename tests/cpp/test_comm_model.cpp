@@ -22,6 +22,54 @@ TEST(CommModel, RingAllReduceByHand) {
   EXPECT_DOUBLE_EQ(all_gather_us(1000, 4, link), 22.5);
 }
 
+TEST(CommModel, MeasuredSamplesAreInterpolatedForTheirRankCount) {
+  Topology t = Topology::parse("alpha_us:5,bytes_per_us:100,samples:4000/300;1000/100,ranks:2");
+  const Link& l = t.intra;
+  ASSERT_EQ(l.samples.size(), 2u);
+  EXPECT_EQ(l.samples[0].bytes, 1000);  // sorted by size
+  EXPECT_EQ(l.sample_ranks, 2);
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 2, l), 100.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(2500, 2, l), 200.0);  // halfway between the samples
+  EXPECT_DOUBLE_EQ(reduce_scatter_us(2500, 2, l), 100.0);
+  // Outside them: the model (2(N-1)/N S/B + 2(N-1) alpha) shifted through the nearest sample.
+  EXPECT_DOUBLE_EQ(allreduce_us(6000, 2, l), 300.0 + (6000.0 - 4000.0) / 100.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(500, 2, l), 100.0 - 500.0 / 100.0);
+  // Another rank count: the model alone.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, l), 2 * 3 / 4.0 * 1000 / 100 + 6 * 5);
+  EXPECT_TRUE(t.overlap);
+  EXPECT_EQ(t.memory_contention, 1.0);
+  EXPECT_EQ(t.balance, 5.0);
+  t = Topology::parse("alpha_us:5,bytes_per_us:100,overlap:False,memory_contention:1.25,compute_contention:1.5,"
+                      "balance:2");
+  EXPECT_FALSE(t.overlap);
+  EXPECT_EQ(t.memory_contention, 1.25);
+  EXPECT_EQ(t.compute_contention, 1.5);
+  EXPECT_EQ(t.balance, 2.0);
+}
+
+TEST(CommModel, BadSamplesAreNamed) {
+  auto message = [](const std::string& text) {
+    try {
+      Topology::parse(text);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,samples:1000/100"),
+            "link: 'samples' and 'ranks' go together; got only 'samples'");
+  EXPECT_EQ(message("samples:1000/100,ranks:2"),
+            "link: 'samples' refine an intra-node link: give alpha_us and bytes_per_us too");
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,samples:1000/100;2000,ranks:2"),
+            "link: 'samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got '2000' in "
+            "'1000/100;2000'");
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,samples:1000/-1,ranks:2"),
+            "link: 'samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got '1000/-1' in "
+            "'1000/-1'");
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,memory_contention:0"),
+            "link: 'memory_contention' should be a positive number, got '0'");
+}
+
 TEST(CommModel, FitRecoversAKnownLink) {
   const Link truth{12.0, 250.0};
   std::vector<CollectiveSample> samples;

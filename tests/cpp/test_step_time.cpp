@@ -195,6 +195,46 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.topology.intra) / 1e3, 1e-9);
 }
 
+TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  for (IterationTiming& p : probes) {
+    p.layers[0].flops = 0, p.layers[0].bytes = 100;   // Net.a memory-bound
+    p.layers[1].flops = 400, p.layers[1].bytes = 100;  // Net.b: half and half at 4 FLOP per byte
+  }
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel.dp = 2;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,memory_contention:1.5,compute_contention:1.1,balance:4");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  // k = 2 ms at 8 per rank: Net.a 2 + 8 ms at x1.5; Net.b 4 + 6 ms at x1.3; the optimizer x1.5, the rest x1.1.
+  EXPECT_NEAR(f.per_layer[0].forward_ms, 2.0 * 1.5, 1e-9);
+  EXPECT_NEAR(f.per_layer[1].backward_ms, 6.0 * 1.3, 1e-9);
+  EXPECT_NEAR(f.optimizer_ms, 500 / 1e6 * 1.5, 1e-12);
+  EXPECT_NEAR(f.other_ms, 40 / 1e6 * 1.1, 1e-12);
+  EXPECT_EQ(f.notes[0], "ranks share the host: memory-bound work x1.500, compute-bound x1.100 when all run at once "
+                        "(measured by gpucast.calibrate())");
+  // One process: nothing to contend with.
+  o.parallel.dp = 1;
+  o.batch_size = 8;
+  EXPECT_NEAR(forecast_step_time(probes, o).per_layer[0].forward_ms, 2.0, 1e-9);
+  // Without overlap, with a 500 KiB first bucket: both buckets run after backward, one after the other.
+  o.parallel.dp = 2;
+  o.batch_size = 16;
+  o.first_bucket_bytes = 500 << 10;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,overlap:False");
+  const StepTimeForecast g = forecast_step_time(probes, o);
+  ASSERT_EQ(g.buckets.size(), 2u);
+  const double ar = allreduce_us(600 << 10, 2, o.topology.intra) / 1e3;
+  const double bwd_end = 40 / 1e6 + 6.0 + 14.0;
+  EXPECT_NEAR(g.buckets[0].start_ms, bwd_end, 1e-9);
+  EXPECT_NEAR(g.buckets[1].start_ms, bwd_end + ar, 1e-9);
+  EXPECT_NEAR(g.exposed_comm_ms, 2 * ar, 1e-9);
+  EXPECT_NEAR(g.step_ms, g.compute_ms + 2 * ar, 1e-9);
+  EXPECT_EQ(g.notes[0], "collectives do not overlap the compute (the ranks' threads fill every core of the host): "
+                        "their time adds to the step");
+}
+
 TEST(StepTime, BadOptions) {
   std::vector<IterationTiming> probes = {iteration_timing(make_trace(1000), 2)};
   StepTimeOptions o;

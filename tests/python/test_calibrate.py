@@ -55,6 +55,17 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert r["ranks"] == 2 and r["backend"] == "gloo"
     assert [s["bytes"] for s in r["samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert r["bytes_per_us"] > 0 and r["alpha_us"] >= 0
+    # How the two ranks share this host: one thread each, LOCAL_WORLD_SIZE unset (the world: 2 ranks).
+    assert r["local_ranks"] == 2 and r["threads"] == 1 and r["cores"] == len(os.sched_getaffinity(0))
+    assert r["overlap"] is (2 < r["cores"])
+    assert r["memory_contention"] >= 1.0 and r["compute_contention"] >= 1.0 and r["balance"] > 0
+    # What the forecast reads from it: the samples, their rank count and the host keys.
+    from gpucast._forecast import _format_link
+    text = _format_link(r)
+    assert text.startswith(f"alpha_us:{r['alpha_us']},bytes_per_us:{r['bytes_per_us']},samples:65536/")
+    assert text.endswith(f",ranks:2,overlap:{r['overlap']},memory_contention:{r['memory_contention']},"
+                         f"compute_contention:{r['compute_contention']},balance:{r['balance']}")
+    assert text.count(";") == 3
 
 
 def test_a_collective_that_hangs_times_out(tmp_path):

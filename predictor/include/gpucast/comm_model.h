@@ -13,9 +13,21 @@
 
 namespace gpucast {
 
+struct CollectiveSample {
+  double bytes = 0.0;
+  double us = 0.0;
+};
+
 struct Link {
+  Link() = default;
+  Link(double alpha, double bandwidth) : alpha_us(alpha), bytes_per_us(bandwidth) {}
   double alpha_us = 0.0;        // latency per step
   double bytes_per_us = 0.0;    // bandwidth of one link (bus bandwidth as nccl-tests reports it)
+  // All-reduce times measured on this link over sample_ranks ranks (gpucast.calibrate()), sorted by size. For
+  // that rank count, a ring all-reduce inside the measured sizes is interpolated between its neighbours; outside
+  // them, the alpha-beta model shifted to pass through the nearest sample.
+  std::vector<CollectiveSample> samples;
+  int64_t sample_ranks = 0;
 };
 
 enum class Algorithm { Ring, Tree };
@@ -25,11 +37,6 @@ double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm alg
 // Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
 double all_gather_us(double bytes, int64_t ranks, const Link& link);
-
-struct CollectiveSample {
-  double bytes = 0.0;
-  double us = 0.0;
-};
 
 // Least-squares fit of a ring all-reduce link to measured times (weighted by 1/time, so that small and large
 // messages count alike). Throws UserError for fewer than two samples or a non-positive fit.
@@ -55,8 +62,17 @@ struct Topology {
   Link intra;                   // the link inside a node (or the one gpucast.calibrate() measured)
   bool have_inter = false;
   Link inter;
+  // Ranks sharing the host's cores and memory (gpucast.calibrate() on CPU backends): whether a collective runs
+  // beside the compute (false: the ranks' threads fill every core, so its time adds to the step), and how much
+  // slower memory-bound and compute-bound work runs when every rank works at once. A layer's time splits into
+  // the two by its bytes and FLOPs at `balance` FLOP per byte.
+  bool overlap = true;
+  double memory_contention = 1.0;
+  double compute_contention = 1.0;
+  double balance = 5.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
-  // "inter_alpha_us:..,inter_bytes_per_us:..". Errors name the key.
+  // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
+  // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3". Errors name the key.
   static Topology parse(const std::string& text);
   // The link of a group of `ranks` ranks whose members are `stride` ranks apart; nullptr when unknown.
   const Link* link_for(int64_t ranks, int64_t stride) const;
