@@ -83,19 +83,23 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         for _ in range(16):
             a @ b
 
-    def timed(fn, active: bool) -> float:
-        fn()  # warm-up
-        ts = []
-        for _ in range(5):
-            wait(dist.barrier(group=group, async_op=True), "a barrier")
-            t0 = time.perf_counter()
-            if active:
-                fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    def once(fn, active: bool) -> float:
+        wait(dist.barrier(group=group, async_op=True), "a barrier")
+        t0 = time.perf_counter()
+        if active:
+            fn()
+        return time.perf_counter() - t0
 
-    alone_copy, all_copy = timed(copy, rank == 0), timed(copy, True)
-    alone_mm, all_mm = timed(matmul, rank == 0), timed(matmul, True)
+    copy(), matmul()  # warm-up
+    # Alone and all at once in alternation, so that a slow spell of the machine falls on both; medians.
+    runs = {k: [] for k in ("alone_copy", "all_copy", "alone_mm", "all_mm")}
+    for _ in range(9):
+        runs["alone_copy"].append(once(copy, rank == 0))
+        runs["all_copy"].append(once(copy, True))
+        runs["alone_mm"].append(once(matmul, rank == 0))
+        runs["all_mm"].append(once(matmul, True))
+    alone_copy, all_copy, alone_mm, all_mm = (statistics.median(runs[k]) for k in
+                                              ("alone_copy", "all_copy", "alone_mm", "all_mm"))
     # Rank 0's factors, shared with every rank so that all return the same result.
     f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm,
                       (16 * 2 * 256 ** 3 / alone_mm) / (8 * 2 * src.numel() / alone_copy)], dtype=torch.float64)
