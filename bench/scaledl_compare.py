@@ -213,6 +213,8 @@ def sparse_timing(records, fraction: float, seeds: int = 5):
     out = {"d-optimal": [], "random": [], "all": []}
     layer_err = {"d-optimal": [], "random": []}
     for r in records:
+        # The layer models' prior: the device rates measured when the case was recorded, as forecast() passes them.
+        prior = (r["global"]["peak_gflops"] * 1e9, r["global"]["mem_gbps"] * 1e9)
         full = json.loads(torch.ops.gpucast.forecast_step_time(r["timings"], r["batch"], "", "", 1.0, 1.0))
         out["all"].append(full["step_ms"])
         ref = {x["layer"]: x["forward_ms"] + x["backward_ms"] for x in full["per_layer"]}
@@ -220,7 +222,7 @@ def sparse_timing(records, fraction: float, seeds: int = 5):
             steps, lerr = [], []
             for seed in runs:
                 fc = json.loads(torch.ops.gpucast.forecast_step_time(r["timings"], r["batch"], "", "", 1.0, fraction,
-                                                                     design, seed))
+                                                                     design, seed, *prior))
                 steps.append(fc["step_ms"])
                 untimed = [x for x in fc["per_layer"] if x["source"] != "measured"]
                 meas = sum(ref[x["layer"]] for x in untimed)

@@ -45,6 +45,26 @@ bool is_view(std::string_view b) {
                     "lift_fresh", "numpy_T", "mT", "movedim", "swapaxes", "diagonal", "unfold"});
 }
 
+// An op that hands back one of its inputs (dropout with p = 0, contiguous() of a contiguous tensor, an identity):
+// every output shares an input's storage and the op is not in-place (in-place ops, "add_", write what they
+// return).
+bool passes_through(const OpRecord& op, std::string_view b) {
+  if (b.empty() || b.back() == '_' || op.outputs.empty()) return false;
+  bool any = false;
+  for (const Value& out : op.outputs) {
+    for (const TensorMeta& m : out.tensors) {
+      if (m.storage == 0) return false;
+      bool found = false;
+      for (const Value& in : op.inputs) {
+        for (const TensorMeta& x : in.tensors) found = found || x.storage == m.storage;
+      }
+      if (!found) return false;
+      any = true;
+    }
+  }
+  return any;
+}
+
 bool is_softmax(std::string_view b) {
   return one_of(b, {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"});
 }
@@ -548,7 +568,7 @@ std::string_view op_cost_kind(std::string_view name) {
 
 double op_flops(const OpRecord& op) {
   const std::string_view b = base_name(op.name);
-  if (is_view(b)) return 0;
+  if (is_view(b) || passes_through(op, b)) return 0;
   const std::vector<Value>& in = op.inputs;
   double f = 0;
   switch (kind_index(op_cost_kind(b))) {
@@ -578,7 +598,7 @@ double op_flops(const OpRecord& op) {
 }
 
 double op_bytes(const OpRecord& op) {
-  if (is_view(base_name(op.name))) return 0;
+  if (is_view(base_name(op.name)) || passes_through(op, base_name(op.name))) return 0;
   double total = 0;
   for (const std::vector<Value>* values : {&op.inputs, &op.outputs}) {
     for (const Value& v : *values) {

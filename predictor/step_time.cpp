@@ -363,22 +363,24 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       }
       other.emplace_back(p.batch, std::max(0.0, k * (p.wall_ns - p.optimizer_ns - layers)));
     }
-    // Untimed layers at the target batch: costs fitted over the probes like times, then the model.
-    std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> cost_pts;
+    // Untimed layers at the target batch: the model prices each at the probes' batch sizes, where it was fitted,
+    // and those times are fitted over the batch like measured ones.
+    std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> model_pts;
+    std::unordered_map<std::string, std::string> model_source;
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
-        cost_pts[l.layer].first.emplace_back(p.batch, l.flops);
-        cost_pts[l.layer].second.emplace_back(p.batch, l.bytes);
+        if (timed[l.layer]) continue;
+        const LayerPrediction pr = model.predict(cost_of(l));
+        model_pts[l.layer].first.emplace_back(p.batch, pr.forward_ns);
+        model_pts[l.layer].second.emplace_back(p.batch, pr.backward_ns);
+        model_source[l.layer] = pr.source;
       }
     }
     for (const LayerTiming& l : ref.layers) {
       if (timed[l.layer]) continue;
-      LayerCost c = cost_of(l);
-      c.flops = fit_at(cost_pts[l.layer].first, b);
-      c.bytes = fit_at(cost_pts[l.layer].second, b);
-      const LayerPrediction pr = model.predict(c);
-      LayerForecast lf{l.layer, pr.forward_ns * k / 1e6, pr.backward_ns * k / 1e6, l.grad_bytes};
-      lf.source = pr.source;
+      auto& [fw, bw] = model_pts[l.layer];
+      LayerForecast lf{l.layer, fit_at(fw, b) * k / 1e6, fit_at(bw, b) * k / 1e6, l.grad_bytes};
+      lf.source = model_source[l.layer];
       modelled[l.layer] = lf;
     }
     f.notes.push_back(fmt::format("timed {} of {} layers ({} design); the rest from per-kind roofline models: {}",

@@ -170,6 +170,19 @@ TEST(LayerModel, Bytes) {
                                  {tensor({4}, "float16"), tensor({2}, "uint8")});
   EXPECT_EQ(op_bytes(mixed), 20.0 + 24 + 5 + 16 + 28 + 8 + 0 + 0 + 4 * 7 + 8 + 2);
   EXPECT_EQ(op_bytes(make_op("aten::transpose", {tensor({4, 8})}, {tensor({8, 4})})), 0.0);
+  // An op that hands back its input (dropout with p = 0) moves nothing and computes nothing; an in-place op
+  // writes what it returns; an op whose output is new storage moves both.
+  auto on = [](Value v, uint64_t storage) {
+    v.tensors[0].storage = storage;
+    return v;
+  };
+  const OpRecord same = make_op("aten::dropout", {on(tensor({4, 8}), 7), scalar(0), other()}, {on(tensor({4, 8}), 7)});
+  EXPECT_EQ(op_bytes(same), 0.0);
+  EXPECT_EQ(op_flops(same), 0.0);
+  EXPECT_EQ(op_bytes(make_op("aten::relu_", {on(tensor({4, 8}), 7)}, {on(tensor({4, 8}), 7)})), 4.0 * 64);
+  EXPECT_EQ(op_bytes(make_op("aten::dropout", {on(tensor({4, 8}), 7), scalar(0.1), other()}, {on(tensor({4, 8}), 8)})),
+            4.0 * 64);
+  EXPECT_EQ(op_bytes(make_op("aten::dropout", {tensor({4, 8}), scalar(0), other()}, {tensor({4, 8})})), 4.0 * 64);
 }
 
 // Two iterations (batch 2, then 4), each: net.fc (linear over a t + addmm, relu), net.norm (layer_norm),

@@ -96,7 +96,8 @@ struct StepTimeOptions {
   double time_scale = 1.0;
   // Sparse timing: the fraction of layers whose times are used (1: all), chosen by a "d-optimal" or "random"
   // design; the others are predicted by per-kind roofline models fitted on them, from `prior` where a kind
-  // has no timed layer.
+  // has no timed layer: priced at each probe's batch (where the models were fitted), then fitted over the batch
+  // like measured layers.
   double time_fraction = 1.0;
   std::string design = "d-optimal";
   uint64_t design_seed = 0;
