@@ -320,7 +320,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     one warm-up and three timed iterations untraced, then the faster of two traced ones), evaluated at each
     rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
     convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
-    are added so that those layers are timed on the kernels the target runs), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
+    are added so that those layers are timed on the kernels the target runs; where the per-rank target is more
+    than 8 times the largest probe, a timing-only probe at a quarter of it is added when the probes forecast
+    its step under 1 s), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
@@ -370,6 +372,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     probe_device = "cpu"
     timings = []
     kernel_probes = []  # timing-only probes at the batch sizes where the target's kernels start
+    reach_probes = []  # a timing-only probe nearer a target far beyond the probes
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -401,7 +404,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 forecaster.add_probe_seq(t.result.handle, b, length)
             del batch, t
             state.restore()
-        for b in _kernel_probes(timings, batch_size, parallel, target, probe_device, design):
+        def timing_probe(b: int) -> None:
             if show:
                 print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
             gc.collect()
@@ -409,9 +412,15 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             for _ in range(iterations):  # what the memory trace does for the other probes: first steps
                 step(batch)
             timings.append(_steady_timing(step, batch, b))
-            kernel_probes.append(b)
             del batch
             state.restore()
+
+        for b in _kernel_probes(timings, batch_size, parallel, target, probe_device, design):
+            timing_probe(b)
+            kernel_probes.append(b)
+        for b in _reach_probes(timings, batch_size, parallel, target, probe_device, design):
+            timing_probe(b)
+            reach_probes.append(b)
     finally:
         state.restore()
         if sys.stderr.isatty():
@@ -433,6 +442,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                 f"one thread below batch 16), the target batch runs them through mkldnn: timing "
                                 f"probes at batch {', '.join(map(str, kernel_probes))} added, and those layers "
                                 f"fitted on them")
+    if time_fc is not None and reach_probes:
+        time_fc.notes.insert(0, f"the target batch is more than {_REACH:g} times the largest probe: a timing probe at "
+                                f"batch {reach_probes[0]} added (its forecast step under {_REACH_BUDGET_S:g} s), so "
+                                f"that the fits extrapolate 4 times at most")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer))
@@ -466,6 +479,32 @@ def _kernel_probes(timings: list, batch_size: int, parallel: dict | None, target
         return []
     lo = _MKLDNN_CONV_MIN_BATCH
     return [lo] + ([lo + lo // 2] if per_rank >= lo + lo // 2 else [])
+
+
+# Beyond this many times the largest probe, a slope's noise is multiplied into the forecast: a timing probe at a
+# quarter of the per-rank target is added when the probes forecast its step under the budget (CPU targets).
+_REACH = 8
+_REACH_BUDGET_S = 1.0
+
+
+def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
+                  design: list) -> list:
+    """A batch size to time in addition, nearer a target far beyond the probes: a quarter of the per-rank target
+    where the target is more than _REACH times the largest probe and the probes forecast the step at that quarter
+    under _REACH_BUDGET_S."""
+    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
+        return []
+    p = parallel or {}
+    try:
+        per_rank = batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
+    except (TypeError, ValueError):
+        return []  # the forecaster's parser reports the bad value, naming the key
+    largest = max(json.loads(x)["batch"] for x in timings)
+    if per_rank <= _REACH * largest:
+        return []
+    b = per_rank // 4
+    est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b, "", "", 1.0, 1.0, "d-optimal", 0, 0.0, 0.0))
+    return [b] if est["step_ms"] <= _REACH_BUDGET_S * 1e3 else []
 
 
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, warm: int = 1, runs: int = 3,
