@@ -454,6 +454,19 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     return fc
 
 
+def _timing_probe_target(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
+                         design: list) -> int | None:
+    """Each rank's batch where timing-only probes may be added (CPU probes for a CPU target, batch probes only);
+    None elsewhere."""
+    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
+        return None
+    p = parallel or {}
+    try:
+        return batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
+    except (TypeError, ValueError):
+        return None  # the forecaster's parser reports the bad value, naming the key
+
+
 # PyTorch's CPU convolution runs 1x1, stride-1 kernels on one thread through im2col (thnn_conv2d) below this
 # batch size and through mkldnn from it on (aten/src/ATen/native/Convolution.cpp, ConvParams::use_mkldnn).
 _MKLDNN_CONV_MIN_BATCH = 16
@@ -465,15 +478,9 @@ def _kernel_probes(timings: list, batch_size: int, parallel: dict | None, target
     batch runs: where the probes' convolutions took the CPU im2col path and the per-rank target batch is at
     least 16, probes at 16 and at 24 (when the target is that large). Timing only: the memory forecast keeps
     the probes' traces."""
-    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
-        return []
-    p = parallel or {}
-    try:
-        per_rank = batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
-    except (TypeError, ValueError):
-        return []  # the forecaster's parser reports the bad value, naming the key
+    per_rank = _timing_probe_target(timings, batch_size, parallel, target, probe_device, design)
     largest = max(b for b, _ in design)
-    if per_rank < _MKLDNN_CONV_MIN_BATCH or largest >= _MKLDNN_CONV_MIN_BATCH:
+    if per_rank is None or per_rank < _MKLDNN_CONV_MIN_BATCH or largest >= _MKLDNN_CONV_MIN_BATCH:
         return []
     if not any(json.loads(x).get("im2col_conv_ops", 0) > 0 for x in timings):
         return []
@@ -492,15 +499,9 @@ def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target:
     """A batch size to time in addition, nearer a target far beyond the probes: a quarter of the per-rank target
     where the target is more than _REACH times the largest probe and the probes forecast the step at that quarter
     under _REACH_BUDGET_S."""
-    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
-        return []
-    p = parallel or {}
-    try:
-        per_rank = batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
-    except (TypeError, ValueError):
-        return []  # the forecaster's parser reports the bad value, naming the key
-    largest = max(json.loads(x)["batch"] for x in timings)
-    if per_rank <= _REACH * largest:
+    per_rank = _timing_probe_target(timings, batch_size, parallel, target, probe_device, design)
+    largest = max((json.loads(x)["batch"] for x in timings), default=0)
+    if per_rank is None or per_rank <= _REACH * largest:
         return []
     b = per_rank // 4
     est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b, "", "", 1.0, 1.0, "d-optimal", 0, 0.0, 0.0))
