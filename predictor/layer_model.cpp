@@ -65,6 +65,12 @@ bool passes_through(const OpRecord& op, std::string_view b) {
   return any;
 }
 
+}  // namespace
+
+bool is_im2col_conv(std::string_view name) { return name == "aten::thnn_conv2d" || name == "aten::slow_conv3d"; }
+
+namespace {
+
 bool is_softmax(std::string_view b) {
   return one_of(b, {"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"});
 }

@@ -12,6 +12,7 @@
 
 #include "gpucast/config.h"
 #include "gpucast/error.h"
+#include "gpucast/layer_model.h"
 #include "gpucast/trace_summary.h"
 
 namespace gpucast {
@@ -187,12 +188,11 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
   return s;
 }
 
-// Where two probes' structures first differ; empty when they match.
 bool uses_im2col_conv(const Trace& t) {
-  return std::any_of(t.ops.begin(), t.ops.end(),
-                     [](const OpRecord& op) { return op.name == "aten::thnn_conv2d" || op.name == "aten::slow_conv3d"; });
+  return std::any_of(t.ops.begin(), t.ops.end(), [](const OpRecord& op) { return is_im2col_conv(op.name); });
 }
 
+// Where two probes' structures first differ; empty when they match.
 std::string structure_difference(const Stream& a, const Trace& ta, const Stream& b, const Trace& tb) {
   const size_t n = std::min(a.entries.size(), b.entries.size());
   auto op_name = [](const Trace& t, int64_t op) { return op >= 0 ? t.ops[op].name : std::string("<no op>"); };

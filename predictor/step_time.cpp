@@ -128,7 +128,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     if (first_ns < 0 || op.start_ns < first_ns) first_ns = op.start_ns;
     last_ns = std::max(last_ns, op.end_ns);
     if (op.device_ns >= 0) device = true;
-    if (op.name == "aten::thnn_conv2d" || op.name == "aten::slow_conv3d") ++it.im2col_conv_ops;
+    if (is_im2col_conv(op.name)) ++it.im2col_conv_ops;
     const bool top = op.parent < 0;
     if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
       it.optimizer_ns += duration(op);

@@ -36,6 +36,10 @@ inline constexpr std::array<std::string_view, 7> kLayerCostKinds = {"matmul", "c
 //   embedding: embedding, embedding_bag; pool: max_pool*, avg_pool*, adaptive_*; everything else: elementwise.
 std::string_view op_cost_kind(std::string_view name);
 
+// PyTorch's CPU im2col convolution (aten::thnn_conv2d, aten::slow_conv3d): what it runs for 1x1, stride-1
+// kernels on one thread below batch 16, where from 16 on it runs mkldnn.
+bool is_im2col_conv(std::string_view name);
+
 // Forward FLOPs of one op from its recorded shapes, 2 per multiply-add:
 //   mm, addmm (mat1 [M,K], mat2 [K,N]), linear (input [...,K], weight [N,K]), matmul (broadcast batch dims):
 //     2 * batch * M * N * K; bmm, baddbmm: 2 * B * M * N * K;
