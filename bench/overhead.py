@@ -3,10 +3,12 @@
 For each model (GPT-style example and the CNN, AdamW, one thread):
   gpucast_ratio   traced iteration / untraced iteration; the traced time is the whole
                   `with gpucast.trace()` block: hooks, start, the iteration, stop and assembly
+  timing_ratio    the same with the light trace the forecast times its probes with
+                  (record_shapes=False, memory=False: ops, modules and clocks only)
   profiler_ratio  torch.profiler(record_shapes=True, profile_memory=True) block / untraced
   after_ratio     untraced iteration in a process that has imported gpucast and traced once /
                   untraced iteration in a process that never imported gpucast
-The first two are interleaved in one process (untraced, gpucast, profiler, untraced, ...); the third
+The first three are interleaved in one process (untraced, gpucast, timing, profiler, untraced, ...); the third
 alternates fresh worker processes of both kinds. Medians with interquartile ranges.
 
 Because after_ratio's target (1.01) is below this machine's timing noise, instructions are also
@@ -68,15 +70,20 @@ def in_process(name, iters):
         with gpucast.trace():
             step(batch)
 
+    def timing():
+        with gpucast.trace(record_shapes=False, memory=False):
+            step(batch)
+
     def profiled():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     record_shapes=True, profile_memory=True):
             step(batch)
 
-    times = {"untraced": [], "gpucast": [], "profiler": []}
+    times = {"untraced": [], "gpucast": [], "timing": [], "profiler": []}
     for _ in range(iters):
         times["untraced"].append(timed(lambda: step(batch)))
         times["gpucast"].append(timed(traced))
+        times["timing"].append(timed(timing))
         times["profiler"].append(timed(profiled))
     return times
 
@@ -165,19 +172,23 @@ def main():
         ap.error(f"--iters must be at least 10, got {args.iters}")
 
     results = []
-    print(f"{'model':<6} {'untraced ms':>12} {'gpucast':>16} {'torch.profiler':>16} {'after tracing':>16}")
+    print(f"{'model':<6} {'untraced ms':>12} {'gpucast':>16} {'timing trace':>16} {'torch.profiler':>16} "
+          f"{'after tracing':>16}")
     for name in args.models.split(","):
         times = in_process(name, args.iters)
         um, uiqr = quantiles(times["untraced"])
         gm, giqr = quantiles(times["gpucast"])
+        tm, tiqr = quantiles(times["timing"])
         pm, piqr = quantiles(times["profiler"])
         ar, aiqr, _ = after_ratio(name, args.rounds, args.iters)
         row = {"model": name, "untraced_ms": round(um * 1e3, 3), "untraced_iqr_ms": round(uiqr * 1e3, 3),
                "gpucast_ratio": round(gm / um, 4), "gpucast_iqr": round(giqr / um, 4),
+               "timing_ratio": round(tm / um, 4), "timing_iqr": round(tiqr / um, 4),
                "profiler_ratio": round(pm / um, 4), "profiler_iqr": round(piqr / um, 4),
                "after_ratio": round(ar, 4), "after_iqr": round(aiqr, 4)}
         results.append(row)
         print(f"{name:<6} {um * 1e3:>8.2f} ±{uiqr * 1e3:<5.2f} {gm / um:>8.3f}× ±{giqr / um:<5.3f} "
+              f"{tm / um:>8.3f}× ±{tiqr / um:<5.3f} "
               f"{pm / um:>8.3f}× ±{piqr / um:<5.3f} {ar:>8.3f}× ±{aiqr:<5.3f}")
 
     summary = {"bench": "overhead", "results": results}

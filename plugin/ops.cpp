@@ -265,6 +265,13 @@ TORCH_LIBRARY(gpucast, m) {
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });
+  m.def("timing_with_structure(str timing, str structure) -> str",
+        [](const std::string& timing, const std::string& structure) {
+          return gpucast::translate([&] {
+            return gpucast::iteration_timing_to_json(gpucast::with_structure(
+                gpucast::iteration_timing_from_json(timing), gpucast::iteration_timing_from_json(structure)));
+          });
+        });
   m.def("interconnects() -> str", [] {
     std::string out = "[";
     for (const auto& i : gpucast::interconnect_table()) {

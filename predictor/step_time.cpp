@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <tuple>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -192,6 +193,37 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   it.other_ns = std::max(0.0, it.wall_ns - layers - it.optimizer_ns);
   it.clock = device ? "device" : "cpu";
   return it;
+}
+
+IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure) {
+  std::map<std::string, int64_t> here;
+  for (size_t i = 0; i < timing.layers.size(); ++i) here.emplace(timing.layers[i].layer, static_cast<int64_t>(i));
+  std::vector<int64_t> to_here(structure.layers.size(), -1);
+  for (size_t i = 0; i < structure.layers.size(); ++i) {
+    const LayerTiming& s = structure.layers[i];
+    auto pos = here.find(s.layer);
+    if (pos == here.end()) continue;
+    to_here[i] = pos->second;
+    LayerTiming& l = timing.layers[static_cast<size_t>(pos->second)];
+    l.cost_kind = s.cost_kind;
+    l.flops = s.flops;
+    l.bytes = s.bytes;
+    l.ops = s.ops;
+    l.out_bytes = s.out_bytes;
+    l.grad_bytes = s.grad_bytes;
+  }
+  timing.edges.clear();
+  for (const LayerEdge& e : structure.edges) {
+    if (e.src < 0 || e.dst < 0 || static_cast<size_t>(e.src) >= to_here.size() ||
+        static_cast<size_t>(e.dst) >= to_here.size()) {
+      continue;
+    }
+    const int64_t src = to_here[static_cast<size_t>(e.src)], dst = to_here[static_cast<size_t>(e.dst)];
+    if (src >= 0 && dst >= 0) timing.edges.push_back({src, dst, e.bytes});
+  }
+  std::sort(timing.edges.begin(), timing.edges.end(),
+            [](const LayerEdge& a, const LayerEdge& b) { return std::tie(a.src, a.dst) < std::tie(b.src, b.dst); });
+  return timing;
 }
 
 namespace {

@@ -140,6 +140,7 @@ struct ThreadState {
   // pointer (checked against the text, since a scope's name may be a temporary) saves hashing the name.
   struct CacheEntry {
     const char* ptr = nullptr;
+    const char* interned = nullptr;  // the interned copy's text (a deque's strings do not move)
     int32_t id = -1;
   };
   std::array<CacheEntry, 512> name_cache{};
@@ -147,9 +148,10 @@ struct ThreadState {
   int32_t intern(const char* text) {
     if (text == nullptr) text = "";
     CacheEntry& c = name_cache[(reinterpret_cast<uintptr_t>(text) >> 3) % name_cache.size()];
-    if (c.ptr == text && std::strcmp(names[static_cast<size_t>(c.id)].c_str(), text) == 0) return c.id;
+    if (c.ptr == text && std::strcmp(c.interned, text) == 0) return c.id;
     const int32_t id = intern_slow(text);
     c.ptr = text;
+    c.interned = names[static_cast<size_t>(id)].c_str();
     c.id = id;
     return id;
   }
@@ -208,7 +210,8 @@ TracerState& state() {
   return *s;
 }
 
-thread_local ThreadState* tls_state = nullptr;
+// Initial-exec: read at a fixed offset from the thread pointer, without a call into the dynamic linker on each op.
+thread_local ThreadState* tls_state __attribute__((tls_model("initial-exec"))) = nullptr;
 
 ThreadState* thread_state() {
   if (tls_state == nullptr) {
@@ -315,7 +318,10 @@ std::pair<uint32_t, uint32_t> fill_values(ThreadState& ts, const Range& range) {
   return {first, n};
 }
 
-bool starts_with(const char* s, const char* prefix) { return std::strncmp(s, prefix, std::strlen(prefix)) == 0; }
+// The first character is compared inline: most names differ there, and this runs twice for every op.
+bool starts_with(const char* s, const char* prefix) {
+  return s[0] == prefix[0] && std::strncmp(s, prefix, std::strlen(prefix)) == 0;
+}
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   TracerState& s = state();

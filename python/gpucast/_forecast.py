@@ -395,8 +395,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
                 if _time_on_target(target, probe_device):
+                    structure = t.result.handle.iteration_timing(b)
                     t = None  # the memory trace is not needed any more
-                    timing = _steady_timing(step, batch, b)
+                    timing = _steady_timing(step, batch, b, structure)
                 else:
                     timing = t.result.handle.iteration_timing(b)
                 timings.append(timing)
@@ -409,9 +410,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
             gc.collect()
             batch = make_batch(b)
-            for _ in range(iterations):  # what the memory trace does for the other probes: first steps
-                step(batch)
-            timings.append(_steady_timing(step, batch, b))
+            with trace() as t:  # what the memory trace does for the other probes: first steps, and the structure
+                for _ in range(iterations):
+                    step(batch)
+            structure = t.result.handle.iteration_timing(b)
+            del t
+            timings.append(_steady_timing(step, batch, b, structure))
             del batch
             state.restore()
 
@@ -508,13 +512,16 @@ def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target:
     return [b] if est["step_ms"] <= _REACH_BUDGET_S * 1e3 else []
 
 
-def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, warm: int = 1, runs: int = 3,
+def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str, warm: int = 1, runs: int = 3,
                    traced: int = 2) -> str:
     """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
     created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
     untraced iterations, `runs` timed untraced ones (their median: the untraced wall, which lets the forecast
     take the tracer's own cost out of the traced times by op count), then `traced` iterations, each in its own
-    trace, of which the one with the shortest wall is kept (a pause of the machine only ever adds time)."""
+    light trace (no shapes, no memory events: about half the tracer's cost per op), of which the one with the
+    shortest wall is kept (a pause of the machine only ever adds time). What needs shapes and allocations
+    (FLOPs, bytes, gradient and output bytes, the layer graph) comes from `structure`: the iteration timing of
+    the full trace of the same step."""
     cuda = any(t.is_cuda for t in _flatten(batch, []))
 
     def once() -> int:
@@ -531,14 +538,14 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, warm: int = 1
     times = sorted(once() for _ in range(runs))
     d = None
     for _ in range(traced):
-        with trace() as t:
+        with trace(record_shapes=False, memory=False) as t:
             step(batch)
         x = json.loads(t.result.handle.iteration_timing(b))
         if d is None or x["wall_ns"] < d["wall_ns"]:
             d = x
         del t
     d["untraced_wall_ns"] = float(times[len(times) // 2])
-    return json.dumps(d)
+    return torch.ops.gpucast.timing_with_structure(json.dumps(d), structure)
 
 
 _RATES: dict = {}

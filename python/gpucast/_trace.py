@@ -25,6 +25,11 @@ def _format_value(key: str, value: Any) -> str:
     return str(value)
 
 
+def _flag(options: dict[str, Any], key: str) -> bool:
+    """A boolean option as the C++ parser reads it (True / False, or their text); absent: on."""
+    return _format_value(key, options.get(key, True)) not in ("False", "false", "0")
+
+
 def _format_options(options: dict[str, Any]) -> str:
     return ",".join(f"{k}:{_format_value(k, v)}" for k, v in options.items())
 
@@ -55,8 +60,9 @@ def _flatten(obj: Any, out: list) -> list:
 class _Hooks:
     """Global module and optimizer hooks installed for the duration of one trace."""
 
-    def __init__(self, module_paths: bool):
+    def __init__(self, module_paths: bool, tags: bool = True):
         self._local = threading.local()
+        self._tags = tags  # tags categorize memory events: without them (memory off), no tagging at all
         self._paths: dict[int, dict[int, str]] = {}
         self._seen: dict[int, torch.nn.Module] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
@@ -87,11 +93,11 @@ class _Hooks:
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         st = self._stack()
-        if not st:
+        if not st and self._tags:
             _tag(_flatten(args, []), "input")
         path = self._path_of(module)
         st.append((module, path))
-        if id(module) not in self._seen:
+        if self._tags and id(module) not in self._seen:
             self._seen[id(module)] = module
             _tag(module._parameters.values(), "parameter")
         if self._module_paths:
@@ -121,12 +127,17 @@ class _Hooks:
         self._handles = [
             m.register_module_forward_pre_hook(self.pre),
             m.register_module_forward_hook(self.post, always_call=True),
-            _optimizer_module.register_optimizer_step_pre_hook(self.optimizer_pre),
-            _optimizer_module.register_optimizer_step_post_hook(self.optimizer_post),
         ]
+        if self._tags:  # these hooks run inside the optimizer step's record: only where they are needed
+            self._handles += [
+                _optimizer_module.register_optimizer_step_pre_hook(self.optimizer_pre),
+                _optimizer_module.register_optimizer_step_post_hook(self.optimizer_post),
+            ]
 
     def tag_final(self) -> None:
         """Tag what is held at the end: parameters, gradients, optimizer state."""
+        if not self._tags:
+            return
         params = [p for m in self._seen.values() for p in m._parameters.values() if p is not None]
         _tag(params, "parameter")
         _tag([p.grad for p in params if p.grad is not None], "gradient")
@@ -290,12 +301,13 @@ class trace:
     def __init__(self, **options: Any):
         self._options = _format_options(options)
         _ops.check_trace_options(self._options)  # ValueError naming the option, before anything runs
-        self._module_paths = bool(options.get("module_paths", True))
+        self._module_paths = _flag(options, "module_paths")
+        self._memory = _flag(options, "memory")
         self._hooks: _Hooks | None = None
         self._trace: Trace | None = None
 
     def __enter__(self) -> "trace":
-        self._hooks = _Hooks(self._module_paths)
+        self._hooks = _Hooks(self._module_paths, tags=self._memory)
         self._hooks.install()
         options = self._options
         if torch.autograd.profiler._is_profiler_enabled and "external_profiler" not in options:

@@ -325,6 +325,49 @@ TEST(StepTime, LayerGraphEdgesCarryTheBytesPassed) {
             "iteration timing: edge 0 -> 1 names a layer that is not there (0 layers)");
 }
 
+TEST(StepTime, TimesFromALightTraceTakeTheStructureOfTheFullOne) {
+  const IterationTiming full = iteration_timing(make_trace(1000, 1 << 20), 8);
+  Trace light_trace = make_trace(3000);  // no shapes, no memory events
+  light_trace.allocations.clear();
+  IterationTiming light = iteration_timing(light_trace, 8);
+  ASSERT_EQ(light.layers.size(), 2u);
+  EXPECT_EQ(light.layers[0].grad_bytes, 0);
+  EXPECT_EQ(light.layers[0].out_bytes, 0);
+  EXPECT_TRUE(light.edges.empty());
+  light.layers.push_back(LayerTiming{"Net.c", 70, 80});  // a layer the full trace does not have
+  // The structure's layers in another order: the edge is mapped by name.
+  IterationTiming structure = full;
+  std::swap(structure.layers[0], structure.layers[1]);
+  structure.edges = {{1, 0, 1 << 20}};
+  structure.layers[0].flops = 123;
+  structure.layers[0].bytes = 456;
+  structure.layers[0].ops = 3;
+  structure.layers[0].cost_kind = "matmul";
+
+  const IterationTiming m = with_structure(light, structure);
+  ASSERT_EQ(m.layers.size(), 3u);
+  EXPECT_EQ(m.layers[0].layer, "Net.a");
+  EXPECT_EQ(m.layers[1].layer, "Net.b");
+  EXPECT_EQ(m.layers[0].forward_ns, 3000);  // times stay the light trace's
+  EXPECT_EQ(m.layers[1].backward_ns, 9000);
+  EXPECT_EQ(m.wall_ns, light.wall_ns);
+  EXPECT_EQ(m.ops_total, light.ops_total);
+  EXPECT_EQ(m.layers[0].grad_bytes, 600 << 10);  // the structure's
+  EXPECT_EQ(m.layers[1].grad_bytes, 600 << 10);
+  EXPECT_EQ(m.layers[1].out_bytes, full.layers[1].out_bytes);
+  EXPECT_EQ(m.layers[1].out_bytes, 1 << 20);
+  EXPECT_EQ(m.layers[1].flops, 123);
+  EXPECT_EQ(m.layers[1].bytes, 456);
+  EXPECT_EQ(m.layers[1].ops, 3);
+  EXPECT_EQ(m.layers[1].cost_kind, "matmul");
+  EXPECT_EQ(m.layers[2].grad_bytes, 0);  // Net.c: nothing to take
+  EXPECT_EQ(m.layers[2].flops, 0);
+  ASSERT_EQ(m.edges.size(), 1u);
+  EXPECT_EQ(m.edges[0].src, 0);
+  EXPECT_EQ(m.edges[0].dst, 1);
+  EXPECT_EQ(m.edges[0].bytes, 1 << 20);
+}
+
 TEST(StepTime, SparseTimingPredictsTheUntimedLayers) {
   const auto probes = probes_with_outputs();
   StepTimeOptions o;

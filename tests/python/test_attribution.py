@@ -78,3 +78,25 @@ def test_leaf_modules_of_the_mlp():
     assert len(linears) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     for o in linears:
         assert isinstance(paths[o.module], torch.nn.Linear)
+
+
+def test_a_light_trace_keeps_paths_and_links_without_tags_or_optimizer_hooks():
+    """memory=False, record_shapes=False: what the forecast's timing iterations use. Module paths and backward
+    links stay; no tagging, and no optimizer-step hooks (they would run inside the optimizer step's record)."""
+    import torch.optim.optimizer as optim
+    model, opt, step, batch = build(CASES["mlp"], "adamw")
+    step(batch)
+    hooks = (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks))
+    with gpucast.trace(memory=False, record_shapes=False) as t:
+        assert (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks)) == hooks
+        step(batch)
+    with gpucast.trace(memory="False"):  # the option's text form, as the C++ parser reads it
+        assert len(optim._global_optimizer_pre_hooks) == hooks[0]
+    with gpucast.trace() as full:
+        assert len(optim._global_optimizer_pre_hooks) == hooks[0] + 1
+        step(batch)
+    assert t.allocations == [] and all(o.inputs == [] for o in t.ops)
+    paths = sorted({o.module for o in t.ops if o.module})
+    assert paths == sorted({o.module for o in full.ops if o.module}) and "MLP.net.0" in paths
+    bwd = [o for o in t.ops if o.scope == "backward_function"]
+    assert bwd and all(o.fwd_op >= 0 for o in bwd if o.name == "AddmmBackward0")

@@ -33,6 +33,12 @@ def test_time_fields_and_timeline(tmp_path):
     # Gradient bytes: every parameter's gradient, attributed to its layer.
     assert sum(x["grad_bytes"] for x in t.per_layer) >= 4 * sum(
         p.numel() for p in zoo.CASES["gpt"].make_model().parameters())
+    # The probes' times come from light traces; FLOPs, bytes and the layer graph from each probe's full trace.
+    for x in map(json.loads, fc.timings):
+        layer = {y["layer"]: y for y in x["layers"]}
+        assert layer["GPT.blocks.0.attn.qkv"]["flops"] == 2 * (x["batch"] * 64) * 128 * 384
+        assert layer["GPT.blocks.0.attn.qkv"]["out_bytes"] == 4 * (x["batch"] * 64) * 384
+        assert x["edges"] and x["wall_ns"] > 0
     assert "step time" in str(fc)
     path = tmp_path / "step.json"
     fc.save_timeline(str(path))

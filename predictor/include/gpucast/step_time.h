@@ -85,6 +85,13 @@ struct IterationTiming {
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
 IterationTiming iteration_timing(const Trace& t, int64_t batch);
 
+// Times from a light trace (no shapes, no memory events: the tracer's cost per op is about half) joined with the
+// structure of the same step from a full trace: each layer of `timing` takes from the layer of the same name in
+// `structure` what needs shapes or allocations (cost kind, FLOPs, bytes, cost ops, output and gradient bytes)
+// and the edges between layers present in both. Times, op counts and kernel counts stay `timing`'s. A layer
+// `structure` lacks keeps zero costs (the layer models then price it by its op count).
+IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
+
 struct StepTimeOptions {
   int64_t batch_size = 0;     // global
   ParallelConfig parallel;
