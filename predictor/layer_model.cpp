@@ -182,6 +182,26 @@ double attention_flops(const OpRecord& op) {
   return 2 * batch * dim(l) * dim(s) * dim(e + ev);
 }
 
+bool is_recurrent(std::string_view b) { return one_of(b, {"lstm", "gru", "rnn_tanh", "rnn_relu"}); }
+
+// lstm / gru / rnn(input or packed data, ..., [params], ...): every 2-D weight (input-hidden and hidden-hidden of
+// every layer and direction, [gates * hidden, in]) multiplies one vector per time step and sequence: 2 * rows *
+// (sum of the weights' elements), rows = the input's elements over its last dimension. Hidden states (3-D) and
+// biases (1-D) are not weights.
+double recurrent_flops(const OpRecord& op) {
+  const Shape* x = shape_of(op.inputs, 0);
+  if (!x || x->empty() || x->back() <= 0) return 0;
+  const double rows = numel(*x) / dim(x->back());
+  double weights = 0;
+  for (const Value& v : op.inputs) {
+    if (v.kind != Value::Kind::TensorList) continue;
+    for (const TensorMeta& m : v.tensors) {
+      if (m.shape.size() == 2) weights += numel(m.shape);
+    }
+  }
+  return 2 * rows * weights;
+}
+
 // einsum(equation, [operands]): the equation is not recorded; 2 sqrt(|a| |b| |out|) is exact for a [M, K] x [K, N].
 double einsum_flops(const OpRecord& op) {
   const double out = output_elements(op);
@@ -550,7 +570,7 @@ std::vector<size_t> fedorov(const Rows& rows, size_t p, size_t k, uint64_t seed,
 std::string_view op_cost_kind(std::string_view name) {
   const std::string_view b = base_name(name);
   if (one_of(b, {"mm", "addmm", "_addmm_activation", "bmm", "baddbmm", "addbmm", "matmul", "linear", "einsum", "mv",
-                 "addmv", "dot", "vdot"})) {
+                 "addmv", "dot", "vdot"}) || is_recurrent(b)) {
     return kLayerCostKinds[kMatmul];
   }
   if (b.find("scaled_dot_product") != std::string_view::npos) return kLayerCostKinds[kAttention];
@@ -586,6 +606,7 @@ double op_flops(const OpRecord& op) {
       else if (b == "linear") f = linear_flops(shape_of(in, 0), shape_of(in, 1));
       else if (b == "addmv") f = matmul_flops(shape_of(in, 1), shape_of(in, 2));
       else if (b == "einsum") f = einsum_flops(op);
+      else if (is_recurrent(b)) f = recurrent_flops(op);
       else f = matmul_flops(shape_of(in, 0), shape_of(in, 1));  // matmul, mv, dot, vdot
       break;
     case kConv:
@@ -716,6 +737,7 @@ void LayerTimeModel::fit(const std::vector<LayerCost>& costs, const std::vector<
   // Per kind and pass: (layer, seconds).
   std::array<Measured, kLayerCostKinds.size()> fw, bw;
   Measured all_fw, all_bw;
+  Measured heavy_fw, heavy_bw;  // matmul, conv and attention layers
   for (size_t s = 0; s < samples.size(); ++s) {
     const LayerSample& x = samples[s];
     if (x.index >= costs.size()) {
@@ -728,19 +750,27 @@ void LayerTimeModel::fit(const std::vector<LayerCost>& costs, const std::vector<
     if (std::isfinite(x.forward_ns) && x.forward_ns > 0) {
       fw[k].emplace_back(&c, x.forward_ns / 1e9);
       all_fw.emplace_back(&c, x.forward_ns / 1e9);
+      if (heavy(k)) heavy_fw.emplace_back(&c, x.forward_ns / 1e9);
     }
     if (std::isfinite(x.backward_ns) && x.backward_ns > 0) {
       bw[k].emplace_back(&c, x.backward_ns / 1e9);
       all_bw.emplace_back(&c, x.backward_ns / 1e9);
+      if (heavy(k)) heavy_bw.emplace_back(&c, x.backward_ns / 1e9);
     }
   }
   prior_ = prior;
   fallback_ = {"fallback", fit_pass(all_fw, prior, Phase::Forward, "pooled", "scaled_prior"),
                fit_pass(all_bw, prior, Phase::Backward, "pooled", "scaled_prior")};
+  // A FLOP-heavy kind without measurements falls back on the other heavy kinds only: rates fitted on
+  // memory-bound layers (norms, pools, elementwise: few FLOPs, their time explained by a tiny FLOP rate) would
+  // price a convolution's FLOPs orders of magnitude too slow.
+  const KindFit heavy_fallback{"fallback", fit_pass(heavy_fw, prior, Phase::Forward, "pooled", "scaled_prior"),
+                               fit_pass(heavy_bw, prior, Phase::Backward, "pooled", "scaled_prior")};
   for (size_t k = 0; k < kinds_.size(); ++k) {
+    const KindFit& fb = heavy(k) ? heavy_fallback : fallback_;
     kinds_[k].kind = std::string(kLayerCostKinds[k]);
-    kinds_[k].forward = fw[k].empty() ? fallback_.forward : fit_pass(fw[k], prior, Phase::Forward, "kind", "kind");
-    kinds_[k].backward = bw[k].empty() ? fallback_.backward : fit_pass(bw[k], prior, Phase::Backward, "kind", "kind");
+    kinds_[k].forward = fw[k].empty() ? fb.forward : fit_pass(fw[k], prior, Phase::Forward, "kind", "kind");
+    kinds_[k].backward = bw[k].empty() ? fb.backward : fit_pass(bw[k], prior, Phase::Backward, "kind", "kind");
   }
   fitted_ = true;
 }
@@ -751,7 +781,7 @@ const KindFit& LayerTimeModel::fit_for(std::string_view kind) const {
   return it == kLayerCostKinds.end() ? fallback_ : kinds_[it - kLayerCostKinds.begin()];
 }
 
-LayerPrediction LayerTimeModel::predict(const LayerCost& c) const {
+LayerPrediction LayerTimeModel::predict(const LayerCost& c, const LayerCost* reach) const {
   const KindFit& k = fit_for(c.kind);
   std::string source =
       source_rank(k.forward.source) <= source_rank(k.backward.source) ? k.forward.source : k.backward.source;
@@ -759,7 +789,7 @@ LayerPrediction LayerTimeModel::predict(const LayerCost& c) const {
   // roofline work, the prior's rates price the work (the fitted per-op overhead kept).
   auto guarded = [&](const PassFit& f, Phase pass) {
     const DeviceRates work_only{prior_.flops_per_s, prior_.bytes_per_s, 0};
-    const double work = roofline_ns(c, work_only, pass) / 1e9;
+    const double work = roofline_ns(reach ? *reach : c, work_only, pass) / 1e9;
     if (f.source == "prior" || f.max_work_s <= 0 || work <= kMaxExtrapolation * f.max_work_s) {
       return roofline_ns(c, f.rates, pass);
     }

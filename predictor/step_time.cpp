@@ -374,6 +374,14 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     }
     LayerTimeModel model;
     model.fit(costs, samples, o.prior);
+    // Each untimed layer is priced at every probe's batch against its work at the largest probe, so that the
+    // model's guard against extrapolation prices one layer the same way at every batch size.
+    std::unordered_map<std::string, LayerCost> reach;
+    for (const LayerTiming& l : ref.layers) reach.emplace(l.layer, cost_of(l));
+    auto price = [&](const LayerTiming& l) {
+      const auto r = reach.find(l.layer);
+      return model.predict(cost_of(l), r == reach.end() ? nullptr : &r->second);
+    };
     f.timed_layers = static_cast<int64_t>(chosen.size());
     // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones; over the
     // probes that ran the largest probe's kernels throughout where there are two (the model predicts those).
@@ -389,7 +397,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
         if (timed[l.layer]) {
           layers += l.forward_ns + l.backward_ns;
         } else {
-          const LayerPrediction pr = model.predict(cost_of(l));
+          const LayerPrediction pr = price(l);
           layers += pr.forward_ns + pr.backward_ns;
         }
       }
@@ -402,7 +410,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
         if (timed[l.layer]) continue;
-        const LayerPrediction pr = model.predict(cost_of(l));
+        const LayerPrediction pr = price(l);
         model_pts[l.layer].first.emplace_back(p.batch, pr.forward_ns);
         model_pts[l.layer].second.emplace_back(p.batch, pr.backward_ns);
         model_source[l.layer] = pr.source;

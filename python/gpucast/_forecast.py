@@ -317,7 +317,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
 
     Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
-    one warm-up and three timed iterations untraced, then the faster of two traced ones), evaluated at each
+    one warm-up and three timed iterations untraced, then the faster of two in light traces: no shapes, no
+    memory events; FLOPs, bytes and the layer graph from the probe's full trace), evaluated at each
     rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
     convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
     are added so that those layers are timed on the kernels the target runs; where the per-rank target is more

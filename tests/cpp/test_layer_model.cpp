@@ -112,6 +112,26 @@ TEST(LayerModel, MatmulFlops) {
   EXPECT_EQ(op_flops(make_op("aten::einsum", {other(), tensors({{3, 4}, {4, 5}})}, {tensor({3, 5})})), 2.0 * 3 * 4 * 5);
 }
 
+TEST(LayerModel, RecurrentFlops) {
+  EXPECT_EQ(op_cost_kind("aten::lstm"), "matmul");
+  EXPECT_EQ(op_cost_kind("aten::gru"), "matmul");
+  EXPECT_EQ(op_cost_kind("aten::rnn_tanh"), "matmul");
+  // lstm(input [T 5, B 3, I 8], hx [h0, c0], params [w_ih [4H 32, 8], w_hh [32, 8], b_ih, b_hh], ...), H = 8:
+  // both weights once per time step and sequence.
+  const OpRecord lstm = make_op("aten::lstm", {tensor({5, 3, 8}), tensors({{1, 3, 8}, {1, 3, 8}}),
+                                               tensors({{32, 8}, {32, 8}, {32}, {32}}), scalar(1), scalar(1)},
+                                {tensor({5, 3, 8}), tensor({1, 3, 8}), tensor({1, 3, 8})});
+  EXPECT_EQ(op_flops(lstm), 2.0 * 15 * (32 * 8 + 32 * 8));
+  // Two layers, bidirectional GRU (3 gates, H 4, input 6): layer 1 reads 2H = 8 features.
+  const OpRecord gru = make_op("aten::gru", {tensor({2, 7, 6}), tensor({4, 2, 4}),
+                                             tensors({{12, 6}, {12, 4}, {12, 6}, {12, 4}, {12, 8}, {12, 4}, {12, 8},
+                                                      {12, 4}})},
+                               {tensor({2, 7, 8}), tensor({4, 2, 4})});
+  EXPECT_EQ(op_flops(gru), 2.0 * 14 * (12 * (6 + 4 + 6 + 4 + 8 + 4 + 8 + 4)));
+  // No weights recorded: nothing to count.
+  EXPECT_EQ(op_flops(make_op("aten::lstm", {tensor({5, 3, 8})}, {tensor({5, 3, 8})})), 0);
+}
+
 TEST(LayerModel, ConvAndAttentionFlops) {
   // conv2d with groups 2: input [2, 8, 10, 10], weight [16, 8 / 2, 3, 3], output [2, 16, 8, 8].
   const OpRecord conv = make_op("aten::conv2d", {tensor({2, 8, 10, 10}), tensor({16, 4, 3, 3}), tensor({16}), other(),
@@ -391,13 +411,26 @@ TEST(LayerModel, FitIsDeterministicAndFast) {
 TEST(LayerModel, KindsWithoutMeasurementsFallBack) {
   std::vector<LayerCost> costs = synthetic_layers(3, "matmul", 2);
   for (const char* kind : {"conv", "conv", "norm"}) costs.push_back(synthetic_layers(1, kind, costs.size())[0]);
-  // Two kinds measured (matmul: 3, norm: 1), conv not: conv uses the pooled fit.
+  // Two kinds measured (matmul: 3, norm: 1), conv not: conv uses the fit pooled over the heavy kinds (the three
+  // matmuls); a kind gpucast does not know, the fit pooled over all four.
   LayerTimeModel m;
   m.fit(costs, measure(costs, {0, 1, 2, 5}), kPrior);
   EXPECT_EQ(m.predict(costs[0]).source, "kind");
   EXPECT_EQ(m.predict(costs[3]).source, "pooled");
-  EXPECT_EQ(m.fit_for("conv").forward.samples, 4u);
+  EXPECT_EQ(m.fit_for("conv").forward.samples, 3u);
   EXPECT_EQ(m.fit_for("nonsense").forward.source, "pooled");
+  EXPECT_EQ(m.fit_for("nonsense").forward.samples, 4u);
+  EXPECT_EQ(m.fit_for("pool").forward.samples, 4u);  // a light kind: pooled over all
+
+  // Only light layers measured (norms): a heavy kind takes the prior, never rates fitted on memory-bound layers.
+  std::vector<LayerCost> light = costs;
+  light.push_back(synthetic_layers(1, "norm", light.size())[0]);
+  LayerTimeModel l;
+  l.fit(light, measure(light, {5, 6}), kPrior);
+  EXPECT_EQ(l.fit_for("norm").forward.source, "kind");
+  EXPECT_EQ(l.fit_for("pool").forward.source, "pooled");
+  EXPECT_EQ(l.predict(light[3]).source, "prior");
+  EXPECT_EQ(l.predict(light[3]).forward_ns, roofline_ns(light[3], kPrior, Phase::Forward));
   // One norm measurement: the prior scaled to it, which then reproduces it.
   const LayerPrediction norm = m.predict(costs[5]);
   EXPECT_EQ(norm.source, "kind");
@@ -440,6 +473,13 @@ TEST(LayerModel, NoExtrapolationFarBeyondTheFittedWork) {
   const LayerCost near{"near", "matmul", 7e6, 7e4, 1};
   EXPECT_EQ(m.predict(near).source, "kind");
   EXPECT_NEAR(m.predict(near).forward_ns, roofline_ns(near, k.forward.rates, Phase::Forward), 1e-9);
+  // The same small layer priced against its reach (its work at a larger batch, beyond 4x): the prior's rates, as
+  // at that larger batch; a reach within 4x keeps the fit.
+  const LayerCost far{"near", "matmul", 7e8, 7e6, 1};
+  EXPECT_EQ(m.predict(near, &far).source, "prior");
+  EXPECT_NEAR(m.predict(near, &far).forward_ns,
+              k.forward.rates.op_overhead_s * 1e9 + std::max(7e6 / 1e15, 7e4 / 4e12) * 1e9, 1e-6);
+  EXPECT_EQ(m.predict(near, &near).source, "kind");
 }
 
 TEST(LayerModel, PassWithoutTimesFallsBackAlone) {

@@ -114,13 +114,15 @@ struct KindFit {
 class LayerTimeModel {
  public:
   // Per kind and pass: >= 2 usable measurements: F, B > 0 and overhead >= 0 fitted; 1: the prior scaled by one
-  // factor to it; none: the pooled fit over all measurements (>= 2), the prior scaled by their median measured /
-  // prior ratio (1), or the prior. Deterministic. Errors (UserError): a prior rate not positive (overhead
+  // factor to it; none: the pooled fit over all measurements (>= 2; for matmul, conv and attention over those
+  // three kinds' measurements only), the prior scaled by their median measured / prior ratio (1), or the prior. Deterministic. Errors (UserError): a prior rate not positive (overhead
   // negative), a sample's index out of range.
   void fit(const std::vector<LayerCost>& costs, const std::vector<LayerSample>& samples, const DeviceRates& prior);
   // UserError before fit(). Beyond 4x the largest work (the prior's roofline without overhead) of the layers a
   // pass was fitted on, that pass prices the work at the prior's rates (keeping its fitted overhead), source "prior".
-  LayerPrediction predict(const LayerCost& c) const;
+  // With `reach` (the same layer at the largest size it is priced at), that decision is taken on reach's work,
+  // so that one layer priced at several batch sizes is priced the same way at each.
+  LayerPrediction predict(const LayerCost& c, const LayerCost* reach = nullptr) const;
   // The model predict() uses for a kind (the fallback for a kind without measurements or not in kLayerCostKinds).
   const KindFit& fit_for(std::string_view kind) const;
   // One line per kind: measurements, fitted rates and errors of each pass, and the fallback's.
