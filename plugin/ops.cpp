@@ -268,8 +268,15 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("timing_with_structure(str timing, str structure) -> str",
         [](const std::string& timing, const std::string& structure) {
           return gpucast::translate([&] {
-            return gpucast::iteration_timing_to_json(gpucast::with_structure(
-                gpucast::iteration_timing_from_json(timing), gpucast::iteration_timing_from_json(structure)));
+            auto parse = [](const std::string& text, const char* which) {
+              try {
+                return gpucast::iteration_timing_from_json(text);
+              } catch (const gpucast::UserError& e) {
+                GPUCAST_USER_ERROR("timing_with_structure: {}: {}", which, e.what());
+              }
+            };
+            return gpucast::iteration_timing_to_json(
+                gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
           });
         });
   m.def("interconnects() -> str", [] {

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 import gpucast
 from conftest import build
@@ -210,3 +211,16 @@ def test_a_timing_probe_nearer_a_far_target():
     per_rank_32 = gpucast.forecast(step, case.make_batch, 256, model=model, optimizer=opt, gnn=None,
                                    parallel=dict(dp=8))
     assert len(per_rank_32.timings) == 3  # 32 per rank: 4 times the largest probe
+
+
+def test_timing_with_structure_names_the_bad_argument():
+    good = json.dumps({"batch": 1, "wall_ns": 1.0, "optimizer_ns": 0.0, "other_ns": 0.0, "clock": "cpu",
+                       "layers": []})
+    with pytest.raises(ValueError) as e:
+        torch.ops.gpucast.timing_with_structure(good, "nope")
+    assert str(e.value).startswith("timing_with_structure: structure: iteration timing: not a gpucast iteration "
+                                   "timing ([json.exception.parse_error.101]")
+    with pytest.raises(ValueError) as e:
+        torch.ops.gpucast.timing_with_structure("{}", good)
+    assert str(e.value) == ("timing_with_structure: timing: iteration timing: not a gpucast iteration timing "
+                            "([json.exception.out_of_range.403] key 'batch' not found)")
