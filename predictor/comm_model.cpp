@@ -137,7 +137,9 @@ Topology Topology::parse(const std::string& text) {
                       {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
                       {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
                       {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
-                      {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"}});
+                      {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
+                      {"sync_wait_us", F::String, std::string("0"), {},
+                       "the last rank's lag at a step's first collective, ranks sharing cores"}});
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
@@ -208,6 +210,7 @@ Topology Topology::parse(const std::string& text) {
   t.memory_contention = number("memory_contention", true);
   t.compute_contention = number("compute_contention", true);
   t.balance = number("balance", true);
+  t.sync_wait_us = number("sync_wait_us", false);
   return t;
 }
 

@@ -450,6 +450,12 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "
                       "their time adds to the step");
   }
+  if (T.sync_wait_us > 0 && P.dp > 1 && P.dp_mode != "fsdp") {
+    f.notes.push_back(fmt::format("the last rank reaches the first data-parallel reduction {:.3f} ms after the "
+                                  "average one (ranks sharing cores drift apart; measured by gpucast.calibrate()): "
+                                  "it starts that much later",
+                                  T.sync_wait_us / 1e3));
+  }
 
   // Links of the groups (tp innermost, then dp, then pp).
   auto link = [&](const char* what, int64_t ranks, int64_t stride) -> const Link* {
@@ -653,8 +659,10 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     auto flush = [&](double ready) {
       if (cur.bytes == 0) return;
       cur.ready_ms = ready;
-      // Without overlap (the ranks' threads fill every core) the reductions run after backward, one by one.
-      cur.start_ms = std::max(T.overlap ? ready : backward_end, prev_end);
+      // Without overlap (the ranks' threads fill every core) the reductions run after backward, one by one. The
+      // first waits for the last rank (ranks sharing cores drift apart); it aligns them for the rest.
+      const double lag = f.buckets.empty() ? T.sync_wait_us / 1e3 : 0.0;
+      cur.start_ms = std::max((T.overlap ? ready : backward_end) + lag, prev_end);
       cur.end_ms = add_comm(reduce_kind, static_cast<double>(cur.bytes), cur.start_ms,
                             reduce_us(static_cast<double>(cur.bytes)));
       prev_end = cur.end_ms;

@@ -23,7 +23,9 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     time into memory- and compute-bound shares) and overlap: False where the ranks' threads fill every core
     (LOCAL_WORLD_SIZE, else the world size, times torch.get_num_threads(), against the cores this process may
     run on), so that a collective takes its cores from the compute instead of running beside it. More threads
-    than cores set both factors to at least threads / cores (time sharing)."""
+    than cores set both factors to at least threads / cores (time sharing). sync_wait_us: how much later than
+    the average rank the last one finishes the same work started together (ranks sharing cores drift apart);
+    a step's first data-parallel reduction waits that long."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
@@ -100,6 +102,20 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         runs["all_mm"].append(once(matmul, True))
     alone_copy, all_copy, alone_mm, all_mm = (statistics.median(runs[k]) for k in
                                               ("alone_copy", "all_copy", "alone_mm", "all_mm"))
+    # How far apart the ranks finish the same work started together (a barrier, two matmul rounds each, every
+    # rank at once): the last one's lag behind the average, each round's from the vector of every rank's time,
+    # which all ranks hold; its median. Ranks that share cores drift apart by the scheduler's time slices; a
+    # step's first collective waits for the last one.
+    lags = []
+    for _ in range(9):
+        wait(dist.barrier(group=group, async_op=True), "a barrier")
+        t0 = time.perf_counter()
+        matmul()
+        matmul()
+        mine = torch.zeros(ranks, dtype=torch.float64)
+        mine[rank] = time.perf_counter() - t0
+        wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
+        lags.append((mine.max() - mine.mean()).item())
     # Rank 0's factors, shared with every rank so that all return the same result.
     f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm,
                       (16 * 2 * 256 ** 3 / alone_mm) / (8 * 2 * src.numel() / alone_copy)], dtype=torch.float64)
@@ -114,4 +130,5 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     return {"memory_contention": round(max(f[0].item(), share, 1.0), 4),
             "compute_contention": round(max(f[1].item(), share, 1.0), 4),
             "balance": round(f[2].item(), 4), "overlap": local * torch.get_num_threads() < cores,
+            "sync_wait_us": round(statistics.median(lags) * 1e6, 1),
             "cores": cores, "local_ranks": local, "threads": torch.get_num_threads()}

@@ -38,7 +38,7 @@ def devices() -> list[dict]:
 
 
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
-              "samples", "ranks", "overlap", "memory_contention", "compute_contention", "balance")
+              "samples", "ranks", "overlap", "memory_contention", "compute_contention", "balance", "sync_wait_us")
 
 
 def _format_link(link: dict | str | None) -> str:

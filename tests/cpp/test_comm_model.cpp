@@ -39,12 +39,14 @@ TEST(CommModel, MeasuredSamplesAreInterpolatedForTheirRankCount) {
   EXPECT_TRUE(t.overlap);
   EXPECT_EQ(t.memory_contention, 1.0);
   EXPECT_EQ(t.balance, 5.0);
+  EXPECT_EQ(t.sync_wait_us, 0.0);
   t = Topology::parse("alpha_us:5,bytes_per_us:100,overlap:False,memory_contention:1.25,compute_contention:1.5,"
-                      "balance:2");
+                      "balance:2,sync_wait_us:850");
   EXPECT_FALSE(t.overlap);
   EXPECT_EQ(t.memory_contention, 1.25);
   EXPECT_EQ(t.compute_contention, 1.5);
   EXPECT_EQ(t.balance, 2.0);
+  EXPECT_EQ(t.sync_wait_us, 850.0);
 }
 
 TEST(CommModel, BadSamplesAreNamed) {
@@ -68,6 +70,8 @@ TEST(CommModel, BadSamplesAreNamed) {
             "'1000/-1'");
   EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,memory_contention:0"),
             "link: 'memory_contention' should be a positive number, got '0'");
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,sync_wait_us:-2"),
+            "link: 'sync_wait_us' should be a non-negative number, got '-2'");
 }
 
 TEST(CommModel, FitRecoversAKnownLink) {

@@ -233,6 +233,17 @@ TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
   EXPECT_NEAR(g.step_ms, g.compute_ms + 2 * ar, 1e-9);
   EXPECT_EQ(g.notes[0], "collectives do not overlap the compute (the ranks' threads fill every core of the host): "
                         "their time adds to the step");
+  // Ranks that drift apart: the first reduction waits 1.5 ms for the last one; the second follows it at once.
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,overlap:False,sync_wait_us:1500");
+  const StepTimeForecast w = forecast_step_time(probes, o);
+  ASSERT_EQ(w.buckets.size(), 2u);
+  EXPECT_NEAR(w.buckets[0].start_ms, bwd_end + 1.5, 1e-9);
+  EXPECT_NEAR(w.buckets[1].start_ms, bwd_end + 1.5 + ar, 1e-9);
+  EXPECT_NEAR(w.exposed_comm_ms, 1.5 + 2 * ar, 1e-9);
+  EXPECT_NEAR(w.step_ms, g.step_ms + 1.5, 1e-9);
+  EXPECT_EQ(w.notes[1], "the last rank reaches the first data-parallel reduction 1.500 ms after the average one "
+                        "(ranks sharing cores drift apart; measured by gpucast.calibrate()): it starts that much "
+                        "later");
 }
 
 TEST(StepTime, BadOptions) {

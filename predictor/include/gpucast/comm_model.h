@@ -70,9 +70,14 @@ struct Topology {
   double memory_contention = 1.0;
   double compute_contention = 1.0;
   double balance = 5.0;
+  // How much later than the average rank the last one reaches a step's first collective when the ranks share the
+  // host's cores (the scheduler's time slices drift them apart while they compute): the data-parallel reductions
+  // start that much later. Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
+  double sync_wait_us = 0.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
-  // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3". Errors name the key.
+  // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850".
+  // Errors name the key.
   static Topology parse(const std::string& text);
   // The link of a group of `ranks` ranks whose members are `stride` ranks apart; nullptr when unknown.
   const Link* link_for(int64_t ranks, int64_t stride) const;
