@@ -160,7 +160,8 @@ def ddp_cases(names, world, iterations, fraction, repeats=1):
     for r in rows:
         print(f"DDP x{world} {r['case']:<14} global batch {r['global_batch']:>4}: measured {r['measured_ms']:.2f} ms "
               f"(IQR {r['iqr_ms']:.2f}), forecast {r['forecast_ms']:.2f} ms (compute {r['compute_ms']:.2f}, exposed "
-              f"comm {r['exposed_comm_ms']:.2f} of {r['comm_ms']:.2f}), error {r['err_pct']:+.2f} % (median of "
+              f"comm {r['exposed_comm_ms']:.2f} of {r['comm_ms']:.2f}; calibrated lag of the last rank "
+              f"{r['link'].get('sync_wait_us', 0) / 1e3:.2f} ms), error {r['err_pct']:+.2f} % (median of "
               f"{len(r['repeat_err_pct'])} runs: {', '.join(f'{e:+.2f}' for e in r['repeat_err_pct'])})")
     return rows
 

@@ -608,6 +608,11 @@ def _optimizer_name(optimizer) -> str:
     return name if name in ("sgd", "adam", "adamw") else "other"
 
 
+# The batch sizes of the shipped network's training data (bench/dataset/step_times.jsonl.gz). It corrects a rank's
+# batch within a factor of 2 of them only: beyond, its alpha extrapolates (0.57 for the MLP at batch 256).
+_SHIPPED_GNN_BATCHES = (16, 32)
+
+
 def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, weights: str | None) -> None:
     """Apply the graph network's alpha and beta. The shipped network is trained on single-process CPU steps: it
     corrects target "cpu" only, and with communication (world > 1) its alpha corrects the compute of the rank
@@ -618,6 +623,12 @@ def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, 
         return
     if target != "cpu":
         tf.correction = "none: the shipped graph network is trained on CPU steps only"
+        return
+    lo, hi = min(_SHIPPED_GNN_BATCHES) // 2, max(_SHIPPED_GNN_BATCHES) * 2
+    if weights == "" and not lo <= tf.per_rank_batch <= hi:
+        tf.correction = (f"none: the shipped graph network is trained on batch sizes "
+                         f"{', '.join(map(str, _SHIPPED_GNN_BATCHES))}; a rank's batch of {tf.per_rank_batch} is "
+                         f"outside {lo}-{hi}")
         return
     graph = step_graph(timings, tf, optimizer_name, cpu_rates())
     world = graph["global"]["world"]

@@ -1,5 +1,6 @@
 """Step-time forecast through gpucast.forecast(): fields, the timeline file, DDP buckets and bad input."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +225,14 @@ def test_timing_with_structure_names_the_bad_argument():
         torch.ops.gpucast.timing_with_structure("{}", good)
     assert str(e.value) == ("timing_with_structure: timing: iteration timing: not a gpucast iteration timing "
                             "([json.exception.out_of_range.403] key 'batch' not found)")
+
+
+def test_the_shipped_network_corrects_only_the_batch_sizes_it_was_trained_near():
+    import gzip
+    from gpucast._forecast import _SHIPPED_GNN_BATCHES
+    data = Path(__file__).resolve().parents[2] / "bench" / "dataset" / "step_times.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        assert tuple(sorted({json.loads(line)["batch"] for line in f})) == _SHIPPED_GNN_BATCHES
+    assert forecast(batch=16).time.correction == "gnn"
+    assert forecast(batch=128).time.correction == ("none: the shipped graph network is trained on batch sizes 16, "
+                                                   "32; a rank's batch of 128 is outside 8-64")
