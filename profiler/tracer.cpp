@@ -210,8 +210,7 @@ TracerState& state() {
   return *s;
 }
 
-// Initial-exec: read at a fixed offset from the thread pointer, without a call into the dynamic linker on each op.
-thread_local ThreadState* tls_state __attribute__((tls_model("initial-exec"))) = nullptr;
+thread_local ThreadState* tls_state = nullptr;
 
 ThreadState* thread_state() {
   if (tls_state == nullptr) {
