@@ -14,6 +14,8 @@
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 #include "gpucast/exporters.h"
+#include "gpucast/gpu_rates.h"
+#include "gpucast/layer_model.h"
 #include "gpucast/comm_model.h"
 #include "gpucast/job.h"
 #include "gpucast/job_features.h"
@@ -26,6 +28,7 @@
 #include "gpucast/tracer.h"
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 namespace gpucast {
 namespace {
@@ -245,10 +248,12 @@ TORCH_LIBRARY(gpucast, m) {
         });
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
-        "float prior_bytes_per_s=0.0) -> str",
+        "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
+        "bool tf32_conv=True) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
            double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
-           double prior_flops, double prior_bytes) {
+           double prior_flops, double prior_bytes, const std::string& gpu, const std::string& gpu_rates,
+           bool tf32_matmul, bool tf32_conv) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -262,6 +267,19 @@ TORCH_LIBRARY(gpucast, m) {
             o.design_seed = static_cast<uint64_t>(design_seed);
             if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
             if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
+            if (!gpu.empty()) {  // the probes ran elsewhere: every layer priced for the GPU from a rates table
+              const std::string path = gpu_rates.empty() ? gpucast::default_gpu_rates_path() : gpu_rates;
+              const auto table = gpucast::load_gpu_rates(path);
+              const gpucast::GpuRates* g = gpucast::find_gpu_rates(table, gpu);
+              if (g == nullptr) {
+                std::string known;
+                for (const auto& r : table) known += (known.empty() ? "" : ", ") + r.name;
+                GPUCAST_USER_ERROR("forecast_step_time: the GPU rates table '{}' has no '{}'; it has: {}", path, gpu,
+                                   known);
+              }
+              return gpucast::step_time_to_json(
+                  gpucast::forecast_step_time_on_gpu(its, o, *g, gpucast::GpuPrecision{tf32_matmul, tf32_conv}));
+            }
             return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
           });
         });
@@ -279,6 +297,55 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
           });
         });
+  m.def("gpu_rates(str path=\"\") -> str", [](const std::string& path) {
+    return gpucast::translate([&] {
+      return gpucast::gpu_rates_to_json(gpucast::load_gpu_rates(path.empty() ? gpucast::default_gpu_rates_path() : path));
+    });
+  });
+  m.def("gpu_rates_path() -> str", [] { return gpucast::default_gpu_rates_path(); });
+  // Per kind and pass, the roofline rates layer_model.h fits on measured layers (bench/gpu_rates.py fits the GPU
+  // table with it): {"prior": {flops_per_s, bytes_per_s, overhead_s}, "layers": [{kind, flops, bytes, ops,
+  // forward_ns, backward_ns}]} -> {kind: {source, forward: {flops_per_s, bytes_per_s, overhead_s, samples,
+  // rms_rel_error}, backward: ...}}.
+  m.def("fit_layer_rates(str spec) -> str", [](const std::string& spec) {
+    return gpucast::translate([&] {
+      using nlohmann::json;
+      json j;
+      try {
+        j = json::parse(spec);
+      } catch (const json::exception& e) {
+        GPUCAST_USER_ERROR("fit_layer_rates: not JSON ({})", e.what());
+      }
+      std::vector<gpucast::LayerCost> costs;
+      std::vector<gpucast::LayerSample> samples;
+      gpucast::DeviceRates prior;
+      try {
+        prior = {j.at("prior").at("flops_per_s").get<double>(), j.at("prior").at("bytes_per_s").get<double>(),
+                 j.at("prior").at("overhead_s").get<double>()};
+        for (const json& l : j.at("layers")) {
+          costs.push_back({"", l.at("kind").get<std::string>(), l.at("flops").get<double>(),
+                           l.at("bytes").get<double>(), l.at("ops").get<int64_t>()});
+          samples.push_back({costs.size() - 1, l.at("forward_ns").get<double>(), l.at("backward_ns").get<double>()});
+        }
+      } catch (const json::exception& e) {
+        GPUCAST_USER_ERROR("fit_layer_rates: expected {{\"prior\": {{flops_per_s, bytes_per_s, overhead_s}}, "
+                           "\"layers\": [{{kind, flops, bytes, ops, forward_ns, backward_ns}}]}} ({})", e.what());
+      }
+      gpucast::LayerTimeModel model;
+      model.fit(costs, samples, prior);
+      json out = json::object();
+      for (std::string_view kind : gpucast::kLayerCostKinds) {
+        const gpucast::KindFit& f = model.fit_for(kind);
+        auto pass = [](const gpucast::PassFit& p) {
+          return json{{"flops_per_s", p.rates.flops_per_s}, {"bytes_per_s", p.rates.bytes_per_s},
+                      {"overhead_s", p.rates.op_overhead_s}, {"source", p.source}, {"samples", p.samples},
+                      {"rms_rel_error", p.rms_rel_error}};
+        };
+        out[std::string(kind)] = {{"fitted_as", f.kind}, {"forward", pass(f.forward)}, {"backward", pass(f.backward)}};
+      }
+      return out.dump();
+    });
+  });
   m.def("interconnects() -> str", [] {
     std::string out = "[";
     for (const auto& i : gpucast::interconnect_table()) {

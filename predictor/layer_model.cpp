@@ -635,6 +635,19 @@ double op_bytes(const OpRecord& op) {
   return total;
 }
 
+namespace {
+// The op computes in 16-bit floating point: its first floating-point input is float16 or bfloat16.
+bool is_half(const OpRecord& op) {
+  for (const Value& v : op.inputs) {
+    for (const TensorMeta& m : v.tensors) {
+      if (m.dtype == "float16" || m.dtype == "bfloat16") return true;
+      if (m.dtype == "float32" || m.dtype == "float64") return false;
+    }
+  }
+  return false;
+}
+}  // namespace
+
 // Mirrors iteration_timing() (step_time.cpp): the same window, the same layers in the same order.
 std::vector<LayerCost> layer_costs(const Trace& t) {
   const int64_t n = static_cast<int64_t>(t.ops.size());
@@ -684,10 +697,20 @@ std::vector<LayerCost> layer_costs(const Trace& t) {
         heavy_descendants(t, children, i, 0, &sum, &largest, &inner);
         if (sum > 0) flops = sum, kind = inner;
       }
+      const double bytes = op_bytes(op);
       out[l].ops += 1;
       out[l].flops += flops;
-      out[l].bytes += op_bytes(op);
+      out[l].bytes += bytes;
       kind_flops[l][kind] = std::max(kind_flops[l][kind], flops);
+      const bool half = is_half(op);
+      auto& parts = out[l].parts;
+      auto part = std::find_if(parts.begin(), parts.end(), [&](const CostPart& p) {
+        return p.kind == kLayerCostKinds[kind] && p.half == half;
+      });
+      if (part == parts.end()) part = parts.insert(parts.end(), CostPart{std::string(kLayerCostKinds[kind]), half});
+      part->flops += flops;
+      part->bytes += bytes;
+      part->kernels += bytes > 0 ? 1 : 0;
     } else if (op.phase == Phase::Backward && op.scope == Scope::BackwardFunction &&
                (top || (valid(op.parent) && t.ops[op.parent].scope != Scope::BackwardFunction))) {
       layer(module_of_forward(op.fwd_op));

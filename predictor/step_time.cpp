@@ -163,6 +163,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       count(op, 2 * static_cast<int64_t>(index[name]) + 1);
     } else {
       count(op, inherited);
+      if (inherited == -2 && op.parent >= 0 && t.ops[op.parent].depth == 0) it.optimizer_bytes += op_bytes(op);
     }
   }
   for (const Allocation& a : t.allocations) {
@@ -186,6 +187,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     l.flops = c.flops;
     l.bytes = c.bytes;
     l.ops = c.ops;
+    l.parts = c.parts;
   }
   it.wall_ns = first_ns >= 0 ? static_cast<double>(last_ns - first_ns) : 0;
   double layers = 0;
@@ -211,7 +213,9 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
     l.ops = s.ops;
     l.out_bytes = s.out_bytes;
     l.grad_bytes = s.grad_bytes;
+    l.parts = s.parts;
   }
+  timing.optimizer_bytes = structure.optimizer_bytes;
   timing.edges.clear();
   for (const LayerEdge& e : structure.edges) {
     if (e.src < 0 || e.dst < 0 || static_cast<size_t>(e.src) >= to_here.size() ||
@@ -353,7 +357,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     if (o.design != "d-optimal" && o.design != "random") {
       GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", o.design);
     }
-    auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops}; };
+    auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}}; };
     std::vector<LayerCost> ref_costs;
     for (const LayerTiming& l : ref.layers) ref_costs.push_back(cost_of(l));
     const size_t n = ref_costs.size();
@@ -718,18 +722,20 @@ std::string step_time_to_json(const StepTimeForecast& f) {
 std::string iteration_timing_to_json(const IterationTiming& t) {
   json layers = json::array();
   for (const auto& l : t.layers) {
+    json parts = json::array();
+    for (const CostPart& p : l.parts) parts.push_back({p.kind, p.half, p.flops, p.bytes, p.kernels});
     layers.push_back({{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
                       {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
                       {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
                       {"ops", l.ops}, {"forward_ops_all", l.forward_ops_all},
-                      {"backward_ops_all", l.backward_ops_all}});
+                      {"backward_ops_all", l.backward_ops_all}, {"parts", parts}});
   }
   json edges = json::array();
   for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
               {"clock", t.clock}, {"layers", layers}, {"edges", edges}, {"ops_total", t.ops_total},
               {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns},
-              {"im2col_conv_ops", t.im2col_conv_ops}}
+              {"im2col_conv_ops", t.im2col_conv_ops}, {"optimizer_bytes", t.optimizer_bytes}}
       .dump();
 }
 
@@ -747,6 +753,7 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.other_ops = j.value("other_ops", int64_t{0});
     t.untraced_wall_ns = j.value("untraced_wall_ns", -1.0);
     t.im2col_conv_ops = j.value("im2col_conv_ops", int64_t{0});
+    t.optimizer_bytes = j.value("optimizer_bytes", 0.0);
     for (const json& l : j.at("layers")) {
       LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
                      l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),
@@ -759,6 +766,12 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
       lt.ops = l.value("ops", int64_t{0});
       lt.forward_ops_all = l.value("forward_ops_all", int64_t{0});
       lt.backward_ops_all = l.value("backward_ops_all", int64_t{0});
+      if (l.contains("parts")) {
+        for (const json& p : l.at("parts")) {
+          lt.parts.push_back({p.at(0).get<std::string>(), p.at(1).get<bool>(), p.at(2).get<double>(),
+                              p.at(3).get<double>(), p.at(4).get<int64_t>()});
+        }
+      }
       t.layers.push_back(std::move(lt));
     }
     if (j.contains("edges")) {

@@ -297,6 +297,39 @@ TEST_F(LayerCostsTest, TheLastIterationOnly) {
   EXPECT_EQ(c[4].kind, "elementwise");
   EXPECT_EQ(c[4].ops, 2);
   EXPECT_EQ(c[4].flops, 16.0);
+  // The same work by kind and precision (float32 here), in the order kinds first appear: what a GPU table prices.
+  const std::vector<CostPart> fc_parts = {
+      CostPart{"matmul", false, 2.0 * 4 * 32 * 16, 4.0 * (4 * 16 + 32 * 16 + 32 + 4 * 32), 1},
+      CostPart{"elementwise", false, 4.0 * 32, 4.0 * (2 * 4 * 32), 1}};
+  EXPECT_EQ(c[0].parts, fc_parts);
+  EXPECT_EQ(c[4].parts, (std::vector<CostPart>{CostPart{"matmul", false, 8, 4.0 * (4 + 4 + 1), 1},
+                                                CostPart{"elementwise", false, 8, 4.0 * 24, 1}}));
+}
+
+TEST(LayerCosts, SixteenBitOpsArePartsOfTheirOwn) {
+  Trace t;
+  auto add = [&](const char* name, const char* dtype, uint64_t seq) {
+    OpRecord o = make_op(name, {tensor({4, 8}), tensor({8, 2})}, {tensor({4, 2})});
+    for (Value* v : {&o.inputs[0], &o.inputs[1], &o.outputs[0]}) v->tensors[0].dtype = dtype;
+    o.id = static_cast<int64_t>(t.ops.size());
+    o.module = "net.fc";
+    o.start_seq = seq;
+    o.end_seq = seq + 1;
+    t.ops.push_back(o);
+  };
+  add("aten::mm", "float32", 1);
+  add("aten::mm", "bfloat16", 3);
+  add("aten::mm", "float16", 5);
+  const std::vector<LayerCost> c = layer_costs(t);
+  ASSERT_EQ(c.size(), 1u);
+  ASSERT_EQ(c[0].parts.size(), 2u);
+  EXPECT_FALSE(c[0].parts[0].half);
+  EXPECT_EQ(c[0].parts[0].flops, 2.0 * 4 * 8 * 2);
+  EXPECT_EQ(c[0].parts[0].bytes, 4.0 * (32 + 16 + 8));
+  EXPECT_TRUE(c[0].parts[1].half);
+  EXPECT_EQ(c[0].parts[1].flops, 2 * 2.0 * 4 * 8 * 2);
+  EXPECT_EQ(c[0].parts[1].bytes, 2 * 2.0 * (32 + 16 + 8));
+  EXPECT_EQ(c[0].parts[1].kernels, 2);
 }
 
 TEST_F(LayerCostsTest, OneIterationAndNoOptimizerStep) {

@@ -55,12 +55,24 @@ double op_flops(const OpRecord& op);
 // tensors 0); 0 for views and reshapes, which move no data.
 double op_bytes(const OpRecord& op);
 
+// A layer's forward work of one kind and precision: what a device without measurements prices kind by kind
+// (gpu_rates.h), as the ops run one after the other.
+struct CostPart {
+  std::string kind = "elementwise";  // one of kLayerCostKinds
+  bool half = false;            // 16-bit floating point (float16, bfloat16 inputs): tensor-core rates
+  double flops = 0;
+  double bytes = 0;
+  int64_t kernels = 0;          // its ops that move data (views and reshapes launch no kernel)
+  bool operator==(const CostPart&) const = default;
+};
+
 struct LayerCost {
   std::string layer;            // module path; "(outside modules)" for ops outside any module
   std::string kind = "elementwise";  // one of kLayerCostKinds
   double flops = 0;             // forward
   double bytes = 0;             // forward: inputs and outputs of its top-level ops
   int64_t ops = 0;              // top-level forward ops
+  std::vector<CostPart> parts = {};  // the same FLOPs and bytes by each top-level op's kind and precision
 };
 
 // The layers of the last complete iteration, grouped and ordered as iteration_timing() groups them (step_time.h):

@@ -53,6 +53,7 @@ struct LayerTiming {
   // Every recorded op whose cost lands in the layer's forward / backward time (nested ones included).
   int64_t forward_ops_all = 0;
   int64_t backward_ops_all = 0;
+  std::vector<CostPart> parts = {};  // flops and bytes by op kind and precision (layer_model.h)
 };
 
 // Bytes passed from one layer to another in forward (a tensor one layer produced and another consumed).
@@ -80,6 +81,8 @@ struct IterationTiming {
   // stride-1 kernels on one thread below batch 16 and runs through mkldnn from 16 on: probes below 16 then
   // time another kernel than a larger target runs (gpucast.forecast adds probes at 16 and above).
   int64_t im2col_conv_ops = 0;
+  // Bytes the optimizer step's own ops read and write (its direct children; 0 without shapes).
+  double optimizer_bytes = 0;
 };
 
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
@@ -88,7 +91,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch);
 // Times from a light trace (no shapes, no memory events: the tracer's cost per op is about half) joined with the
 // structure of the same step from a full trace: each layer of `timing` takes from the layer of the same name in
 // `structure` what needs shapes or allocations (cost kind, FLOPs, bytes, cost ops, output and gradient bytes)
-// and the edges between layers present in both. Times, op counts and kernel counts stay `timing`'s. A layer
+// and the edges between layers present in both, and the optimizer's bytes. Times, op counts and kernel counts stay `timing`'s. A layer
 // `structure` lacks keeps zero costs (the layer models then price it by its op count).
 IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
 

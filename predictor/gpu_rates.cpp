@@ -1,0 +1,297 @@
+#include "gpucast/gpu_rates.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "gpucast/error.h"
+
+namespace gpucast {
+
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "gpucast-gpu-rates";
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// A number at `key` of object `j` within [lo, hi] (hi < 0: no upper bound); errors name where and what.
+double number(const json& j, const std::string& key, const std::string& where, double lo, double hi,
+              bool lo_open = false) {
+  if (!j.is_object() || !j.contains(key)) GPUCAST_USER_ERROR("{}: missing key '{}'", where, key);
+  const json& v = j.at(key);
+  if (!v.is_number()) GPUCAST_USER_ERROR("{}: '{}' should be a number, got {}", where, key, v.dump());
+  const double x = v.get<double>();
+  const bool below = lo_open ? !(x > lo) : !(x >= lo);
+  if (below || (hi >= 0 && x > hi) || !std::isfinite(x)) {
+    GPUCAST_USER_ERROR("{}: '{}' should be in {}{}, {}], got {}", where, key, lo_open ? "(" : "[", lo,
+                       hi >= 0 ? fmt::format("{}", hi) : std::string("inf"), x);
+  }
+  return x;
+}
+
+std::string text(const json& j, const std::string& key, const std::string& where) {
+  if (!j.is_object() || !j.contains(key)) GPUCAST_USER_ERROR("{}: missing key '{}'", where, key);
+  if (!j.at(key).is_string()) GPUCAST_USER_ERROR("{}: '{}' should be a string, got {}", where, key, j.at(key).dump());
+  return j.at(key).get<std::string>();
+}
+
+GpuPassRates pass_rates(const json& j, const std::string& where) {
+  if (!j.is_object()) GPUCAST_USER_ERROR("{}: should be an object, got {}", where, j.dump());
+  return {number(j, "flop_eff", where, 0, 1, true), number(j, "byte_eff", where, 0, 4, true),
+          number(j, "overhead_us", where, 0, 1e6) / 1e6};
+}
+
+json pass_json(const GpuPassRates& p) {
+  return {{"flop_eff", p.flop_eff}, {"byte_eff", p.byte_eff}, {"overhead_us", p.overhead_s * 1e6}};
+}
+
+}  // namespace
+
+std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::exception& e) {
+    GPUCAST_USER_ERROR("{}: not JSON ({}); expected a gpucast GPU rates table ({})", origin, e.what(), kFormat);
+  }
+  if (!j.is_object() || j.value("format", std::string()) != kFormat) {
+    GPUCAST_USER_ERROR("{}: not a gpucast GPU rates table: expected \"format\": \"{}\"", origin, kFormat);
+  }
+  if (!j.contains("version") || !j.at("version").is_number_integer() || j.at("version").get<int>() != kGpuRatesVersion) {
+    GPUCAST_USER_ERROR("{}: GPU rates table version {}, this gpucast reads version {}: regenerate it with "
+                       "bench/gpu_rates.py",
+                       origin, j.contains("version") ? j.at("version").dump() : std::string("(missing)"),
+                       kGpuRatesVersion);
+  }
+  if (!j.contains("gpus") || !j.at("gpus").is_array()) GPUCAST_USER_ERROR("{}: missing list 'gpus'", origin);
+  std::vector<GpuRates> out;
+  for (size_t i = 0; i < j.at("gpus").size(); ++i) {
+    const json& g = j.at("gpus")[i];
+    const std::string where = fmt::format("{}: gpus[{}]", origin, i);
+    GpuRates r;
+    r.name = text(g, "name", where);
+    const std::string here = fmt::format("{} ('{}')", where, r.name);
+    if (find_gpu_rates(out, r.name) != nullptr) GPUCAST_USER_ERROR("{}: GPU '{}' listed twice", here, r.name);
+    r.fp32_flops = number(g, "fp32_tflops", here, 0, -1, true) * 1e12;
+    r.tf32_flops = number(g, "tf32_tflops", here, 0, -1, true) * 1e12;
+    r.half_flops = number(g, "half_tflops", here, 0, -1, true) * 1e12;
+    r.bytes_per_s = number(g, "bandwidth_gbps", here, 0, -1, true) * 1e9;
+    r.fitted_on = text(g, "fitted_on", here);
+    if (!g.contains("kinds") || !g.at("kinds").is_object()) GPUCAST_USER_ERROR("{}: missing object 'kinds'", here);
+    for (size_t k = 0; k < kLayerCostKinds.size(); ++k) {
+      const std::string kind(kLayerCostKinds[k]);
+      const std::string at = fmt::format("{}: kinds.{}", here, kind);
+      if (!g.at("kinds").contains(kind)) GPUCAST_USER_ERROR("{}: missing (every kind of op needs rates)", at);
+      const json& kj = g.at("kinds").at(kind);
+      r.kinds[k].source = text(kj, "source", at);
+      if (!kj.contains("forward")) GPUCAST_USER_ERROR("{}: missing key 'forward'", at);
+      if (!kj.contains("backward")) GPUCAST_USER_ERROR("{}: missing key 'backward'", at);
+      r.kinds[k].forward = pass_rates(kj.at("forward"), at + ".forward");
+      r.kinds[k].backward = pass_rates(kj.at("backward"), at + ".backward");
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<GpuRates> load_gpu_rates(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    GPUCAST_USER_ERROR("GPU rates table '{}' cannot be read (missing?): give a table written by bench/gpu_rates.py, "
+                       "or unset GPUCAST_GPU_RATES to use the shipped one",
+                       path);
+  }
+  std::stringstream s;
+  s << f.rdbuf();
+  return parse_gpu_rates(s.str(), path);
+}
+
+std::string gpu_rates_to_json(const std::vector<GpuRates>& table) {
+  json gpus = json::array();
+  for (const GpuRates& r : table) {
+    json kinds = json::object();
+    for (size_t k = 0; k < kLayerCostKinds.size(); ++k) {
+      kinds[std::string(kLayerCostKinds[k])] = {{"source", r.kinds[k].source},
+                                                {"forward", pass_json(r.kinds[k].forward)},
+                                                {"backward", pass_json(r.kinds[k].backward)}};
+    }
+    gpus.push_back({{"name", r.name}, {"fp32_tflops", r.fp32_flops / 1e12}, {"tf32_tflops", r.tf32_flops / 1e12},
+                    {"half_tflops", r.half_flops / 1e12}, {"bandwidth_gbps", r.bytes_per_s / 1e9},
+                    {"fitted_on", r.fitted_on}, {"kinds", kinds}});
+  }
+  return json{{"format", kFormat}, {"version", kGpuRatesVersion}, {"gpus", gpus}}.dump(1);
+}
+
+const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::string& name) {
+  for (const GpuRates& r : table) {
+    if (lower(r.name) == lower(name)) return &r;
+  }
+  return nullptr;
+}
+
+std::string default_gpu_rates_path() {
+  if (const char* env = std::getenv("GPUCAST_GPU_RATES"); env != nullptr && *env != '\0') return env;
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&default_gpu_rates_path), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::error_code ec;
+  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
+  return (lib.parent_path().parent_path() / "data" / "gpu_rates.json").string();
+}
+
+double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {
+  const auto it = std::find(kLayerCostKinds.begin(), kLayerCostKinds.end(), part.kind);
+  const size_t k = it == kLayerCostKinds.end() ? kLayerCostKinds.size() - 1 : static_cast<size_t>(it - kLayerCostKinds.begin());
+  const GpuKindRates& kr = gpu.kinds[k];
+  const GpuPassRates& p = pass == Phase::Backward ? kr.backward : kr.forward;
+  double peak = gpu.fp32_flops;
+  if (part.half) {
+    peak = gpu.half_flops;
+  } else if ((part.kind == "matmul" || part.kind == "attention") && precision.tf32_matmul) {
+    peak = gpu.tf32_flops;
+  } else if (part.kind == "conv" && precision.tf32_conv) {
+    peak = gpu.tf32_flops;
+  }
+  const LayerCost c{"", part.kind, part.flops, part.bytes, part.kernels, {}};
+  return roofline_ns(c, DeviceRates{p.flop_eff * peak, p.byte_eff * gpu.bytes_per_s, p.overhead_s}, pass);
+}
+
+double gpu_layer_ns(const LayerTiming& layer, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {
+  if (layer.parts.empty()) {
+    if (layer.flops <= 0 && layer.bytes <= 0) return 0;
+    return gpu_part_ns(CostPart{layer.cost_kind, false, layer.flops, layer.bytes, layer.ops}, gpu, pass, precision);
+  }
+  double t = 0;
+  for (const CostPart& p : layer.parts) t += gpu_part_ns(p, gpu, pass, precision);
+  return t;
+}
+
+IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, const GpuPrecision& precision) {
+  IterationTiming out = probe;
+  double layers = 0;
+  for (LayerTiming& l : out.layers) {
+    l.forward_ns = gpu_layer_ns(l, gpu, Phase::Forward, precision);
+    l.backward_ns = gpu_layer_ns(l, gpu, Phase::Backward, precision);
+    layers += l.forward_ns + l.backward_ns;
+  }
+  double bytes = probe.optimizer_bytes;
+  if (bytes <= 0) {
+    for (const LayerTiming& l : probe.layers) bytes += 7.0 * static_cast<double>(l.grad_bytes);
+  }
+  const GpuPassRates& ew = gpu.kinds[kLayerCostKinds.size() - 1].forward;
+  out.optimizer_ns = bytes > 0 ? bytes / (ew.byte_eff * gpu.bytes_per_s) * 1e9 : 0;
+  out.other_ns = 0;
+  out.wall_ns = layers + out.optimizer_ns;
+  out.untraced_wall_ns = -1;
+  out.clock = "gpu-table";
+  return out;
+}
+
+namespace {
+
+// a + c * b fitted by least squares over (batch, value) points, a and c kept >= 0; one point: proportional.
+double affine_at(const std::vector<std::pair<double, double>>& pts, double b) {
+  if (pts.empty()) return 0;
+  if (pts.size() == 1) return pts[0].first > 0 ? pts[0].second * b / pts[0].first : pts[0].second;
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (auto [x, y] : pts) n += 1, sx += x, sy += y, sxx += x * x, sxy += x * y;
+  const double den = n * sxx - sx * sx;
+  double c = den != 0 ? (n * sxy - sx * sy) / den : 0;
+  double a = (sy - c * sx) / n;
+  if (c < 0) {
+    c = 0;
+    a = sy / n;
+  } else if (a < 0) {
+    a = 0;
+    c = sxx > 0 ? sxy / sxx : 0;
+  }
+  return a + c * b;
+}
+
+}  // namespace
+
+IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_t batch) {
+  if (probes.empty()) GPUCAST_USER_ERROR("step time: no probe to take the work from");
+  const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
+                                                 [](const auto& x, const auto& y) { return x.batch < y.batch; });
+  const double b = static_cast<double>(batch);
+  IterationTiming out = ref;
+  out.batch = batch;
+  std::map<std::string, const LayerTiming*> by_name;
+  std::vector<std::map<std::string, const LayerTiming*>> index(probes.size());
+  for (size_t p = 0; p < probes.size(); ++p) {
+    for (const LayerTiming& l : probes[p].layers) index[p].emplace(l.layer, &l);
+  }
+  auto over = [&](const std::string& layer, auto value) {
+    std::vector<std::pair<double, double>> pts;
+    for (size_t p = 0; p < probes.size(); ++p) {
+      auto it = index[p].find(layer);
+      if (it == index[p].end()) continue;
+      if (const auto v = value(*it->second); v) pts.emplace_back(static_cast<double>(probes[p].batch), *v);
+    }
+    return std::max(0.0, affine_at(pts, b));
+  };
+  for (LayerTiming& l : out.layers) {
+    for (CostPart& part : l.parts) {
+      auto find = [&](const LayerTiming& x) -> const CostPart* {
+        for (const CostPart& q : x.parts) {
+          if (q.kind == part.kind && q.half == part.half) return &q;
+        }
+        return nullptr;
+      };
+      part.flops = over(l.layer, [&](const LayerTiming& x) -> std::optional<double> {
+        const CostPart* q = find(x);
+        return q ? std::optional<double>(q->flops) : std::nullopt;
+      });
+      part.bytes = over(l.layer, [&](const LayerTiming& x) -> std::optional<double> {
+        const CostPart* q = find(x);
+        return q ? std::optional<double>(q->bytes) : std::nullopt;
+      });
+    }
+    l.flops = over(l.layer, [](const LayerTiming& x) { return std::optional<double>(x.flops); });
+    l.bytes = over(l.layer, [](const LayerTiming& x) { return std::optional<double>(x.bytes); });
+    l.out_bytes = static_cast<int64_t>(
+        over(l.layer, [](const LayerTiming& x) { return std::optional<double>(static_cast<double>(x.out_bytes)); }));
+  }
+  for (LayerEdge& e : out.edges) e.bytes = static_cast<int64_t>(static_cast<double>(e.bytes) * b / static_cast<double>(ref.batch));
+  return out;
+}
+
+StepTimeForecast forecast_step_time_on_gpu(const std::vector<IterationTiming>& probes, StepTimeOptions options,
+                                           const GpuRates& gpu, const GpuPrecision& precision) {
+  // The GPU's time is not affine in the batch where the probes' is (a matmul memory-bound at a probe's batch is
+  // compute-bound at the target's): the work is extrapolated, then priced at the rank's micro-batch (and at twice
+  // it, so that the step model's fit over the batch passes through that price).
+  if (probes.empty()) GPUCAST_USER_ERROR("step time: no probe to take the work from");
+  const ParallelConfig& P = options.parallel;
+  const int64_t per_rank = std::max<int64_t>(1, options.batch_size / std::max<int64_t>(1, P.dp * P.micro_batches));
+  std::vector<IterationTiming> priced;
+  for (int64_t b : {per_rank, 2 * per_rank}) priced.push_back(price_on_gpu(work_at_batch(probes, b), gpu, precision));
+  options.time_fraction = 1.0;
+  options.time_scale = 1.0;
+  StepTimeForecast f = forecast_step_time(priced, options);
+  for (LayerForecast& l : f.per_layer) {
+    if (l.source == "measured") l.source = "gpu-table";
+  }
+  f.notes.insert(f.notes.begin(),
+                 fmt::format("priced for {} from the probes' work (FLOPs and bytes per op kind; nothing timed on it): "
+                             "efficiencies fitted on {}; matmuls in {}",
+                             gpu.name, gpu.fitted_on, precision.tf32_matmul ? "TF32" : "float32 (TF32 off)"));
+  return f;
+}
+
+}  // namespace gpucast
