@@ -9,7 +9,7 @@ from ._loader import library_path, load
 load()
 
 from ._trace import Trace, load_trace, trace, trace_options  # noqa: E402
-from ._forecast import Forecast, MemoryForecast, devices, forecast, interconnects  # noqa: E402
+from ._forecast import Forecast, MemoryForecast, devices, forecast, gpu_rates, interconnects  # noqa: E402
 from ._auto import OutOfMemoryRisk, OutOfMemoryRiskWarning  # noqa: E402
 from . import _auto  # noqa: E402
 from .trackers import log_to  # noqa: E402
@@ -20,5 +20,5 @@ _auto.maybe_start()
 
 __version__ = __import__("torch").ops.gpucast.version()
 
-__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "trace",
+__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "gpu_rates", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "trace",
            "trace_options", "__version__"]

@@ -27,6 +27,14 @@ def interconnects() -> list[dict]:
     return json.loads(torch.ops.gpucast.interconnects())
 
 
+def gpu_rates(path: str = "") -> list[dict]:
+    """The GPU rates table that prices a GPU target's step from CPU probes: per GPU its peaks, what the
+    efficiencies were fitted on, and per kind of op and pass the share of peak FLOP/s and bandwidth its kernels
+    reach and the cost per kernel. path: another table in the same format ("": the shipped one, or
+    $GPUCAST_GPU_RATES)."""
+    return json.loads(torch.ops.gpucast.gpu_rates(str(path)))["gpus"]
+
+
 def devices() -> list[dict]:
     """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source."""
     rows = []
@@ -171,7 +179,8 @@ class Forecast:
             raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
-                                                    str(design), 0, *_prior(self.target, time_fraction))
+                                                    str(design), 0, *_prior(self.target, time_fraction),
+                                                    **_gpu_pricing(self.target, self.probe_device))
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn)
         return tf
@@ -315,7 +324,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
 
-    Step time (fc.time) is forecast when the probes ran on the target itself (target "cpu" with CPU batches):
+    Step time (fc.time) for a GPU target from CPU probes is priced, layer by layer, from the probes' work (FLOPs
+    and bytes per op kind and precision) at the GPU's rates in gpucast's table (gpucast.gpu_rates(): efficiencies
+    fitted on per-operator latencies measured on real GPUs; TF32 as torch.backends allows it), then fitted over
+    the batch with the communication of `parallel` as below; per_layer[i]["source"] is "gpu-table".
+    Step time is measured when the probes ran on the target itself (target "cpu" with CPU batches):
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
     one warm-up and three timed iterations untraced, then the faster of two in light traces: no shapes, no
     memory events; FLOPs, bytes and the layer graph from the probe's full trace), evaluated at each
@@ -652,15 +665,32 @@ def _time_on_target(target: str, probe_device: str) -> bool:
     return (target == "cpu" and probe_device == "cpu") or (target != "cpu" and probe_device.startswith("cuda"))
 
 
+def _gpu_pricing(target: str, probe_device: str) -> dict:
+    """forecast_step_time's arguments for a GPU target whose probes ran on the CPU: every layer priced from the
+    GPU rates table (gpu_rates.h), with this process's TF32 settings."""
+    if target == "cpu" or probe_device != "cpu":
+        return {}
+    return {"gpu": target, "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+            "tf32_conv": bool(torch.backends.cudnn.allow_tf32)}
+
+
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
                    link: dict | str | None, time_scale: float = 1.0, time_fraction: float = 1.0,
                    optimizer_name: str = "other", gnn: str | None = "") -> TimeForecast | None:
-    """The step time from the probes' timings, where the probes ran on the target."""
-    if not timings or not _time_on_target(target, probe_device):
+    """The step time from the probes' timings where the probes ran on the target; for a GPU target from CPU
+    probes, priced from the GPU rates table (None, with a warning, where the table has no such GPU)."""
+    pricing = _gpu_pricing(target, probe_device)
+    if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
-    text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
-                                                _format_link(link), float(time_scale), float(time_fraction),
-                                                "d-optimal", 0, *_prior(target, time_fraction))
+    try:
+        text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
+                                                    _format_link(link), float(time_scale), float(time_fraction),
+                                                    "d-optimal", 0, *_prior(target, time_fraction), **pricing)
+    except (ValueError, RuntimeError) as e:
+        if not pricing or "GPU rates" not in str(e):
+            raise
+        warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
+        return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn)
     return tf

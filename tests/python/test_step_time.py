@@ -97,10 +97,72 @@ def test_other_strategies_over_a_topology(tmp_path):
     assert [x["name"] for x in gpucast.interconnects()][:2] == ["nvlink3", "nvlink4"]
 
 
-def test_gpu_target_from_cpu_probes_has_no_step_time():
-    assert forecast(target="A100-80GB").time is None
+def _linear_case():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    return model, opt, step, lambda n: torch.randn(n, 16)
+
+
+def _rates_table(path: Path, name: str = "G1") -> Path:
+    kinds = {k: {"source": "test", "forward": {"flop_eff": 0.5, "byte_eff": 0.5, "overhead_us": 10},
+                 "backward": {"flop_eff": 0.25, "byte_eff": 0.5, "overhead_us": 20}}
+             for k in ("matmul", "conv", "attention", "norm", "embedding", "pool", "elementwise")}
+    path.write_text(json.dumps({"format": "gpucast-gpu-rates", "version": 1, "gpus": [
+        {"name": name, "fp32_tflops": 10, "tf32_tflops": 20, "half_tflops": 40, "bandwidth_gbps": 1000,
+         "fitted_on": "a test", "kinds": kinds}]}))
+    return path
+
+
+def test_gpu_target_from_cpu_probes_is_priced_from_the_rates_table(tmp_path):
+    model, opt, step, make = _linear_case()
+    fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
+    tm = fc.time
+    assert tm is not None and tm.step_ms > 0
+    assert [l["source"] for l in tm.per_layer] == ["gpu-table"] * len(tm.per_layer)
+    assert tm.notes[0].startswith("priced for H100-80GB from the probes' work")
+    assert tm.correction == "none: the shipped graph network is trained on CPU steps only"
+    assert tm.other_ms == 0
+    # The same probes against a hand-made table: the Linear's forward at batch 64 is one aten::linear of
+    # 2 * 64 * 16 * 32 FLOPs (at 0.5 x 10 TFLOP/s) moving input, weight, bias and output (at 0.5 TB/s), one kernel.
+    table = _rates_table(tmp_path / "rates.json")
+    got = json.loads(torch.ops.gpucast.forecast_step_time(fc.timings, 64, "", "", gpu="g1", gpu_rates=str(table)))
+    layer = next(l for l in got["per_layer"] if l["layer"] == "Sequential.0")
+    compute = 2 * 64 * 16 * 32 / 5e12
+    memory = 4 * (64 * 16 + 32 * 16 + 32 + 64 * 32) / 5e11
+    assert layer["forward_ms"] == pytest.approx((max(compute, memory) + 10e-6) * 1e3, rel=1e-9)
+    assert fc.step_time(128).step_ms > 0  # other batch sizes from the same probes, priced the same way
+
+
+def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
+    model, opt, step, make = _linear_case()
+    with pytest.warns(UserWarning, match="no step time for RTX-4090: forecast_step_time: the GPU rates table '.*' "
+                                         "has no 'RTX-4090'; it has: H100-80GB, H200-141GB"):
+        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="RTX-4090", probe_batch_sizes=(2, 4))
+    assert fc.time is None
     with pytest.raises(ValueError, match="save_timeline: this forecast has no step time"):
-        forecast(target="A100-80GB").save_timeline("x.json")
+        fc.save_timeline(str(tmp_path / "x.json"))
+    bad = tmp_path / "truncated.json"
+    bad.write_text(_rates_table(tmp_path / "full.json").read_text()[:100])
+    monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
+    with pytest.warns(UserWarning, match=f"no step time for H100-80GB: {bad}: not JSON"):
+        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
+    assert fc.time is None and fc.memory is not None
+
+
+def test_gpu_rates_table():
+    names = [g["name"] for g in gpucast.gpu_rates()]
+    assert names == ["H100-80GB", "H200-141GB", "A100-80GB", "A100-40GB", "L4", "V100-32GB"]
+    h100 = gpucast.gpu_rates()[0]
+    assert h100["fitted_on"].startswith("NeuSight per-operator latencies on NVIDIA_H100_80GB_HBM3")
+    assert set(h100["kinds"]) == {"matmul", "conv", "attention", "norm", "embedding", "pool", "elementwise"}
+    with pytest.raises((ValueError, RuntimeError), match="GPU rates table '/nonexistent.json' cannot be read"):
+        gpucast.gpu_rates("/nonexistent.json")
 
 
 @pytest.mark.parametrize("kw,message", [
