@@ -1,8 +1,12 @@
 #include "gpucast/config.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 
 #include "gpucast/error.h"
 
@@ -195,6 +199,15 @@ std::vector<ConfigKey> auto_config_keys() {
       {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
       {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
   };
+}
+
+std::string shipped_data_file(const char* env, const char* name) {
+  if (const char* v = std::getenv(env); v != nullptr && *v != '\0') return v;
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&shipped_data_file), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::error_code ec;
+  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
+  return (lib.parent_path().parent_path() / "data" / name).string();
 }
 
 }  // namespace gpucast

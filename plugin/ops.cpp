@@ -4,10 +4,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <dlfcn.h>
 
-#include <cstdlib>
-#include <filesystem>
 #include <map>
 #include <optional>
 
@@ -35,14 +32,7 @@ namespace {
 
 // The learned job model's weights: $GPUCAST_JOB_WEIGHTS, else data/job_memory.gcw beside this library's lib/
 // directory (the installed package and the build tree both lay it out so).
-std::string default_job_weights() {
-  if (const char* env = std::getenv("GPUCAST_JOB_WEIGHTS"); env != nullptr && *env != '\0') return env;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&default_job_weights), &info) == 0 || info.dli_fname == nullptr) return "";
-  std::error_code ec;
-  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
-  return (lib.parent_path().parent_path() / "data" / "job_memory.gcw").string();
-}
+std::string default_job_weights() { return shipped_data_file("GPUCAST_JOB_WEIGHTS", "job_memory.gcw"); }
 
 template <typename F>
 auto translate(F&& f) -> decltype(f()) {

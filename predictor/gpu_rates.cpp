@@ -1,12 +1,8 @@
 #include "gpucast/gpu_rates.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -14,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gpucast/config.h"
 #include "gpucast/error.h"
 
 namespace gpucast {
@@ -144,14 +141,7 @@ const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::st
   return nullptr;
 }
 
-std::string default_gpu_rates_path() {
-  if (const char* env = std::getenv("GPUCAST_GPU_RATES"); env != nullptr && *env != '\0') return env;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&default_gpu_rates_path), &info) == 0 || info.dli_fname == nullptr) return "";
-  std::error_code ec;
-  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
-  return (lib.parent_path().parent_path() / "data" / "gpu_rates.json").string();
-}
+std::string default_gpu_rates_path() { return shipped_data_file("GPUCAST_GPU_RATES", "gpu_rates.json"); }
 
 double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {
   const auto it = std::find(kLayerCostKinds.begin(), kLayerCostKinds.end(), part.kind);

@@ -1,15 +1,14 @@
 // ScaleDL's step-time graph network: LibTorch nn, trained by `gpucast-train step-gnn`, loaded by the plugin.
 #include "gpucast/step_gnn.h"
 
-#include <dlfcn.h>
+#include "gpucast/config.h"
+
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -588,14 +587,7 @@ StepCorrection predict_step_correction(const StepGraph& graph, const std::string
   return c;
 }
 
-std::string default_step_gnn_weights() {
-  if (const char* env = std::getenv("GPUCAST_STEP_GNN_WEIGHTS"); env != nullptr && *env != '\0') return env;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&default_step_gnn_weights), &info) == 0 || info.dli_fname == nullptr) return "";
-  std::error_code ec;
-  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
-  return (lib.parent_path().parent_path() / "data" / "step_gnn.gcw").string();
-}
+std::string default_step_gnn_weights() { return shipped_data_file("GPUCAST_STEP_GNN_WEIGHTS", "step_gnn.gcw"); }
 
 StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std::vector<StepGraph>& val,
                                   const StepGnnTrainOptions& o, const std::string& out_path) {

@@ -62,4 +62,9 @@ std::vector<ConfigKey> trace_config_keys();
 // The keys of GPUCAST_CONF (auto mode).
 std::vector<ConfigKey> auto_config_keys();
 
+// A file shipped with the library: $env when set and not empty, else data/<name> beside the directory of the
+// library holding this code (lib/ and data/ sit side by side in the installed package and in the build tree);
+// "" when that library cannot be found.
+std::string shipped_data_file(const char* env, const char* name);
+
 }  // namespace gpucast
