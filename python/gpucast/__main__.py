@@ -2,7 +2,7 @@
 
   python -m gpucast run [--target T] [--log FILE] -- train.py args...   run a script with auto mode on
   python -m gpucast report trace.json [--html out.html] [--png out.png] [--snapshot out.pickle]
-  python -m gpucast devices                                             the device table
+  python -m gpucast devices                                             the device and GPU rates tables
   python -m gpucast predict-job job.json                                the job-level memory estimate
 """
 from __future__ import annotations
@@ -20,6 +20,12 @@ def _devices(args) -> int:
     for d in rows:
         print(f"{d['name']:<12} {d['capacity_bytes'] / 2**20:>8,.0f} MiB {d['compute_capability']:>5.1f} "
               f"{d['context_bytes'] / 2**20:>5.0f} MiB  {d['source']}")
+    print()
+    print("step time from CPU probes (gpu_rates table):")
+    print(f"{'name':<12} {'fp32':>7} {'tf32':>7} {'16-bit':>7} {'memory':>10}  efficiencies fitted on")
+    for g in gpucast.gpu_rates():
+        print(f"{g['name']:<12} {g['fp32_tflops']:>4.1f} TF {g['tf32_tflops']:>4.0f} TF {g['half_tflops']:>4.0f} TF "
+              f"{g['bandwidth_gbps']:>5.0f} GB/s  {g['fitted_on']}")
     return 0
 
 

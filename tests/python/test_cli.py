@@ -23,10 +23,15 @@ def cli(*args, cwd=None, env_extra=None):
 def test_devices_lists_the_table():
     out = cli("devices")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    memory, rates = out.stdout.split("\n\n")
+    lines = memory.splitlines()
     assert lines[0].split() == ["name", "capacity", "cc", "context", "source"]
     assert [ln.split()[0] for ln in lines[1:]] == [d["name"] for d in gpucast.devices()]
     assert "H100-80GB      81,559 MiB   9.0   560 MiB" in out.stdout
+    lines = rates.splitlines()
+    assert lines[0] == "step time from CPU probes (gpu_rates table):"
+    assert [ln.split()[0] for ln in lines[2:]] == [g["name"] for g in gpucast.gpu_rates()]
+    assert "H100-80GB    66.9 TF  495 TF  989 TF  3352 GB/s  NeuSight per-operator latencies on" in rates
 
 
 def test_report_of_a_saved_trace(tmp_path):

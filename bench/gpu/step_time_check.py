@@ -1,0 +1,128 @@
+"""On a GPU: the step-time checks (bench/gpu/run.sh runs it; it runs on the CPU too with --device cpu, as a rehearsal).
+
+Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one batch size, in one process:
+  measured        median of 20 untraced steps (synchronised), with the interquartile range
+  trace           one steady iteration traced by gpucast: the device-timing source ("cupti", else "cuda_events"),
+                  the share of recorded ops that carry a device time, and the per-layer device times summed
+                  (layers + optimizer) against the measured step: the target is within 5 %
+  on device       gpucast.forecast(target=<this GPU>) with probes on the GPU (measured kernel times): fc.time.step_ms
+                  against measured
+  CPU probes      gpucast.forecast(target=<this GPU>) with the same model and probes on the CPU (priced from the
+                  GPU rates table): fc.time.step_ms against measured
+Last line: one JSON object.
+
+    python bench/gpu/step_time_check.py --target H100-80GB [--device cuda] [--cases gpt,cnn,resnet18]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+BATCH = {"gpt": 64, "cnn": 128, "resnet18": 64}
+PROBES = {"cuda": (4, 8, 16), "cpu": (2, 4)}
+
+
+def build(name: str, device: str):
+    import torch
+    from examples import zoo
+    cases = dict(zoo.CASES)
+    if name not in cases:
+        cases.update(zoo.real_cases())
+    case = cases[name]
+    torch.manual_seed(0)
+    model = case.make_model().to(device)
+    opt = zoo.make_optimizer("adamw", model.parameters())
+    step = zoo.make_step(model, opt, case.loss_fn)
+
+    def make_batch(n: int):
+        return tuple(t.to(device) for t in case.make_batch(n))
+    return model, opt, step, make_batch
+
+
+def measure(step, batch, device: str, n: int = 20) -> tuple[float, float]:
+    import torch
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        step(batch)
+    times = []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        step(batch)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    q = statistics.quantiles(times, n=4)
+    return statistics.median(times), q[2] - q[0]
+
+
+def pct(x: float | None, ref: float) -> float | None:
+    return None if x is None else round(100 * (x / ref - 1), 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True, help="the GPU's name in gpucast's device table, or cpu")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--cases", default="gpt,cnn,resnet18")
+    args = ap.parse_args()
+    import torch
+    import gpucast
+    rows = []
+    for name in args.cases.split(","):
+        b = BATCH[name]
+        model, opt, step, make_batch = build(name, args.device)
+        batch = make_batch(b)
+        measured, iqr = measure(step, batch, args.device)
+        with gpucast.trace() as t:
+            step(batch)
+            step(batch)
+        it = json.loads(t.result.handle.iteration_timing(b))
+        doc = json.loads(t.result.handle.to_json())
+        ops = doc.get("ops", [])
+        timed = sum(1 for o in ops if o.get("device_ns", -1) >= 0)
+        source = doc.get("timing_source")
+        layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
+        del t, doc
+        fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
+                              probe_batch_sizes=PROBES[args.device])
+        on_target = fc.time.step_ms if fc.time is not None else None
+        del model, opt, step, batch, fc
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        from_cpu = None
+        if args.device == "cuda":
+            model, opt, step, make_cpu = build(name, "cpu")
+            fc = gpucast.forecast(step, make_cpu, b, model=model, optimizer=opt, target=args.target,
+                                  probe_batch_sizes=PROBES["cpu"])
+            from_cpu = fc.time.step_ms if fc.time is not None else None
+            del model, opt, step, fc
+        rows.append(dict(case=name, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3),
+                         timing_source=source, ops=len(ops), ops_with_device_time=timed,
+                         layer_sum_ms=round(layers_ms, 3), layer_sum_err_pct=pct(layers_ms, measured),
+                         gpu_probe_forecast_ms=on_target and round(on_target, 3),
+                         gpu_probe_err_pct=pct(on_target, measured),
+                         cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3), cpu_probe_err_pct=pct(from_cpu, measured)))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"{'case':9} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'timed ops':>10} "
+          f"{'on device':>10} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
+    for r in rows:
+        def f(x, w, p=2):
+            return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+        print(f"{r['case']:9} {r['batch']:5d} {r['measured_ms']:8.2f}±{r['iqr_ms']:<4.2f} {f(r['layer_sum_ms'], 10)} "
+              f"{f(r['layer_sum_err_pct'], 7, 1)} {r['ops_with_device_time']:4d}/{r['ops']:<5d} "
+              f"{f(r['gpu_probe_forecast_ms'], 10)} {f(r['gpu_probe_err_pct'], 7, 1)} "
+              f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
+    print(json.dumps({"bench": "gpu_step_time_check", "target": args.target, "device": args.device,
+                      "torch": torch.__version__, "cases": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
