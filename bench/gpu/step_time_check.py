@@ -72,44 +72,57 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--cases", default="gpt,cnn,resnet18")
     args = ap.parse_args()
-    import torch
-    import gpucast
     rows = []
     for name in args.cases.split(","):
-        b = BATCH[name]
-        model, opt, step, make_batch = build(name, args.device)
-        batch = make_batch(b)
-        measured, iqr = measure(step, batch, args.device)
-        with gpucast.trace() as t:
-            step(batch)
-            step(batch)
-        it = json.loads(t.result.handle.iteration_timing(b))
-        doc = json.loads(t.result.handle.to_json())
-        ops = doc.get("ops", [])
-        timed = sum(1 for o in ops if o.get("device_ns", -1) >= 0)
-        source = doc.get("timing_source")
-        layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
-        del t, doc
-        fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
-                              probe_batch_sizes=PROBES[args.device])
-        on_target = fc.time.step_ms if fc.time is not None else None
-        del model, opt, step, batch, fc
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-        from_cpu = None
-        if args.device == "cuda":
-            model, opt, step, make_cpu = build(name, "cpu")
-            fc = gpucast.forecast(step, make_cpu, b, model=model, optimizer=opt, target=args.target,
-                                  probe_batch_sizes=PROBES["cpu"])
-            from_cpu = fc.time.step_ms if fc.time is not None else None
-            del model, opt, step, fc
-        rows.append(dict(case=name, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3),
-                         timing_source=source, ops=len(ops), ops_with_device_time=timed,
-                         layer_sum_ms=round(layers_ms, 3), layer_sum_err_pct=pct(layers_ms, measured),
-                         gpu_probe_forecast_ms=on_target and round(on_target, 3),
-                         gpu_probe_err_pct=pct(on_target, measured),
-                         cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3), cpu_probe_err_pct=pct(from_cpu, measured)))
+        try:
+            rows.append(check(name, args))
+        except Exception as e:  # one case failing (a package missing on the GPU machine) leaves the others
+            print(f"{name}: {type(e).__name__}: {e}", flush=True)
+            continue
         print(json.dumps(rows[-1]), flush=True)
+    report(rows, args)
+    return 0
+
+
+def check(name: str, args) -> dict:
+    import torch
+    import gpucast
+    b = BATCH[name]
+    model, opt, step, make_batch = build(name, args.device)
+    batch = make_batch(b)
+    measured, iqr = measure(step, batch, args.device)
+    with gpucast.trace() as t:
+        step(batch)
+        step(batch)
+    it = json.loads(t.result.handle.iteration_timing(b))
+    doc = json.loads(t.result.handle.to_json())
+    ops = doc.get("ops", [])
+    timed = sum(1 for o in ops if o.get("device_ns", -1) >= 0)
+    source = doc.get("timing_source")
+    layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
+    del t, doc
+    fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
+                          probe_batch_sizes=PROBES[args.device])
+    on_target = fc.time.step_ms if fc.time is not None else None
+    del model, opt, step, batch, fc
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    from_cpu = None
+    if args.device == "cuda":
+        model, opt, step, make_cpu = build(name, "cpu")
+        fc = gpucast.forecast(step, make_cpu, b, model=model, optimizer=opt, target=args.target,
+                              probe_batch_sizes=PROBES["cpu"])
+        from_cpu = fc.time.step_ms if fc.time is not None else None
+        del model, opt, step, fc
+    return dict(case=name, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
+                ops=len(ops), ops_with_device_time=timed, layer_sum_ms=round(layers_ms, 3),
+                layer_sum_err_pct=pct(layers_ms, measured), gpu_probe_forecast_ms=on_target and round(on_target, 3),
+                gpu_probe_err_pct=pct(on_target, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
+                cpu_probe_err_pct=pct(from_cpu, measured))
+
+
+def report(rows: list, args) -> None:
+    import torch
     print(f"{'case':9} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'timed ops':>10} "
           f"{'on device':>10} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
     for r in rows:
@@ -121,7 +134,6 @@ def main() -> int:
               f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
     print(json.dumps({"bench": "gpu_step_time_check", "target": args.target, "device": args.device,
                       "torch": torch.__version__, "cases": rows}))
-    return 0
 
 
 if __name__ == "__main__":
