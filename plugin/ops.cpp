@@ -239,11 +239,11 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
         "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
-        "bool tf32_conv=True) -> str",
+        "bool tf32_conv=True, int seq_len=0) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
            double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
            double prior_flops, double prior_bytes, const std::string& gpu, const std::string& gpu_rates,
-           bool tf32_matmul, bool tf32_conv) {
+           bool tf32_matmul, bool tf32_conv, int64_t seq_len) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -255,6 +255,7 @@ TORCH_LIBRARY(gpucast, m) {
             o.time_fraction = time_fraction;
             o.design = design;
             o.design_seed = static_cast<uint64_t>(design_seed);
+            o.seq_len = seq_len;
             if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
             if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
             if (!gpu.empty()) {  // the probes ran elsewhere: every layer priced for the GPU from a rates table

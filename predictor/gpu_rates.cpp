@@ -191,49 +191,33 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
   return out;
 }
 
-namespace {
-
-// a + c * b fitted by least squares over (batch, value) points, a and c kept >= 0; one point: proportional.
-double affine_at(const std::vector<std::pair<double, double>>& pts, double b) {
-  if (pts.empty()) return 0;
-  if (pts.size() == 1) return pts[0].first > 0 ? pts[0].second * b / pts[0].first : pts[0].second;
-  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (auto [x, y] : pts) n += 1, sx += x, sy += y, sxx += x * x, sxy += x * y;
-  const double den = n * sxx - sx * sx;
-  double c = den != 0 ? (n * sxy - sx * sy) / den : 0;
-  double a = (sy - c * sx) / n;
-  if (c < 0) {
-    c = 0;
-    a = sy / n;
-  } else if (a < 0) {
-    a = 0;
-    c = sxx > 0 ? sxy / sxx : 0;
-  }
-  return a + c * b;
-}
-
-}  // namespace
-
-IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_t batch) {
+IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_t batch, int64_t seq) {
   if (probes.empty()) GPUCAST_USER_ERROR("step time: no probe to take the work from");
+  auto tokens = [&](const IterationTiming& p) {
+    return static_cast<double>(p.batch) * (seq > 0 && p.seq > 0 ? static_cast<double>(p.seq) : 1.0);
+  };
   const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
-                                                 [](const auto& x, const auto& y) { return x.batch < y.batch; });
+                                                 [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
   const double b = static_cast<double>(batch);
+  const double L = static_cast<double>(std::max<int64_t>(seq, 0));
   IterationTiming out = ref;
   out.batch = batch;
+  out.seq = seq > 0 ? seq : ref.seq;
   std::map<std::string, const LayerTiming*> by_name;
   std::vector<std::map<std::string, const LayerTiming*>> index(probes.size());
   for (size_t p = 0; p < probes.size(); ++p) {
     for (const LayerTiming& l : probes[p].layers) index[p].emplace(l.layer, &l);
   }
   auto over = [&](const std::string& layer, auto value) {
-    std::vector<std::pair<double, double>> pts;
+    std::vector<SizedValue> pts;
     for (size_t p = 0; p < probes.size(); ++p) {
       auto it = index[p].find(layer);
       if (it == index[p].end()) continue;
-      if (const auto v = value(*it->second); v) pts.emplace_back(static_cast<double>(probes[p].batch), *v);
+      if (const auto v = value(*it->second); v) {
+        pts.push_back({static_cast<double>(probes[p].batch), static_cast<double>(probes[p].seq), *v});
+      }
     }
-    return std::max(0.0, affine_at(pts, b));
+    return std::max(0.0, fit_size(pts, b, L));
   };
   for (LayerTiming& l : out.layers) {
     for (CostPart& part : l.parts) {
@@ -257,7 +241,8 @@ IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_
     l.out_bytes = static_cast<int64_t>(
         over(l.layer, [](const LayerTiming& x) { return std::optional<double>(static_cast<double>(x.out_bytes)); }));
   }
-  for (LayerEdge& e : out.edges) e.bytes = static_cast<int64_t>(static_cast<double>(e.bytes) * b / static_cast<double>(ref.batch));
+  const double scale = b * (seq > 0 && ref.seq > 0 ? L : 1.0) / tokens(ref);
+  for (LayerEdge& e : out.edges) e.bytes = static_cast<int64_t>(static_cast<double>(e.bytes) * scale);
   return out;
 }
 
@@ -270,7 +255,9 @@ StepTimeForecast forecast_step_time_on_gpu(const std::vector<IterationTiming>& p
   const ParallelConfig& P = options.parallel;
   const int64_t per_rank = std::max<int64_t>(1, options.batch_size / std::max<int64_t>(1, P.dp * P.micro_batches));
   std::vector<IterationTiming> priced;
-  for (int64_t b : {per_rank, 2 * per_rank}) priced.push_back(price_on_gpu(work_at_batch(probes, b), gpu, precision));
+  for (int64_t b : {per_rank, 2 * per_rank}) {
+    priced.push_back(price_on_gpu(work_at_batch(probes, b, options.seq_len), gpu, precision));
+  }
   options.time_fraction = 1.0;
   options.time_scale = 1.0;
   StepTimeForecast f = forecast_step_time(priced, options);

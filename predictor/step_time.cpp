@@ -1,6 +1,8 @@
 #include "gpucast/step_time.h"
 
 #include <algorithm>
+#include <array>
+#include <limits>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -45,6 +47,35 @@ double fit_at(const std::vector<std::pair<double, double>>& pts, double b) {
   return a + c * b;
 }
 
+// Least squares over the columns `use` of rows x (each row: 1, b L, b L^2, scaled) for y; false where singular.
+bool solve_subset(const std::vector<std::array<double, 3>>& x, const std::vector<double>& y, const std::vector<int>& use,
+                  std::array<double, 3>* coef) {
+  const size_t k = use.size();
+  double m[3][4] = {};
+  for (size_t r = 0; r < x.size(); ++r) {
+    for (size_t i = 0; i < k; ++i) {
+      for (size_t j = 0; j < k; ++j) m[i][j] += x[r][use[i]] * x[r][use[j]];
+      m[i][k] += x[r][use[i]] * y[r];
+    }
+  }
+  for (size_t c = 0; c < k; ++c) {  // Gaussian elimination with partial pivoting
+    size_t piv = c;
+    for (size_t r = c + 1; r < k; ++r) {
+      if (std::abs(m[r][c]) > std::abs(m[piv][c])) piv = r;
+    }
+    if (std::abs(m[piv][c]) < 1e-12) return false;
+    for (size_t j = 0; j <= k; ++j) std::swap(m[c][j], m[piv][j]);
+    for (size_t r = 0; r < k; ++r) {
+      if (r == c) continue;
+      const double f = m[r][c] / m[c][c];
+      for (size_t j = c; j <= k; ++j) m[r][j] -= f * m[c][j];
+    }
+  }
+  *coef = {0, 0, 0};
+  for (size_t i = 0; i < k; ++i) (*coef)[use[i]] = m[i][k] / m[i][i];
+  return true;
+}
+
 int64_t element_bytes(const std::string& dtype) {
   if (dtype == "float64" || dtype == "int64" || dtype == "complex64") return 8;
   if (dtype == "float16" || dtype == "bfloat16" || dtype == "int16") return 2;
@@ -80,6 +111,49 @@ const char* op_kind(const std::string& name) {
 int kind_rank(const std::string& k) { return k == "matmul" ? 3 : k == "embedding" ? 2 : k == "conv" ? 1 : 0; }
 
 }  // namespace
+
+double fit_size(const std::vector<SizedValue>& pts, double batch, double seq) {
+  if (pts.empty()) return 0;
+  std::vector<double> lengths;
+  for (const SizedValue& p : pts) {
+    if (p.seq > 0 && std::find(lengths.begin(), lengths.end(), p.seq) == lengths.end()) lengths.push_back(p.seq);
+  }
+  const bool sized = seq > 0 && std::all_of(pts.begin(), pts.end(), [](const SizedValue& p) { return p.seq > 0; });
+  if (sized && pts.size() == 1) return pts[0].value * batch * seq / (pts[0].batch * pts[0].seq);
+  if (!sized || lengths.size() < 2) {
+    std::vector<std::pair<double, double>> by_batch;
+    for (const SizedValue& p : pts) by_batch.emplace_back(p.batch, p.value);
+    return fit_at(by_batch, batch);
+  }
+  // Columns 1, b L, b L^2, each scaled to at most 1 over the points (the normal equations stay well conditioned).
+  double s1 = 0, s2 = 0;
+  for (const SizedValue& p : pts) s1 = std::max(s1, p.batch * p.seq), s2 = std::max(s2, p.batch * p.seq * p.seq);
+  std::vector<std::array<double, 3>> x;
+  std::vector<double> y;
+  for (const SizedValue& p : pts) {
+    x.push_back({1.0, p.batch * p.seq / s1, p.batch * p.seq * p.seq / s2});
+    y.push_back(p.value);
+  }
+  const std::array<double, 3> at{1.0, batch * seq / s1, batch * seq * seq / s2};
+  double best_sse = std::numeric_limits<double>::infinity(), best = 0;
+  for (int mask = 1; mask < 8; ++mask) {
+    std::vector<int> use;
+    for (int c = 0; c < 3; ++c) {
+      if (mask & (1 << c)) use.push_back(c);
+    }
+    if (use.size() > pts.size()) continue;
+    std::array<double, 3> coef{};
+    if (!solve_subset(x, y, use, &coef)) continue;
+    if (std::any_of(coef.begin(), coef.end(), [](double c) { return c < 0; })) continue;
+    double sse = 0;
+    for (size_t r = 0; r < x.size(); ++r) {
+      const double e = coef[0] * x[r][0] + coef[1] * x[r][1] + coef[2] * x[r][2] - y[r];
+      sse += e * e;
+    }
+    if (sse < best_sse * (1 - 1e-12)) best_sse = sse, best = coef[0] * at[0] + coef[1] * at[1] + coef[2] * at[2];
+  }
+  return best;
+}
 
 IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   IterationTiming it;
@@ -309,9 +383,27 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   f.clock = probes.back().clock;
   const double b = static_cast<double>(f.per_rank_batch);
   const double m = static_cast<double>(P.micro_batches);
-  // Layers in the forward order of the largest probe; their points over all probes.
+  // By sequence length too: every probe recorded with one.
+  const double seq = static_cast<double>(o.seq_len);
+  if (o.seq_len < 0) GPUCAST_USER_ERROR("step time: seq_len should be at least 0, got {}", o.seq_len);
+  if (o.seq_len > 0) {
+    for (const IterationTiming& p : probes) {
+      if (p.seq <= 0) {
+        GPUCAST_USER_ERROR("step time: seq_len {} asks for scaling by sequence length, but the probe at batch {} has "
+                           "no sequence length recorded (forecast(..., seq_len=) records it)",
+                           o.seq_len, p.batch);
+      }
+    }
+  }
+  auto tokens = [&](const IterationTiming& p) {
+    return static_cast<double>(p.batch) * (o.seq_len > 0 ? static_cast<double>(p.seq) : 1.0);
+  };
+  auto sized = [&](const IterationTiming& p, double value) {
+    return SizedValue{static_cast<double>(p.batch), o.seq_len > 0 ? static_cast<double>(p.seq) : 0.0, value};
+  };
+  // Layers in the forward order of the largest probe (most samples, or tokens); their points over all probes.
   const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
-                                                 [](const auto& x, const auto& y) { return x.batch < y.batch; });
+                                                 [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
   if (P.pp > static_cast<int64_t>(ref.layers.size())) {
     GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,
                        ref.layers.size());
@@ -325,20 +417,20 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     auto it = ref_ops.find(l.layer);
     return it == ref_ops.end() || it->second == std::pair<int64_t, int64_t>{l.forward_ops_all, l.backward_ops_all};
   };
-  std::vector<std::pair<double, double>> opt, other;
-  std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> pts;
+  std::vector<SizedValue> opt, other;
+  std::unordered_map<std::string, std::pair<std::vector<SizedValue>, std::vector<SizedValue>>> pts;
   const double k = o.time_scale;
   std::map<std::string, int64_t> switched;  // layer -> probes left out
   for (const IterationTiming& p : probes) {
-    opt.emplace_back(p.batch, k * p.optimizer_ns);
-    other.emplace_back(p.batch, k * p.other_ns);
+    opt.push_back(sized(p, k * p.optimizer_ns));
+    other.push_back(sized(p, k * p.other_ns));
     for (const LayerTiming& l : p.layers) {
       if (!same_kernels(l)) {
         ++switched[l.layer];
         continue;
       }
-      pts[l.layer].first.emplace_back(p.batch, k * l.forward_ns);
-      pts[l.layer].second.emplace_back(p.batch, k * l.backward_ns);
+      pts[l.layer].first.push_back(sized(p, k * l.forward_ns));
+      pts[l.layer].second.push_back(sized(p, k * l.backward_ns));
     }
   }
   if (!switched.empty()) {
@@ -347,7 +439,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                                   switched.size(), ref.batch, switched.begin()->first));
   }
   double optimizer_ns = 0;
-  for (auto [x, y] : opt) optimizer_ns += y / static_cast<double>(opt.size());
+  for (const SizedValue& v : opt) optimizer_ns += v.value / static_cast<double>(opt.size());
 
   // Sparse timing: only the chosen layers' times are used; the others come from per-kind roofline models fitted
   // on them (layer_model.h), over all probes. Each probe's wall time is known, so "other" stays its remainder.
@@ -405,32 +497,32 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
           layers += pr.forward_ns + pr.backward_ns;
         }
       }
-      other.emplace_back(p.batch, std::max(0.0, k * (p.wall_ns - p.optimizer_ns - layers)));
+      other.push_back(sized(p, std::max(0.0, k * (p.wall_ns - p.optimizer_ns - layers))));
     }
     // Untimed layers at the target batch: the model prices each at the probes' batch sizes, where it was fitted,
     // and those times are fitted over the batch like measured ones.
-    std::unordered_map<std::string, std::pair<std::vector<std::pair<double, double>>, std::vector<std::pair<double, double>>>> model_pts;
+    std::unordered_map<std::string, std::pair<std::vector<SizedValue>, std::vector<SizedValue>>> model_pts;
     std::unordered_map<std::string, std::string> model_source;
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
         if (timed[l.layer]) continue;
         const LayerPrediction pr = price(l);
-        model_pts[l.layer].first.emplace_back(p.batch, pr.forward_ns);
-        model_pts[l.layer].second.emplace_back(p.batch, pr.backward_ns);
+        model_pts[l.layer].first.push_back(sized(p, pr.forward_ns));
+        model_pts[l.layer].second.push_back(sized(p, pr.backward_ns));
         model_source[l.layer] = pr.source;
       }
     }
     for (const LayerTiming& l : ref.layers) {
       if (timed[l.layer]) continue;
       auto& [fw, bw] = model_pts[l.layer];
-      LayerForecast lf{l.layer, fit_at(fw, b) * k / 1e6, fit_at(bw, b) * k / 1e6, l.grad_bytes};
+      LayerForecast lf{l.layer, fit_size(fw, b, seq) * k / 1e6, fit_size(bw, b, seq) * k / 1e6, l.grad_bytes};
       lf.source = model_source[l.layer];
       modelled[l.layer] = lf;
     }
     f.notes.push_back(fmt::format("timed {} of {} layers ({} design); the rest from per-kind roofline models: {}",
                                   chosen.size(), n, o.design, model.describe()));
   }
-  f.other_ms = fit_at(other, b) / 1e6;
+  f.other_ms = fit_size(other, b, seq) / 1e6;
 
   // Ranks sharing one host's memory and cores run slower together than the probe ran alone: each layer by its
   // memory-bound share (bytes against FLOPs at the host's balance), the optimizer as memory-bound, the rest of
@@ -480,14 +572,14 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   };
 
   // Per layer at the micro-batch; tensor parallelism splits matmuls and embeddings and adds its all-reduces.
-  const double act_scale = ref.batch > 0 ? b / static_cast<double>(ref.batch) : 1.0;
+  const double act_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
   int64_t total_grad = 0, split_grad = 0, matmul_with_params = 0;
   bool inside_pair = false;
   std::vector<std::pair<int64_t, size_t>> bwd_order;
   std::vector<double> tp_fw_ms(ref.layers.size(), 0.0), tp_bw_ms(ref.layers.size(), 0.0);
   for (const LayerTiming& l : ref.layers) {
     auto& [fw, bw] = pts[l.layer];
-    LayerForecast lf{l.layer, fit_at(fw, b) / 1e6, fit_at(bw, b) / 1e6, l.grad_bytes};
+    LayerForecast lf{l.layer, fit_size(fw, b, seq) / 1e6, fit_size(bw, b, seq) / 1e6, l.grad_bytes};
     if (auto it = modelled.find(l.layer); it != modelled.end()) {
       lf.forward_ms = it->second.forward_ms;
       lf.backward_ms = it->second.backward_ms;
@@ -735,7 +827,7 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
               {"clock", t.clock}, {"layers", layers}, {"edges", edges}, {"ops_total", t.ops_total},
               {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns},
-              {"im2col_conv_ops", t.im2col_conv_ops}, {"optimizer_bytes", t.optimizer_bytes}}
+              {"im2col_conv_ops", t.im2col_conv_ops}, {"optimizer_bytes", t.optimizer_bytes}, {"seq", t.seq}}
       .dump();
 }
 
@@ -754,6 +846,7 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.untraced_wall_ns = j.value("untraced_wall_ns", -1.0);
     t.im2col_conv_ops = j.value("im2col_conv_ops", int64_t{0});
     t.optimizer_bytes = j.value("optimizer_bytes", 0.0);
+    t.seq = j.value("seq", int64_t{0});
     for (const json& l : j.at("layers")) {
       LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
                      l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),

@@ -167,12 +167,19 @@ class Forecast:
     timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
     target: str = "cpu"
     optimizer_name: str = "other"
+    seq_len: int | None = None  # the forecast's sequence length (probes at several lengths), or None
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float = 1.0, design: str = "d-optimal",
-                  gnn: str | None = "") -> TimeForecast:
-        """The step time at another batch size or parallel strategy from the same probes: compare strategies
-        without tracing again. Raises ValueError where the probes did not run on the forecast's target."""
+                  gnn: str | None = "", seq_len: int | None = None) -> TimeForecast:
+        """The step time at another batch size, sequence length (where the forecast was made with seq_len) or
+        parallel strategy from the same probes: compare strategies without tracing again. Raises ValueError
+        where the probes did not run on the forecast's target."""
+        if seq_len is not None and self.seq_len is None:
+            raise ValueError("step_time: seq_len needs probes at several lengths (forecast(..., seq_len=))")
+        if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+            raise ValueError(f"step_time: seq_len must be an integer of at least 1, got {seq_len!r}")
+        length = seq_len if seq_len is not None else self.seq_len
         if not self.timings or self.time is None:
             raise ValueError("step_time: this forecast has no step time (see forecast(): target and probes)")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -180,9 +187,10 @@ class Forecast:
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
                                                     str(design), 0, *_prior(self.target, time_fraction),
-                                                    **_gpu_pricing(self.target, self.probe_device))
+                                                    **_gpu_pricing(self.target, self.probe_device),
+                                                    seq_len=int(length or 0))
         tf = TimeForecast(**json.loads(text))
-        _correct(tf, self.timings, self.target, self.optimizer_name, gnn)
+        _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
         return tf
 
     def to_dict(self) -> dict:
@@ -347,7 +355,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
 
     With `seq_len`, sizes are also scaled by sequence length: make_batch(n, length) then returns n samples of
     that length, and the probes cover probe_seq_lens (default: seq_len/4, seq_len/2, seq_len) at the smallest
-    batch sizes (six probes for three batch sizes and three lengths).
+    batch sizes (six probes for three batch sizes and three lengths). Step times are then fitted per layer as
+    a + c·b·L + d·b·L² over the probes (tokens, and attention's pairs of tokens; a, c, d >= 0), without the graph
+    network's correction (trained at fixed lengths); fc.step_time(batch, seq_len=...) forecasts other lengths.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"forecast: batch_size must be an integer of at least 1, got {batch_size!r}")
@@ -417,6 +427,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 timings.append(timing)
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
+                if _time_on_target(target, probe_device) or _gpu_pricing(target, probe_device):
+                    structure = t.result.handle.iteration_timing(b)
+                    t = None
+                    timing = (_steady_timing(step, batch, b, structure) if _time_on_target(target, probe_device)
+                              else structure)
+                    timings.append(_with_seq(timing, length))
             del batch, t
             state.restore()
         def timing_probe(b: int) -> None:
@@ -454,7 +470,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
-                             time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn)
+                             time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn,
+                             seq_len=seq_len)
     if time_fc is not None and kernel_probes:
         time_fc.notes.insert(0, f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on "
                                 f"one thread below batch 16), the target batch runs them through mkldnn: timing "
@@ -466,7 +483,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                 f"that the fits extrapolate 4 times at most")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
-                  optimizer_name=_optimizer_name(optimizer))
+                  optimizer_name=_optimizer_name(optimizer), seq_len=seq_len)
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -626,7 +643,8 @@ def _optimizer_name(optimizer) -> str:
 _SHIPPED_GNN_BATCHES = (16, 32)
 
 
-def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, weights: str | None) -> None:
+def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, weights: str | None,
+             seq_len: int | None = None) -> None:
     """Apply the graph network's alpha and beta. The shipped network is trained on single-process CPU steps: it
     corrects target "cpu" only, and with communication (world > 1) its alpha corrects the compute of the rank
     (asked as a single-process step) while beta stays 1. weights: a file, "" for the shipped one, None for none."""
@@ -636,6 +654,9 @@ def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, 
         return
     if target != "cpu":
         tf.correction = "none: the shipped graph network is trained on CPU steps only"
+        return
+    if seq_len:
+        tf.correction = "none: the graph network is trained on steps at their probes' sequence length"
         return
     lo, hi = min(_SHIPPED_GNN_BATCHES) // 2, max(_SHIPPED_GNN_BATCHES) * 2
     if weights == "" and not lo <= tf.per_rank_batch <= hi:
@@ -674,9 +695,17 @@ def _gpu_pricing(target: str, probe_device: str) -> dict:
             "tf32_conv": bool(torch.backends.cudnn.allow_tf32)}
 
 
+def _with_seq(timing: str, length: int) -> str:
+    """An iteration timing (JSON) marked with the probe's sequence length."""
+    d = json.loads(timing)
+    d["seq"] = int(length)
+    return json.dumps(d)
+
+
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
                    link: dict | str | None, time_scale: float = 1.0, time_fraction: float = 1.0,
-                   optimizer_name: str = "other", gnn: str | None = "") -> TimeForecast | None:
+                   optimizer_name: str = "other", gnn: str | None = "",
+                   seq_len: int | None = None) -> TimeForecast | None:
     """The step time from the probes' timings where the probes ran on the target; for a GPU target from CPU
     probes, priced from the GPU rates table (None, with a warning, where the table has no such GPU)."""
     pricing = _gpu_pricing(target, probe_device)
@@ -685,12 +714,13 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     try:
         text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
-                                                    "d-optimal", 0, *_prior(target, time_fraction), **pricing)
+                                                    "d-optimal", 0, *_prior(target, time_fraction), **pricing,
+                                                    seq_len=int(seq_len or 0))
     except (ValueError, RuntimeError) as e:
         if not pricing or "GPU rates" not in str(e):
             raise
         warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
         return None
     tf = TimeForecast(**json.loads(text))
-    _correct(tf, timings, target, optimizer_name, gnn)
+    _correct(tf, timings, target, optimizer_name, gnn, seq_len)
     return tf

@@ -476,5 +476,62 @@ TEST(StepTime, TopologyPicksTheLinkOfEachGroup) {
   EXPECT_EQ(find_interconnect("NVLink3").link.alpha_us, 9.0);
 }
 
+TEST(StepTime, FitSizeRecoversTokensAndPairsOfTokens) {
+  // y = 3 + 2 b L + 0.5 b L^2 at the probe design forecast() uses (three batch sizes at the shortest length,
+  // three lengths at the smallest batch, one cross point).
+  auto y = [](double b, double L) { return 3 + 2 * b * L + 0.5 * b * L * L; };
+  std::vector<SizedValue> pts;
+  for (auto [b, L] : std::vector<std::pair<double, double>>{{2, 16}, {4, 16}, {8, 16}, {2, 32}, {2, 64}, {4, 64}}) {
+    pts.push_back({b, L, y(b, L)});
+  }
+  EXPECT_NEAR(fit_size(pts, 16, 128), y(16, 128), 1e-6 * y(16, 128));
+  // Without a target length: over the batch only (the points at other lengths then disagree; still a line).
+  std::vector<SizedValue> one_length(pts.begin(), pts.begin() + 3);
+  EXPECT_NEAR(fit_size(one_length, 16), 3 + 2 * 16 * 16 + 0.5 * 16 * 16 * 16, 1e-6);
+  EXPECT_NEAR(fit_size(one_length, 16, 128), fit_size(one_length, 16), 1e-9);  // one length: by batch
+  // A term that would come out negative is dropped: y falls with the tokens -> the best fit with a, c, d >= 0.
+  std::vector<SizedValue> falling;
+  for (const SizedValue& p : pts) falling.push_back({p.batch, p.seq, 100 - 0.01 * p.batch * p.seq});
+  double mean = 0;
+  for (const SizedValue& p : falling) mean += p.value / static_cast<double>(falling.size());
+  EXPECT_NEAR(fit_size(falling, 16, 128), mean, 1e-9);
+  // One point with a length: proportional to the tokens.
+  EXPECT_DOUBLE_EQ(fit_size({{2, 16, 10}}, 4, 64), 80);
+  EXPECT_EQ(fit_size({}, 4, 64), 0);
+}
+
+TEST(StepTime, ScalesBySequenceLengthFromProbesAtSeveralLengths) {
+  // One layer whose forward takes 1000 + 10 b L + 0.1 b L^2 ns, backward twice that.
+  auto probe_at = [](int64_t b, int64_t L) {
+    IterationTiming it;
+    it.batch = b;
+    it.seq = L;
+    const double fw = 1000 + 10.0 * static_cast<double>(b * L) + 0.1 * static_cast<double>(b * L * L);
+    LayerTiming l;
+    l.layer = "net.attn";
+    l.forward_ns = fw;
+    l.backward_ns = 2 * fw;
+    it.layers = {l};
+    it.wall_ns = 3 * fw;
+    return it;
+  };
+  std::vector<IterationTiming> probes;
+  for (auto [b, L] : std::vector<std::pair<int64_t, int64_t>>{{2, 16}, {4, 16}, {8, 16}, {2, 32}, {2, 64}, {4, 64}}) {
+    probes.push_back(probe_at(b, L));
+  }
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.seq_len = 128;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  const double fw_ms = (1000 + 10.0 * 16 * 128 + 0.1 * 16 * 128 * 128) / 1e6;
+  ASSERT_EQ(f.per_layer.size(), 1u);
+  EXPECT_NEAR(f.per_layer[0].forward_ms, fw_ms, 1e-9);
+  EXPECT_NEAR(f.per_layer[0].backward_ms, 2 * fw_ms, 1e-9);
+  probes[3].seq = 0;
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
+            "step time: seq_len 128 asks for scaling by sequence length, but the probe at batch 2 has no sequence "
+            "length recorded (forecast(..., seq_len=) records it)");
+}
+
 }  // namespace
 }  // namespace gpucast

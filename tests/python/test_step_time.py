@@ -298,3 +298,32 @@ def test_the_shipped_network_corrects_only_the_batch_sizes_it_was_trained_near()
     assert forecast(batch=16).time.correction == "gnn"
     assert forecast(batch=128).time.correction == ("none: the shipped graph network is trained on batch sizes 16, "
                                                    "32; a rank's batch of 128 is outside 8-64")
+
+
+def test_step_time_scales_by_sequence_length():
+    def make(n, length):
+        g = torch.Generator().manual_seed(0)
+        t = torch.randint(0, 512, (n, length + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def loss(logits, y):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    torch.manual_seed(0)
+    model = zoo.GPT(seq_len=128)
+    opt = torch.optim.AdamW(model.parameters())
+    step = zoo.make_step(model, opt, loss)
+    fc = gpucast.forecast(step, make, 16, model=model, optimizer=opt, seq_len=96, probe_seq_lens=(16, 32, 48))
+    assert fc.seq_len == 96 and fc.time is not None
+    assert sorted({json.loads(t)["seq"] for t in fc.timings}) == [16, 32, 48]
+    assert fc.time.correction == "none: the graph network is trained on steps at their probes' sequence length"
+    longer = fc.step_time(16, seq_len=192)
+    assert longer.step_ms > fc.time.step_ms  # the same probes, twice the length
+    # Priced for a GPU from the same kind of CPU probes: every length from the probes' work.
+    gpu = gpucast.forecast(step, make, 16, model=model, optimizer=opt, seq_len=96, probe_seq_lens=(16, 32, 48),
+                           target="H100-80GB")
+    assert gpu.time is not None and gpu.step_time(16, seq_len=192).step_ms > gpu.time.step_ms
+    plain = forecast(gnn=None)
+    with pytest.raises(ValueError, match=r"step_time: seq_len needs probes at several lengths"):
+        plain.step_time(16, seq_len=64)
+    with pytest.raises(ValueError, match=r"step_time: seq_len must be an integer of at least 1, got 0"):
+        fc.step_time(16, seq_len=0)

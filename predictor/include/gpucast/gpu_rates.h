@@ -77,11 +77,11 @@ double gpu_layer_ns(const LayerTiming& layer, const GpuRates& gpu, Phase pass, c
 // moments), other 0, wall the sum; clock "gpu-table". The tracer's own cost is not in these times.
 IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, const GpuPrecision& precision = {});
 
-// The layers' work at another batch size: per layer, each part's FLOPs and bytes and the layer's totals and output
-// bytes fitted over the probes' batch sizes (a + c * batch, a and c >= 0; one probe: proportional to the batch),
-// edges' bytes proportional; kernels, gradients and everything else from the largest probe. Times are the largest
-// probe's (price_on_gpu replaces them).
-IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_t batch);
+// The layers' work at another batch size (and sequence length, seq > 0, from probes recorded at several): per
+// layer, each part's FLOPs and bytes and the layer's totals and output bytes fitted over the probes' sizes
+// (step_time.h: fit_size), edges' bytes proportional to the tokens; kernels, gradients and everything else from
+// the largest probe. Times are the largest probe's (price_on_gpu replaces them).
+IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_t batch, int64_t seq = 0);
 
 // The step on the GPU from probes that ran elsewhere: the work at the rank's micro-batch (work_at_batch) priced
 // (price_on_gpu), then step_time.h's model (parallelism, communication) with every layer used (time_fraction and

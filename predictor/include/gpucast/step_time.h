@@ -2,7 +2,8 @@
 // from traced probe iterations at small batch sizes.
 //
 // Per layer (a leaf module path) and phase (forward, backward), the probes' times are fitted with
-// t(b) = a + c * b (least squares over the probe batch sizes, a and c kept >= 0) and evaluated at the per-rank
+// t(b) = a + c * b (least squares over the probe batch sizes, a and c kept >= 0; with a target sequence length,
+// t = a + c * b * L + d * b * L^2 over probes at several lengths: fit_size) and evaluated at the per-rank
 // target batch (only on the probes that ran the same kernels as the largest one in that layer: the same number
 // of recorded ops); the optimizer step is taken as independent of the batch; the rest of the iteration (Python,
 // the loss, zero_grad: "other") is fitted like a layer. With data parallelism (DDP), gradients are reduced in
@@ -83,7 +84,23 @@ struct IterationTiming {
   int64_t im2col_conv_ops = 0;
   // Bytes the optimizer step's own ops read and write (its direct children; 0 without shapes).
   double optimizer_bytes = 0;
+  // The probe's sequence length where the forecast scales by it (the caller sets it; 0: not recorded).
+  int64_t seq = 0;
 };
+
+// A quantity measured at one probe's size.
+struct SizedValue {
+  double batch = 0;
+  double seq = 0;    // 0: no sequence length
+  double value = 0;
+};
+
+// The quantity at another size. With a target seq > 0 and points at two or more lengths: value = a + c * b * L +
+// d * b * L^2 (tokens, and attention's pairs of tokens) fitted by least squares with a, c, d >= 0 (the best of
+// the fits on each subset of the three terms whose coefficients are all >= 0). Otherwise over the batch:
+// a + c * b, a and c >= 0 (c < 0: the mean; a < 0: through the origin); one point: proportional to the batch
+// (to the tokens when both have a length). No points: 0.
+double fit_size(const std::vector<SizedValue>& pts, double batch, double seq = 0);
 
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
 IterationTiming iteration_timing(const Trace& t, int64_t batch);
@@ -112,6 +129,9 @@ struct StepTimeOptions {
   std::string design = "d-optimal";
   uint64_t design_seed = 0;
   DeviceRates prior{5e10, 1e10, 5e-6};  // a CPU core: 50 GFLOP/s, 10 GB/s, 5 us per op
+  // Target sequence length: > 0 scales every fit by length too (fit_size), from probes recorded at several
+  // lengths (IterationTiming::seq); 0: by batch only.
+  int64_t seq_len = 0;
 };
 
 struct LayerForecast {
