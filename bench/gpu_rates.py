@@ -21,7 +21,8 @@ family is priced (rows before block 0 + num_layer x block 0 + rows after, forwar
 its measured end-to-end iteration time (NeuSight's e2e_latency: forward and backward, no optimizer step). Printed
 beside it: the sum of the measured per-operator latencies (what a perfect per-op model would give). GPUs without
 measurements of their own take a sibling's efficiencies at their own peaks: H200 from H100, A100 40GB from the
-A100 80GB PCIe. Peaks are the vendors' dense datasheet numbers.
+A100 80GB PCIe; printed: how far that carries, every measured GPU priced with each other one's efficiencies.
+Peaks are the vendors' dense datasheet numbers.
 
     python bench/gpu_rates.py [--write predictor/weights/gpu_rates.json]
 """
@@ -212,6 +213,19 @@ def main() -> int:
                      + ("" if sheet is gpu else f"; efficiencies of that GPU at the {gpu['sheet']}'s peaks") + ")")
         table.append(entry(gpu, fitted_dirs[gpu["data"]], fitted_on))
 
+    # Borrowed efficiencies (what H200 and A100 40GB rest on): each measured GPU's iterations priced with another
+    # GPU's efficiencies, fitted on all of that GPU's data, at this GPU's own peaks.
+    cross = []
+    measured = [g for g in GPUS if g is next(x for x in GPUS if x["data"] == g["data"])]
+    for gpu in measured:
+        data = load(gpu["data"])
+        for other in measured:
+            if other is gpu:
+                continue
+            errs = [100 * (price(it, fitted_dirs[other["data"]], gpu) / it["e2e_ms"] - 1) for it in data]
+            cross.append(dict(gpu=gpu["data"], efficiencies_of=other["data"],
+                              mre_pct=round(sum(map(abs, errs)) / len(errs), 2),
+                              mean_err_pct=round(sum(errs) / len(errs), 2)))
     print(f"{'GPU':24} {'iteration':32} {'measured ms':>11} {'forecast':>9} {'error %':>8} {'per-op sum %':>12}")
     for r in rows:
         print(f"{r['gpu']:24} {r['case']:32} {r['measured_ms']:11.1f} {r['forecast_ms']:9.1f} {r['err_pct']:8.1f} "
@@ -220,6 +234,9 @@ def main() -> int:
     base = sum(abs(r["per_op_sum_err_pct"]) for r in rows) / len(rows)
     print(f"leave one model family out, {len(rows)} iterations on {len(fitted_dirs)} GPUs: mean |error| {mre:.2f} % "
           f"(the measured per-operator sums: {base:.2f} %)")
+    print("efficiencies borrowed from another GPU (all its data), at this GPU's peaks: mean |error| (mean error)")
+    for c in cross:
+        print(f"  {c['gpu']:24} with {c['efficiencies_of']:24} {c['mre_pct']:6.2f} % ({c['mean_err_pct']:+.2f} %)")
     for kind in KINDS:
         f = table[0]["kinds"][kind]
         print(f"  H100 {kind:11} fw flop_eff {f['forward']['flop_eff']:.3f} byte_eff {f['forward']['byte_eff']:.3f} "
@@ -232,7 +249,7 @@ def main() -> int:
         torch.ops.gpucast.gpu_rates(args.write)
         print(f"wrote {args.write}")
     print(json.dumps({"bench": "gpu_rates", "leave_one_family_out_mre_pct": round(mre, 3),
-                      "per_op_sum_mre_pct": round(base, 3), "cases": rows}))
+                      "per_op_sum_mre_pct": round(base, 3), "cases": rows, "borrowed": cross}))
     return 0
 
 
