@@ -32,6 +32,18 @@ def build(case, optimizer="adamw", batch=None):
     return model, opt, step, case.make_batch(batch or min(case.default_batch, 4))
 
 
+def token_batch(n, length, vocab=512):
+    """n sequences of `length` tokens and their next tokens (the same for the same n and length)."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, vocab, (n, length + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def token_loss(logits, y):
+    """Cross entropy over every position of a [batch, length, vocab] output."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def all_cases():
     cases = dict(zoo.CASES)
     cases.update(zoo.real_cases())

@@ -247,13 +247,7 @@ def test_checkpointing_and_autocast_are_taken_from_the_trace():
 
 def seq_numbers():
     """Forecast at (batch 16, length 96) from probes no longer than 48, and the measured run."""
-    def make(n, length):
-        g = torch.Generator().manual_seed(0)
-        t = torch.randint(0, 512, (n, length + 1), generator=g)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-    def loss(logits, y):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    from conftest import token_batch as make, token_loss as loss
 
     def build_step():
         torch.manual_seed(0)

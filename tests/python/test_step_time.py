@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpucast
-from conftest import build
+from conftest import build, token_batch, token_loss
 from examples import zoo
 
 
@@ -301,17 +301,11 @@ def test_the_shipped_network_corrects_only_the_batch_sizes_it_was_trained_near()
 
 
 def test_step_time_scales_by_sequence_length():
-    def make(n, length):
-        g = torch.Generator().manual_seed(0)
-        t = torch.randint(0, 512, (n, length + 1), generator=g)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
-
-    def loss(logits, y):
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    make = token_batch
     torch.manual_seed(0)
     model = zoo.GPT(seq_len=128)
     opt = torch.optim.AdamW(model.parameters())
-    step = zoo.make_step(model, opt, loss)
+    step = zoo.make_step(model, opt, token_loss)
     fc = gpucast.forecast(step, make, 16, model=model, optimizer=opt, seq_len=96, probe_seq_lens=(16, 32, 48))
     assert fc.seq_len == 96 and fc.time is not None
     assert sorted({json.loads(t)["seq"] for t in fc.timings}) == [16, 32, 48]
