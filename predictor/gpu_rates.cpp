@@ -89,6 +89,7 @@ std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string
     r.half_flops = number(g, "half_tflops", here, 0, -1, true) * 1e12;
     r.bytes_per_s = number(g, "bandwidth_gbps", here, 0, -1, true) * 1e9;
     r.fitted_on = text(g, "fitted_on", here);
+    if (g.contains("overhead_scale")) r.overhead_scale = number(g, "overhead_scale", here, 0, 10);
     if (!g.contains("kinds") || !g.at("kinds").is_object()) GPUCAST_USER_ERROR("{}: missing object 'kinds'", here);
     for (size_t k = 0; k < kLayerCostKinds.size(); ++k) {
       const std::string kind(kLayerCostKinds[k]);
@@ -129,7 +130,7 @@ std::string gpu_rates_to_json(const std::vector<GpuRates>& table) {
     }
     gpus.push_back({{"name", r.name}, {"fp32_tflops", r.fp32_flops / 1e12}, {"tf32_tflops", r.tf32_flops / 1e12},
                     {"half_tflops", r.half_flops / 1e12}, {"bandwidth_gbps", r.bytes_per_s / 1e9},
-                    {"fitted_on", r.fitted_on}, {"kinds", kinds}});
+                    {"fitted_on", r.fitted_on}, {"overhead_scale", r.overhead_scale}, {"kinds", kinds}});
   }
   return json{{"format", kFormat}, {"version", kGpuRatesVersion}, {"gpus", gpus}}.dump(1);
 }
@@ -157,7 +158,8 @@ double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const 
     peak = gpu.tf32_flops;
   }
   const LayerCost c{"", part.kind, part.flops, part.bytes, part.kernels, {}};
-  return roofline_ns(c, DeviceRates{p.flop_eff * peak, p.byte_eff * gpu.bytes_per_s, p.overhead_s}, pass);
+  return roofline_ns(c, DeviceRates{p.flop_eff * peak, p.byte_eff * gpu.bytes_per_s, p.overhead_s * gpu.overhead_scale},
+                     pass);
 }
 
 double gpu_layer_ns(const LayerTiming& layer, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {

@@ -67,6 +67,13 @@ TEST(GpuRates, BadTablesNameTheKeyAndWhatWasGiven) {
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
             "t.json: gpus[0] ('G1'): 'bandwidth_gbps' should be a number, got \"fast\"");
   j = table_json();
+  j["gpus"][0]["overhead_scale"] = 11;
+  EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
+            "t.json: gpus[0] ('G1'): 'overhead_scale' should be in [0, 10], got 11");
+  j["gpus"][0]["overhead_scale"] = 0.5;
+  EXPECT_EQ(parse_gpu_rates(j.dump(), "t.json")[0].overhead_scale, 0.5);
+  EXPECT_EQ(table_gpu().overhead_scale, 1.0);  // absent: 1
+  j = table_json();
   j["gpus"].push_back(j["gpus"][0]);
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }), "t.json: gpus[1] ('G1'): GPU 'G1' listed twice");
   EXPECT_EQ(err([] { load_gpu_rates("/nonexistent/rates.json"); }),
@@ -104,6 +111,9 @@ TEST(GpuRates, PricesAPartOnItsPrecisionsPeak) {
   EXPECT_DOUBLE_EQ(gpu_part_ns(conv, g, Phase::Forward, GpuPrecision{false, false}), 0.4e9 + 10e3);
   const CostPart ew{"elementwise", false, 1e6, 1e9, 1};  // memory-bound: 1e9 B at 0.5 TB/s
   EXPECT_DOUBLE_EQ(gpu_part_ns(ew, g, Phase::Forward), 2e6 + 10e3);
+  GpuRates scaled = g;  // overheads as they weigh in a whole iteration
+  scaled.overhead_scale = 2.5;
+  EXPECT_DOUBLE_EQ(gpu_part_ns(mm, scaled, Phase::Forward), 0.4e9 + 2.5 * 20e3);
 }
 
 IterationTiming probe(int64_t batch) {

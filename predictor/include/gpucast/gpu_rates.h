@@ -4,7 +4,7 @@
 // precision (layer_model.h: CostPart), not its time on the target. A table gives, per GPU and per kind and pass,
 // the share of the GPU's peak FLOP/s and memory bandwidth its kernels reach and a fixed cost per kernel. One part
 // of a layer takes
-//   t = kernels * overhead + max(flops / (flop_eff * peak), bytes / (byte_eff * bandwidth))
+//   t = kernels * overhead * overhead_scale + max(flops / (flop_eff * peak), bytes / (byte_eff * bandwidth))
 // with backward priced on twice the forward FLOPs and bytes (as layer_model.h prices it), and a layer takes the sum
 // of its parts (its ops run one after the other). peak: the GPU's float32 rate; its TF32 tensor rate for matmuls
 // when TF32 is allowed (torch.backends.cuda.matmul.allow_tf32) and for convolutions when cuDNN may use it (its
@@ -47,6 +47,9 @@ struct GpuRates {
   double bytes_per_s = 0;   // memory bandwidth
   std::string fitted_on;    // the measurements the efficiencies come from
   std::array<GpuKindRates, kLayerCostKinds.size()> kinds;  // in kLayerCostKinds order
+  // The per-kernel overheads as they weigh in a whole iteration, against one op timed alone (what the overheads
+  // are fitted on): fitted on measured iterations; 1 where the table gives none.
+  double overhead_scale = 1.0;
 };
 
 struct GpuPrecision {
@@ -55,8 +58,9 @@ struct GpuPrecision {
 };
 
 // The table from its JSON text: {"format": "gpucast-gpu-rates", "version": 1, "gpus": [{"name", "fp32_tflops",
-// "tf32_tflops", "half_tflops", "bandwidth_gbps", "fitted_on", "kinds": {kind: {"source", "forward": {"flop_eff",
-// "byte_eff", "overhead_us"}, "backward": {...}}}}]}, every kind of kLayerCostKinds present. Errors (UserError)
+// "tf32_tflops", "half_tflops", "bandwidth_gbps", "fitted_on", "overhead_scale" (optional, in [0, 10]),
+// "kinds": {kind: {"source", "forward": {"flop_eff", "byte_eff", "overhead_us"}, "backward": {...}}}}]}, every
+// kind of kLayerCostKinds present. Errors (UserError)
 // name `origin` and the key: another format or version, a missing key, a rate outside its range, a duplicate GPU.
 std::vector<GpuRates> parse_gpu_rates(const std::string& text, const std::string& origin);
 // The same from a file; errors name the path (missing, unreadable, not the format).
