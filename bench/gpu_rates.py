@@ -21,7 +21,7 @@ factor on every kernel's overhead that best prices those families' whole measure
 time carry launch and synchronisation costs that a running iteration partly hides, or adds to), then every
 iteration of the held-out family is priced with and without it. The shipped table keeps the scale at 1: the A100's
 fitted scale (2.35: NeuSight's A100 iterations run longer than their per-operator sums) made vTrain's A100 runs
-worse (bench/vtrain_from_cpu.py: 38.6 % against 29.2 %), so it describes NeuSight's measurements there rather than
+worse (bench/vtrain_from_cpu.py: 38.6 % against 29.2 %, then), so it describes NeuSight's measurements there rather than
 the GPU. Every held-out iteration is priced as rows before block 0 + num_layer x block 0 + rows after, forward
 and backward, and compared with its measured end-to-end iteration time (NeuSight's e2e_latency: forward and
 backward, no optimizer step). Printed beside it: the sum of the measured per-operator latencies (what a perfect per-op model would give). GPUs without

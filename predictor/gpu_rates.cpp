@@ -144,11 +144,18 @@ const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::st
 
 std::string default_gpu_rates_path() { return shipped_data_file("GPUCAST_GPU_RATES", "gpu_rates.json"); }
 
+namespace {
+// The rates of a part's kind (an unknown kind: elementwise) in one pass.
+const GpuPassRates& rates_of(const GpuRates& gpu, const std::string& kind, Phase pass) {
+  const auto it = std::find(kLayerCostKinds.begin(), kLayerCostKinds.end(), kind);
+  const size_t k = it == kLayerCostKinds.end() ? kLayerCostKinds.size() - 1
+                                               : static_cast<size_t>(it - kLayerCostKinds.begin());
+  return pass == Phase::Backward ? gpu.kinds[k].backward : gpu.kinds[k].forward;
+}
+}  // namespace
+
 double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {
-  const auto it = std::find(kLayerCostKinds.begin(), kLayerCostKinds.end(), part.kind);
-  const size_t k = it == kLayerCostKinds.end() ? kLayerCostKinds.size() - 1 : static_cast<size_t>(it - kLayerCostKinds.begin());
-  const GpuKindRates& kr = gpu.kinds[k];
-  const GpuPassRates& p = pass == Phase::Backward ? kr.backward : kr.forward;
+  const GpuPassRates& p = rates_of(gpu, part.kind, pass);
   double peak = gpu.fp32_flops;
   if (part.half) {
     peak = gpu.half_flops;
@@ -179,6 +186,15 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
     l.forward_ns = gpu_layer_ns(l, gpu, Phase::Forward, precision);
     l.backward_ns = gpu_layer_ns(l, gpu, Phase::Backward, precision);
     layers += l.forward_ns + l.backward_ns;
+    // The kernels' overheads: what tensor parallelism leaves whole on every rank.
+    l.forward_fixed_ns = l.backward_fixed_ns = 0;
+    auto kernels = [&](const CostPart& p, Phase pass) {
+      return static_cast<double>(p.kernels) * rates_of(gpu, p.kind, pass).overhead_s * gpu.overhead_scale * 1e9;
+    };
+    for (const CostPart& p : l.parts) {
+      l.forward_fixed_ns += kernels(p, Phase::Forward);
+      l.backward_fixed_ns += kernels(p, Phase::Backward);
+    }
   }
   double bytes = probe.optimizer_bytes;
   if (bytes <= 0) {

@@ -418,7 +418,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     return it == ref_ops.end() || it->second == std::pair<int64_t, int64_t>{l.forward_ops_all, l.backward_ops_all};
   };
   std::vector<SizedValue> opt, other;
-  std::unordered_map<std::string, std::pair<std::vector<SizedValue>, std::vector<SizedValue>>> pts;
+  std::unordered_map<std::string, std::pair<std::vector<SizedValue>, std::vector<SizedValue>>> pts, fixed_pts;
   const double k = o.time_scale;
   std::map<std::string, int64_t> switched;  // layer -> probes left out
   for (const IterationTiming& p : probes) {
@@ -431,6 +431,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       }
       pts[l.layer].first.push_back(sized(p, k * l.forward_ns));
       pts[l.layer].second.push_back(sized(p, k * l.backward_ns));
+      fixed_pts[l.layer].first.push_back(sized(p, k * l.forward_fixed_ns));
+      fixed_pts[l.layer].second.push_back(sized(p, k * l.backward_fixed_ns));
     }
   }
   if (!switched.empty()) {
@@ -597,8 +599,12 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     const bool split = P.tp > 1 && (l.kind == "embedding" || paired || inside_pair || l.kind == "matmul");
     if (paired) inside_pair = !row, ++matmul_with_params;
     if (split) {
-      lf.forward_ms /= static_cast<double>(P.tp);
-      lf.backward_ms /= static_cast<double>(P.tp);
+      // What every rank still does whole (its kernels' launches), then the divided rest.
+      auto& [ffw, fbw] = fixed_pts[l.layer];
+      const double fixed_fw = std::min(lf.forward_ms, fit_size(ffw, b, seq) / 1e6 * slowdown);
+      const double fixed_bw = std::min(lf.backward_ms, fit_size(fbw, b, seq) / 1e6 * slowdown);
+      lf.forward_ms = fixed_fw + (lf.forward_ms - fixed_fw) / static_cast<double>(P.tp);
+      lf.backward_ms = fixed_bw + (lf.backward_ms - fixed_bw) / static_cast<double>(P.tp);
       lf.grad_bytes /= P.tp;
       split_grad += l.grad_bytes;
       const double bytes = static_cast<double>(l.out_bytes) * act_scale;

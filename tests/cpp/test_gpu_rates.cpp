@@ -185,5 +185,20 @@ TEST(GpuRates, ExtrapolatesTheWorkThenPricesIt) {
   EXPECT_EQ(f.other_ms, 0);
 }
 
+TEST(GpuRates, TensorParallelismDividesTheWorkNotTheLaunches) {
+  std::vector<IterationTiming> probes = {probe(1), probe(2)};
+  for (IterationTiming& p : probes) p.layers[0].kind = "matmul";  // a column-parallel matmul with parameters
+  const IterationTiming priced = price_on_gpu(work_at_batch(probes, 64), table_gpu());
+  EXPECT_DOUBLE_EQ(priced.layers[0].forward_fixed_ns, 10e3);  // one kernel's 10 us
+  EXPECT_DOUBLE_EQ(priced.layers[0].backward_fixed_ns, 20e3);
+  StepTimeOptions o;
+  o.batch_size = 64;
+  o.parallel.tp = 2;
+  const StepTimeForecast f = forecast_step_time_on_gpu(probes, o, table_gpu());
+  const double fw_ms = 6.4e12 / 5e12 * 1e3, bw_ms = 2 * 6.4e12 / 2.5e12 * 1e3;
+  EXPECT_NEAR(f.per_layer[0].forward_ms, 0.01 + fw_ms / 2, 1e-9);
+  EXPECT_NEAR(f.per_layer[0].backward_ms, 0.02 + bw_ms / 2, 1e-9);
+}
+
 }  // namespace
 }  // namespace gpucast

@@ -76,7 +76,8 @@ double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const 
 // A layer's parts; a layer recorded without parts (no shapes) is priced as one part of its cost kind.
 double gpu_layer_ns(const LayerTiming& layer, const GpuRates& gpu, Phase pass, const GpuPrecision& precision = {});
 
-// The probe's iteration as the GPU would run it: every layer's forward and backward priced, the optimizer from its
+// The probe's iteration as the GPU would run it: every layer's forward and backward priced (their kernels' overheads
+// also as the layer's fixed time, which tensor parallelism does not divide), the optimizer from its
 // bytes (without them, from 4 bytes per gradient byte read and 3 written: Adam's parameter, gradient and two
 // moments), other 0, wall the sum; clock "gpu-table". The tracer's own cost is not in these times.
 IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, const GpuPrecision& precision = {});

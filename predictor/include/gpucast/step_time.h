@@ -19,7 +19,7 @@
 //    prefetch), and whose gradients are reduce-scattered after its backward; one communication stream.
 //  - tp (Megatron): matmul layers with parameters pair up, column-parallel then row-parallel; they, every
 //    layer between them (on sharded activations: attention, activation functions), other matmuls and
-//    embeddings run 1/tp of their time, the rest (norms, residuals, dropout outside pairs) is replicated. After
+//    embeddings run 1/tp of their time (less its fixed part: LayerTiming::forward_fixed_ns), the rest (norms, residuals, dropout outside pairs) is replicated. After
 //    each row-parallel layer and each embedding forward all-reduces the layer's output; backward all-reduces
 //    the same bytes for every pair; on the critical path.
 //  - pp: the layers split into pp contiguous stages of balanced time; 1F1B over micro_batches m gives
@@ -55,6 +55,10 @@ struct LayerTiming {
   int64_t forward_ops_all = 0;
   int64_t backward_ops_all = 0;
   std::vector<CostPart> parts = {};  // flops and bytes by op kind and precision (layer_model.h)
+  // The part of each time that tensor parallelism does not divide: every rank still launches every kernel of
+  // the layer (gpu_rates.h sets it to the kernels' overheads; 0 for measured times, which are divided whole).
+  double forward_fixed_ns = 0;
+  double backward_fixed_ns = 0;
 };
 
 // Bytes passed from one layer to another in forward (a tensor one layer produced and another consumed).
