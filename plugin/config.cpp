@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -199,6 +200,11 @@ std::vector<ConfigKey> auto_config_keys() {
       {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
       {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
   };
+}
+
+std::string ascii_lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
 }
 
 std::string shipped_data_file(const char* env, const char* name) {

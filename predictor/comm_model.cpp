@@ -114,8 +114,8 @@ const std::vector<Interconnect>& interconnect_table() {
 }
 
 const Interconnect& find_interconnect(const std::string& name) {
-  std::string lower = name, names;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  const std::string lower = ascii_lower(name);
+  std::string names;
   for (const Interconnect& i : interconnect_table()) {
     if (i.name == lower) return i;
     names += (names.empty() ? "" : ", ") + i.name;

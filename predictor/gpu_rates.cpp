@@ -21,11 +21,6 @@ namespace {
 
 constexpr const char* kFormat = "gpucast-gpu-rates";
 
-std::string lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
 // A number at `key` of object `j` within [lo, hi] (hi < 0: no upper bound); errors name where and what.
 double number(const json& j, const std::string& key, const std::string& where, double lo, double hi,
               bool lo_open = false) {
@@ -137,7 +132,7 @@ std::string gpu_rates_to_json(const std::vector<GpuRates>& table) {
 
 const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::string& name) {
   for (const GpuRates& r : table) {
-    if (lower(r.name) == lower(name)) return &r;
+    if (ascii_lower(r.name) == ascii_lower(name)) return &r;
   }
   return nullptr;
 }
@@ -221,7 +216,6 @@ IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_
   IterationTiming out = ref;
   out.batch = batch;
   out.seq = seq > 0 ? seq : ref.seq;
-  std::map<std::string, const LayerTiming*> by_name;
   std::vector<std::map<std::string, const LayerTiming*>> index(probes.size());
   for (size_t p = 0; p < probes.size(); ++p) {
     for (const LayerTiming& l : probes[p].layers) index[p].emplace(l.layer, &l);

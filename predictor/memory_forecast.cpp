@@ -35,16 +35,9 @@ const std::vector<DeviceSpec>& device_table() {
   return table;
 }
 
-namespace {
-std::string lower(std::string s) {
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-}  // namespace
-
 const DeviceSpec& find_device(const std::string& name) {
   for (const DeviceSpec& d : device_table()) {
-    if (lower(d.name) == lower(name)) return d;
+    if (ascii_lower(d.name) == ascii_lower(name)) return d;
   }
   std::string known;
   for (const DeviceSpec& d : device_table()) known += (known.empty() ? "" : ", ") + d.name;

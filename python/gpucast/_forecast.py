@@ -418,21 +418,13 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     step(batch)
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
-                if _time_on_target(target, probe_device):
-                    structure = t.result.handle.iteration_timing(b)
-                    t = None  # the memory trace is not needed any more
-                    timing = _steady_timing(step, batch, b, structure)
-                else:
-                    timing = t.result.handle.iteration_timing(b)
-                timings.append(timing)
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
-                if _time_on_target(target, probe_device) or _gpu_pricing(target, probe_device):
-                    structure = t.result.handle.iteration_timing(b)
-                    t = None
-                    timing = (_steady_timing(step, batch, b, structure) if _time_on_target(target, probe_device)
-                              else structure)
-                    timings.append(_with_seq(timing, length))
+            structure = t.result.handle.iteration_timing(b)
+            t = None  # the memory trace is not needed any more
+            timing = (_steady_timing(step, batch, b, structure) if _time_on_target(target, probe_device)
+                      else structure)
+            timings.append(timing if length is None else _with_seq(timing, length))
             del batch, t
             state.restore()
         def timing_probe(b: int) -> None:

@@ -62,6 +62,9 @@ std::vector<ConfigKey> trace_config_keys();
 // The keys of GPUCAST_CONF (auto mode).
 std::vector<ConfigKey> auto_config_keys();
 
+// `s` with its ASCII letters lower-cased (names compared without regard to case: devices, GPUs, links).
+std::string ascii_lower(std::string s);
+
 // A file shipped with the library: $env when set and not empty, else data/<name> beside the directory of the
 // library holding this code (lib/ and data/ sit side by side in the installed package and in the build tree);
 // "" when that library cannot be found.

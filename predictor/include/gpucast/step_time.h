@@ -19,9 +19,9 @@
 //    prefetch), and whose gradients are reduce-scattered after its backward; one communication stream.
 //  - tp (Megatron): matmul layers with parameters pair up, column-parallel then row-parallel; they, every
 //    layer between them (on sharded activations: attention, activation functions), other matmuls and
-//    embeddings run 1/tp of their time (less its fixed part: LayerTiming::forward_fixed_ns), the rest (norms, residuals, dropout outside pairs) is replicated. After
-//    each row-parallel layer and each embedding forward all-reduces the layer's output; backward all-reduces
-//    the same bytes for every pair; on the critical path.
+//    embeddings run 1/tp of their time (less its fixed part: LayerTiming::forward_fixed_ns), the rest (norms,
+//    residuals, dropout outside pairs) is replicated. After each row-parallel layer and each embedding forward
+//    all-reduces the layer's output; backward all-reduces the same bytes for every pair; on the critical path.
 //  - pp: the layers split into pp contiguous stages of balanced time; 1F1B over micro_batches m gives
 //    sum over stages (f + b) + (m - 1) * max stage (f + b) + the point-to-point sends of one micro-batch's
 //    activations there and back; data-parallel reduction after the pipeline drains (exposed).
@@ -112,8 +112,8 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch);
 // Times from a light trace (no shapes, no memory events: the tracer's cost per op is about half) joined with the
 // structure of the same step from a full trace: each layer of `timing` takes from the layer of the same name in
 // `structure` what needs shapes or allocations (cost kind, FLOPs, bytes, cost ops, output and gradient bytes)
-// and the edges between layers present in both, and the optimizer's bytes. Times, op counts and kernel counts stay `timing`'s. A layer
-// `structure` lacks keeps zero costs (the layer models then price it by its op count).
+// and the edges between layers present in both, and the optimizer's bytes. Times, op counts and kernel counts
+// stay `timing`'s. A layer `structure` lacks keeps zero costs (the layer models then price it by its op count).
 IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
 
 struct StepTimeOptions {
