@@ -164,13 +164,18 @@ double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const 
                      pass);
 }
 
+namespace {
+// The layer's parts; one of its cost kind where it was recorded without them (no shapes), none without work.
+std::vector<CostPart> parts_of(const LayerTiming& l) {
+  if (!l.parts.empty()) return l.parts;
+  if (l.flops <= 0 && l.bytes <= 0) return {};
+  return {CostPart{l.cost_kind, false, l.flops, l.bytes, l.ops}};
+}
+}  // namespace
+
 double gpu_layer_ns(const LayerTiming& layer, const GpuRates& gpu, Phase pass, const GpuPrecision& precision) {
-  if (layer.parts.empty()) {
-    if (layer.flops <= 0 && layer.bytes <= 0) return 0;
-    return gpu_part_ns(CostPart{layer.cost_kind, false, layer.flops, layer.bytes, layer.ops}, gpu, pass, precision);
-  }
   double t = 0;
-  for (const CostPart& p : layer.parts) t += gpu_part_ns(p, gpu, pass, precision);
+  for (const CostPart& p : parts_of(layer)) t += gpu_part_ns(p, gpu, pass, precision);
   return t;
 }
 
@@ -186,7 +191,7 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
     auto kernels = [&](const CostPart& p, Phase pass) {
       return static_cast<double>(p.kernels) * rates_of(gpu, p.kind, pass).overhead_s * gpu.overhead_scale * 1e9;
     };
-    for (const CostPart& p : l.parts) {
+    for (const CostPart& p : parts_of(l)) {
       l.forward_fixed_ns += kernels(p, Phase::Forward);
       l.backward_fixed_ns += kernels(p, Phase::Backward);
     }

@@ -150,6 +150,7 @@ TEST(GpuRates, PricesAProbesIteration) {
   EXPECT_DOUBLE_EQ(p.layers[0].forward_ns, 40e6 + 10e3);
   EXPECT_DOUBLE_EQ(p.layers[0].backward_ns, 160e6 + 20e3);
   EXPECT_DOUBLE_EQ(p.layers[1].forward_ns, 2e6 / 5e11 * 1e9 + 10e3);
+  EXPECT_DOUBLE_EQ(p.layers[1].forward_fixed_ns, 10e3);  // recorded without parts: its one kernel all the same
   // Optimizer without recorded bytes: 7 x 1000 gradient bytes at the elementwise rate (0.5 TB/s).
   EXPECT_DOUBLE_EQ(p.optimizer_ns, 7000 / 5e11 * 1e9);
   EXPECT_EQ(p.other_ns, 0);
