@@ -139,7 +139,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
 
 c10::intrusive_ptr<TraceHolder> hold(Trace t) { return c10::make_intrusive<TraceHolder>(std::move(t)); }
 
-void start(const std::string& options) {
+void start(const std::string& options, const std::vector<std::string>& timed_layers) {
   translate([&] {
     Config cfg("gpucast.trace() options", trace_config_keys());
     cfg.parse(options);
@@ -150,6 +150,7 @@ void start(const std::string& options) {
     o.max_events = cfg.get_int("max_events");
     o.device_timing = cfg.get_bool("device_timing");
     o.external_profiler = cfg.get_bool("external_profiler");
+    o.timed_layers = timed_layers;
     start_trace(o);
   });
 }
@@ -239,11 +240,11 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
         "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
-        "bool tf32_conv=True, int seq_len=0) -> str",
+        "bool tf32_conv=True, int seq_len=0, bool every_layer=False) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
            double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
            double prior_flops, double prior_bytes, const std::string& gpu, const std::string& gpu_rates,
-           bool tf32_matmul, bool tf32_conv, int64_t seq_len) {
+           bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -256,6 +257,7 @@ TORCH_LIBRARY(gpucast, m) {
             o.design = design;
             o.design_seed = static_cast<uint64_t>(design_seed);
             o.seq_len = seq_len;
+            o.every_layer = every_layer;
             if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
             if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
             if (!gpu.empty()) {  // the probes ran elsewhere: every layer priced for the GPU from a rates table
@@ -286,6 +288,13 @@ TORCH_LIBRARY(gpucast, m) {
             };
             return gpucast::iteration_timing_to_json(
                 gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
+          });
+        });
+  m.def("choose_timed_layers(str timing, float fraction, str design=\"d-optimal\", int seed=0) -> str[]",
+        [](const std::string& timing, double fraction, const std::string& design, int64_t seed) {
+          return gpucast::translate([&] {
+            return gpucast::choose_timed_layers(gpucast::iteration_timing_from_json(timing), fraction, design,
+                                                static_cast<uint64_t>(seed));
           });
         });
   m.def("gpu_rates(str path=\"\") -> str", [](const std::string& path) {
@@ -382,7 +391,7 @@ TORCH_LIBRARY(gpucast, m) {
     }
     return out;
   });
-  m.def("start_trace(str options='') -> ()", &gpucast::start);
+  m.def("start_trace(str options, str[] timed_layers) -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
   m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });

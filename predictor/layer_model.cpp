@@ -1,4 +1,5 @@
 #include "gpucast/layer_model.h"
+#include "gpucast/timed_layers.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +18,7 @@ namespace gpucast {
 namespace {
 
 using Shape = std::vector<int64_t>;
-constexpr const char* kOutside = "(outside modules)";
+constexpr const char* kOutside = kOutsideModules;
 constexpr size_t kMatmul = 0, kConv = 1, kAttention = 2, kElementwise = kLayerCostKinds.size() - 1;
 constexpr double kRidge = 1e-9;
 

@@ -15,12 +15,13 @@
 
 #include "gpucast/error.h"
 #include "gpucast/layer_model.h"
+#include "gpucast/timed_layers.h"
 
 namespace gpucast {
 namespace {
 
 using nlohmann::json;
-constexpr const char* kOutside = "(outside modules)";
+constexpr const char* kOutside = kOutsideModules;
 
 double duration(const OpRecord& op) {
   return op.device_ns >= 0 ? static_cast<double>(op.device_ns) : static_cast<double>(op.end_ns - op.start_ns);
@@ -263,6 +264,8 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     l.ops = c.ops;
     l.parts = c.parts;
   }
+  const TimedLayers chosen(t.timed_layers);
+  for (LayerTiming& l : it.layers) l.timed = chosen.layer_timed(l.layer);
   it.wall_ns = first_ns >= 0 ? static_cast<double>(last_ns - first_ns) : 0;
   double layers = 0;
   for (const LayerTiming& l : it.layers) layers += l.forward_ns + l.backward_ns;
@@ -336,6 +339,30 @@ std::vector<int64_t> balanced_stages(const std::vector<double>& cost, int64_t pa
 }
 
 }  // namespace
+
+namespace {
+
+std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fraction, const std::string& design,
+                                         uint64_t seed) {
+  if (!(fraction > 0 && fraction <= 1)) GPUCAST_USER_ERROR("step time: time_fraction should be in (0, 1], got {}", fraction);
+  if (design != "d-optimal" && design != "random") {
+    GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", design);
+  }
+  std::vector<LayerCost> costs;
+  for (const LayerTiming& l : t.layers) costs.push_back(LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}});
+  const size_t n = costs.size();
+  const size_t want = std::max<size_t>(1, static_cast<size_t>(std::ceil(fraction * static_cast<double>(n) - 1e-9)));
+  return design == "random" ? random_design(n, std::min(want, n), seed) : choose_layers_to_time(costs, fraction, seed);
+}
+
+}  // namespace
+
+std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fraction, const std::string& design,
+                                             uint64_t seed) {
+  std::vector<std::string> out;
+  for (size_t i : choose_timed_indices(t, fraction, design, seed)) out.push_back(t.layers[i].layer);
+  return out;
+}
 
 // The tracer's own cost out of a probe: where the untraced wall time is known, (wall - untraced) / ops per
 // recorded op, taken out of each unit by its op count.
@@ -446,18 +473,28 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   // Sparse timing: only the chosen layers' times are used; the others come from per-kind roofline models fitted
   // on them (layer_model.h), over all probes. Each probe's wall time is known, so "other" stays its remainder.
   std::unordered_map<std::string, LayerForecast> modelled;  // untimed layers at the target batch
-  if (o.time_fraction < 1.0) {
-    if (!(o.time_fraction > 0)) GPUCAST_USER_ERROR("step time: time_fraction should be in (0, 1], got {}", o.time_fraction);
-    if (o.design != "d-optimal" && o.design != "random") {
-      GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", o.design);
+  auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}}; };
+  // Chosen when the probes were traced (their timed flags), or here by the design.
+  std::vector<size_t> chosen;
+  std::string chooser;
+  const int64_t chosen_before = std::count_if(ref.layers.begin(), ref.layers.end(), [](const LayerTiming& l) { return l.timed; });
+  if (o.every_layer && chosen_before < static_cast<int64_t>(ref.layers.size()) && ref.clock == "device") {
+    GPUCAST_USER_ERROR("step time: every_layer asks for the times of every layer, but the probes were timed on the "
+                       "device for {} chosen layers of {} only; forecast again with time_fraction=1 for them all",
+                       chosen_before, ref.layers.size());
+  }
+  if (!o.every_layer && chosen_before < static_cast<int64_t>(ref.layers.size())) {
+    for (size_t i = 0; i < ref.layers.size(); ++i) {
+      if (ref.layers[i].timed) chosen.push_back(i);
     }
-    auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}}; };
-    std::vector<LayerCost> ref_costs;
-    for (const LayerTiming& l : ref.layers) ref_costs.push_back(cost_of(l));
-    const size_t n = ref_costs.size();
-    const size_t want = std::max<size_t>(1, static_cast<size_t>(std::ceil(o.time_fraction * static_cast<double>(n) - 1e-9)));
-    const std::vector<size_t> chosen = o.design == "random" ? random_design(n, std::min(want, n), o.design_seed)
-                                                            : choose_layers_to_time(ref_costs, o.time_fraction, o.design_seed);
+    chooser = "chosen before the probes were timed";
+    if (chosen.empty()) GPUCAST_USER_ERROR("step time: the probes were traced with none of their layers timed");
+  } else if (o.time_fraction < 1.0) {
+    chosen = choose_timed_indices(ref, o.time_fraction, o.design, o.design_seed);
+    chooser = o.design + " design";
+  }
+  if (!chooser.empty()) {
+    const size_t n = ref.layers.size();
     std::unordered_map<std::string, bool> timed;
     for (const LayerTiming& l : ref.layers) timed[l.layer] = false;
     for (size_t i : chosen) timed[ref.layers[i].layer] = true;
@@ -521,8 +558,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       lf.source = model_source[l.layer];
       modelled[l.layer] = lf;
     }
-    f.notes.push_back(fmt::format("timed {} of {} layers ({} design); the rest from per-kind roofline models: {}",
-                                  chosen.size(), n, o.design, model.describe()));
+    f.notes.push_back(fmt::format("timed {} of {} layers ({}); the rest from per-kind roofline models: {}",
+                                  chosen.size(), n, chooser, model.describe()));
   }
   f.other_ms = fit_size(other, b, seq) / 1e6;
 
@@ -826,7 +863,7 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
                       {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
                       {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
                       {"ops", l.ops}, {"forward_ops_all", l.forward_ops_all},
-                      {"backward_ops_all", l.backward_ops_all}, {"parts", parts}});
+                      {"backward_ops_all", l.backward_ops_all}, {"parts", parts}, {"timed", l.timed}});
   }
   json edges = json::array();
   for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
@@ -865,6 +902,7 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
       lt.ops = l.value("ops", int64_t{0});
       lt.forward_ops_all = l.value("forward_ops_all", int64_t{0});
       lt.backward_ops_all = l.value("backward_ops_all", int64_t{0});
+      lt.timed = l.value("timed", true);
       if (l.contains("parts")) {
         for (const json& p : l.at("parts")) {
           lt.parts.push_back({p.at(0).get<std::string>(), p.at(1).get<bool>(), p.at(2).get<double>(),

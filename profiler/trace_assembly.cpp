@@ -164,6 +164,7 @@ Trace assemble_trace(AssemblyInput input) {
   trace.counters = input.counters;
   trace.notes = std::move(input.notes);
   trace.timing_source = std::move(input.timing_source);
+  trace.timed_layers = std::move(input.timed_layers);
   trace.counters.threads = 0;
 
   // Global op order: by start sequence.

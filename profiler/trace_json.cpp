@@ -142,6 +142,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                    {"threads", c.threads}};
   j["notes"] = trace.notes;
   j["timing_source"] = trace.timing_source;
+  if (!trace.timed_layers.empty()) j["timed_layers"] = trace.timed_layers;
   json ops = json::array();
   for (const OpRecord& op : trace.ops) {
     ops.push_back({{"id", op.id},
@@ -246,6 +247,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   }
   t.notes = r.get_or<std::vector<std::string>>(j, "notes", "", {});
   t.timing_source = r.get_or<std::string>(j, "timing_source", "", "cpu_clock");
+  t.timed_layers = r.get_or<std::vector<std::string>>(j, "timed_layers", "", {});
 
   const json& ops = r.field(j, "ops", "");
   if (!ops.is_array()) r.fail("ops", "a list", ops);

@@ -17,6 +17,7 @@
 
 #include "gpucast/device_timer.h"
 #include "gpucast/error.h"
+#include "gpucast/timed_layers.h"
 #include "memory_sink.h"
 
 namespace gpucast {
@@ -103,6 +104,7 @@ struct OpenOp {
   uint64_t handle;
   bool backward;   // opened a backward region
   bool optimizer;  // opened an optimizer region
+  bool timed;      // device timers were taken around it (timed_layers.h)
 };
 
 // A thread's buffer lock: taken by its own thread around each record (uncontended: one exchange and one store),
@@ -130,6 +132,7 @@ struct ThreadState {
   std::vector<OpenOp> stack;
   std::vector<int32_t> open_bwd_nodes;
   std::vector<int32_t> modules;  // module stack (interned ids)
+  std::vector<char> module_timed;  // beside it: whether that module is a timed layer
   int backward_depth = 0;
   int optimizer_depth = 0;
   // Op names interned per thread, kept across traces (bounded by the number of distinct names).
@@ -172,6 +175,7 @@ struct ThreadState {
     stack.clear();
     open_bwd_nodes.clear();
     modules.clear();
+    module_timed.clear();
     backward_depth = optimizer_depth = 0;
   }
   Phase phase() const {
@@ -203,6 +207,9 @@ struct TracerState {
   std::unique_ptr<DeviceTimer> timer;
   std::atomic<DeviceTimer*> active_timer{nullptr};
   std::string timing_source = "cpu_clock";
+  TimedLayers timed;      // the running trace's timed layers (set at start, read-only while it runs)
+  bool outside_timed = true;  // ops outside any module are a timed layer
+  SeqMarks marks;         // forward sequence numbers that were timed, for their backward nodes
 };
 
 TracerState& state() {
@@ -357,10 +364,16 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (optimizer) ++ts->optimizer_depth;
     op.phase = ts->phase();  // a region's own record belongs to the region
     if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
-    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer});
+    bool timed = true;
     if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
-      timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
+      const bool module_timed = ts->module_timed.empty() ? s.outside_timed : ts->module_timed.back() != 0;
+      const bool parent_timed = !ts->stack.empty() && ts->stack.back().timed;
+      timed = op_device_timed(s.timed.all(), parent_timed, op.phase, op.scope, module_timed,
+                              op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr));
+      if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, timed);
+      if (timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
     }
+    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer, timed});
     op.start_ns = now_ns();
     op.start_seq = s.seq.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
@@ -386,9 +399,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
     while (stack.size() >= pos) {
       const OpenOp open = stack.back();
       stack.pop_back();
-      if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
-        timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
-      }
+      DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire);
+      if (timer != nullptr && open.timed) timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
       RawOp& op = ts->rec.ops[open.index];
       if (open.backward) --ts->backward_depth;
       if (open.optimizer) --ts->optimizer_depth;
@@ -484,6 +496,8 @@ void start_trace(const TraceOptions& options) {
   }
   s.timer.reset();
   s.timing_source = "cpu_clock";
+  s.timed = TimedLayers(options.timed_layers);
+  s.outside_timed = s.timed.layer_timed(kOutsideModules);
   if (options.device_timing && cuda_device_present()) {
     TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer());
     s.timer = std::move(choice.timer);
@@ -644,6 +658,7 @@ RecordedTrace stop_recording() {
   s.active_timer.store(nullptr, std::memory_order_release);
   if (s.timer) raw.device_ns = device_time_by_op(s.timer->stop());
   raw.in.timing_source = s.timing_source;
+  raw.in.timed_layers = s.timed.layers();
   raw.in.start_ns = s.start_ns;
   raw.in.end_ns = end;
   std::vector<std::shared_ptr<ThreadState>> threads = s.threads;
@@ -681,8 +696,10 @@ void push_module(const std::string& path) {
   TracerState& s = state();
   if (!s.active.load(std::memory_order_acquire)) return;
   int32_t id;
+  bool timed;
   {
     std::lock_guard<std::mutex> g(s.mu);
+    timed = s.timed.layer_timed(path);
     auto it = s.module_ids.find(path);
     if (it == s.module_ids.end()) {
       id = static_cast<int32_t>(s.module_names.size());
@@ -694,14 +711,20 @@ void push_module(const std::string& path) {
   }
   ThreadState* ts = thread_state();
   Locked lock(ts);
-  if (lock) ts->modules.push_back(id);
+  if (lock) {
+    ts->modules.push_back(id);
+    ts->module_timed.push_back(timed ? 1 : 0);
+  }
 }
 
 void pop_module() {
   if (!state().active.load(std::memory_order_acquire)) return;
   ThreadState* ts = thread_state();
   Locked lock(ts);
-  if (lock && !ts->modules.empty()) ts->modules.pop_back();
+  if (lock && !ts->modules.empty()) {
+    ts->modules.pop_back();
+    ts->module_timed.pop_back();
+  }
 }
 
 void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Category category) {

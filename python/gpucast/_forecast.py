@@ -170,11 +170,13 @@ class Forecast:
     seq_len: int | None = None  # the forecast's sequence length (probes at several lengths), or None
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
-                  time_scale: float = 1.0, time_fraction: float = 1.0, design: str = "d-optimal",
+                  time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",
                   gnn: str | None = "", seq_len: int | None = None) -> TimeForecast:
         """The step time at another batch size, sequence length (where the forecast was made with seq_len) or
         parallel strategy from the same probes: compare strategies without tracing again. Raises ValueError
-        where the probes did not run on the forecast's target."""
+        where the probes did not run on the forecast's target. time_fraction None: the layers the forecast
+        timed (all, or its sparse choice); a fraction: that share of every layer, chosen again by `design`
+        (probes timed on the CPU only: device timers ran around the forecast's choice alone)."""
         if seq_len is not None and self.seq_len is None:
             raise ValueError("step_time: seq_len needs probes at several lengths (forecast(..., seq_len=))")
         if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
@@ -184,11 +186,14 @@ class Forecast:
             raise ValueError("step_time: this forecast has no step time (see forecast(): target and probes)")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
+        fraction = 1.0 if time_fraction is None else float(time_fraction)
+        every = time_fraction is not None
+        prior = _prior(self.target, fraction, self.timings, every)
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
-                                                    _format_link(link), float(time_scale), float(time_fraction),
-                                                    str(design), 0, *_prior(self.target, time_fraction),
+                                                    _format_link(link), float(time_scale), fraction,
+                                                    str(design), 0, *prior,
                                                     **_gpu_pricing(self.target, self.probe_device),
-                                                    seq_len=int(length or 0))
+                                                    seq_len=int(length or 0), every_layer=every)
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
         return tf
@@ -348,8 +353,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
-    only that fraction of the layers (a D-optimal design over their FLOPs, bytes and kind) keeps its measured
-    times; the others are predicted by per-kind roofline models fitted on them (per_layer[i]["source"]).
+    only that fraction of the layers is timed (a D-optimal design over their FLOPs, bytes and kind, chosen on
+    the first probe's structure; its timing traces take device timers around those layers only: timed_layers
+    of gpucast.trace) and keeps its measured times; the others are predicted by per-kind roofline models
+    fitted on them (per_layer[i]["source"]; fc.time.timed_layers counts the timed ones).
     The graph network (ScaleDL's alpha and beta) then corrects the step on target "cpu": `gnn` is a weights
     file ("" the shipped one; None: no correction); fc.time.alpha, beta, correction, uncorrected_step_ms.
 
@@ -397,6 +404,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     timings = []
     kernel_probes = []  # timing-only probes at the batch sizes where the target's kernels start
     reach_probes = []  # a timing-only probe nearer a target far beyond the probes
+    timed_layers = None  # sparse timing: the layers the timing traces time (None: every layer)
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -422,8 +430,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 forecaster.add_probe_seq(t.result.handle, b, length)
             structure = t.result.handle.iteration_timing(b)
             t = None  # the memory trace is not needed any more
-            timing = (_steady_timing(step, batch, b, structure) if _time_on_target(target, probe_device)
-                      else structure)
+            timed = _time_on_target(target, probe_device)
+            if timed and time_fraction < 1.0 and timed_layers is None:
+                # Sparse timing: the layers to time, chosen once on the first probe's structure; every timing
+                # trace then takes device timers around those layers only.
+                timed_layers = list(torch.ops.gpucast.choose_timed_layers(structure, float(time_fraction)))
+            timing = _steady_timing(step, batch, b, structure, timed_layers) if timed else structure
             timings.append(timing if length is None else _with_seq(timing, length))
             del batch, t
             state.restore()
@@ -437,7 +449,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     step(batch)
             structure = t.result.handle.iteration_timing(b)
             del t
-            timings.append(_steady_timing(step, batch, b, structure))
+            timings.append(_steady_timing(step, batch, b, structure, timed_layers))
             del batch
             state.restore()
 
@@ -535,8 +547,8 @@ def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target:
     return [b] if est["step_ms"] <= _REACH_BUDGET_S * 1e3 else []
 
 
-def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str, warm: int = 1, runs: int = 3,
-                   traced: int = 2) -> str:
+def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,
+                   timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: int = 2) -> str:
     """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
     created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
     untraced iterations, `runs` timed untraced ones (their median: the untraced wall, which lets the forecast
@@ -544,7 +556,7 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
     light trace (no shapes, no memory events: about half the tracer's cost per op), of which the one with the
     shortest wall is kept (a pause of the machine only ever adds time). What needs shapes and allocations
     (FLOPs, bytes, gradient and output bytes, the layer graph) comes from `structure`: the iteration timing of
-    the full trace of the same step."""
+    the full trace of the same step. timed_layers: sparse timing (gpucast.trace's timed_layers)."""
     cuda = any(t.is_cuda for t in _flatten(batch, []))
 
     def once() -> int:
@@ -561,7 +573,7 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
     times = sorted(once() for _ in range(runs))
     d = None
     for _ in range(traced):
-        with trace(record_shapes=False, memory=False) as t:
+        with trace(timed_layers=timed_layers, record_shapes=False, memory=False) as t:
             step(batch)
         x = json.loads(t.result.handle.iteration_timing(b))
         if d is None or x["wall_ns"] < d["wall_ns"]:
@@ -616,10 +628,11 @@ def step_graph(timings: list, tf: TimeForecast, optimizer: str, rates: dict) -> 
             "sum_layers_ms": tf.compute_ms, "comm_ms": tf.exposed_comm_ms, "measured_ms": None}
 
 
-def _prior(target: str, time_fraction: float) -> tuple:
-    """The layer models' prior rates (FLOP/s, bytes/s) for sparse timing: this CPU's, measured; 0 elsewhere (the
-    core's defaults)."""
-    if target != "cpu" or time_fraction >= 1.0:
+def _prior(target: str, time_fraction: float, timings: list, every_layer: bool = False) -> tuple:
+    """The layer models' prior rates (FLOP/s, bytes/s) for sparse timing (a fraction below 1, or probes traced with
+    a choice of layers, unless every_layer): this CPU's, measured; 0 elsewhere (the core's defaults)."""
+    chosen = not every_layer and any(not x.get("timed", True) for x in json.loads(timings[-1])["layers"]) if timings else False
+    if target != "cpu" or (time_fraction >= 1.0 and not chosen):
         return 0.0, 0.0
     r = cpu_rates()
     return r["peak_gflops"] * 1e9, r["mem_gbps"] * 1e9
@@ -706,7 +719,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     try:
         text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), float(time_fraction),
-                                                    "d-optimal", 0, *_prior(target, time_fraction), **pricing,
+                                                    "d-optimal", 0, *_prior(target, time_fraction, timings), **pricing,
                                                     seq_len=int(seq_len or 0))
     except (ValueError, RuntimeError) as e:
         if not pricing or "GPU rates" not in str(e):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.optim.optimizer as _optimizer_module
@@ -295,10 +295,19 @@ class trace:
     """Record what runs inside the block: ``with gpucast.trace() as t: step(batch)``.
 
     Options (see gpucast.trace_options()): record_shapes, memory, module_paths, max_ops, max_events.
+    timed_layers: sparse timing, a list of layers (module paths as the trace names them, e.g. "GPT.blocks.0.mlp.0",
+    or "(outside modules)"): device timers (CUPTI, CUDA events) are taken only around their ops, their backward
+    and the optimizer step, and the step-time forecast uses only their times (CPU clocks time every op); None:
+    every layer.
     After the block, ``t`` gives the recorded Trace's views: t.ops, t.allocations, t.summary(), ...
     """
 
-    def __init__(self, **options: Any):
+    def __init__(self, timed_layers: Sequence[str] | None = None, **options: Any):
+        if timed_layers is not None and (isinstance(timed_layers, str) or
+                                         not all(isinstance(x, str) for x in timed_layers)):
+            raise ValueError(f"gpucast.trace: timed_layers should be a list of layer names (str), got "
+                             f"{timed_layers!r}")
+        self._timed_layers = list(timed_layers or [])
         self._options = _format_options(options)
         _ops.check_trace_options(self._options)  # ValueError naming the option, before anything runs
         self._module_paths = _flag(options, "module_paths")
@@ -314,7 +323,7 @@ class trace:
             # torch.profiler may hold CUPTI: gpucast then times device work with CUDA events.
             options = ",".join(o for o in (options, "external_profiler:True") if o)
         try:
-            _ops.start_trace(options)
+            _ops.start_trace(options, self._timed_layers)
         except BaseException:
             self._hooks.remove()
             raise

@@ -2,10 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <memory>
 
 #include "gpucast/cuda_block.h"
 #include "gpucast/device_timer.h"
 #include "gpucast/error.h"
+#include "gpucast/timed_layers.h"
 #include "gpucast/trace_assembly.h"
 #include "gpucast/trace_json.h"
 
@@ -136,8 +138,10 @@ TEST_F(AssemblyTest, JsonRoundTripIsExact) {
   t.ops[1].inputs.push_back(Value{Value::Kind::Scalar, {}, 2.5});
   t.ops[1].outputs.push_back(Value{Value::Kind::TensorList, {TensorMeta{{2}, {1}, "int64", "cpu", 0}}, 0});
   t.notes.push_back("a note");
+  t.timed_layers = {"Net.fc", "(outside modules)"};
   Trace back = trace_from_json(trace_to_json(t));
   EXPECT_EQ(trace_to_json(back), trace_to_json(t));
+  EXPECT_EQ(back.timed_layers, t.timed_layers);
   EXPECT_EQ(back.ops[1].inputs, t.ops[1].inputs);
   EXPECT_EQ(back.ops[1].outputs, t.ops[1].outputs);
   EXPECT_EQ(back.context.torch_version, "2.14.1");
@@ -303,6 +307,62 @@ TEST_F(TimerChoiceTest, SpansAddUpPerOp) {
   auto by_op = device_time_by_op(events()->stop());
   EXPECT_EQ(by_op.at(7), 300);
   EXPECT_EQ(by_op.at(9), 10);
+}
+
+TEST(SparseTiming, NoChoiceTimesEveryLayer) {
+  const TimedLayers all;
+  EXPECT_TRUE(all.all());
+  EXPECT_TRUE(all.layer_timed("Net.fc"));
+  EXPECT_TRUE(TimedLayers(std::vector<std::string>{}).all());
+  const TimedLayers some({"Net.fc", kOutsideModules});
+  EXPECT_FALSE(some.all());
+  EXPECT_TRUE(some.layer_timed("Net.fc"));
+  EXPECT_TRUE(some.layer_timed("(outside modules)"));
+  EXPECT_FALSE(some.layer_timed("Net.fc.0"));  // layers are exact module paths, not prefixes
+  EXPECT_FALSE(some.layer_timed("Net"));
+  EXPECT_EQ(some.layers(), (std::vector<std::string>{"Net.fc", "(outside modules)"}));
+}
+
+TEST(SparseTiming, WhichOpsGetDeviceTimers) {
+  using P = Phase;
+  using S = Scope;
+  // Everything, when no layers were chosen.
+  EXPECT_TRUE(op_device_timed(true, false, P::Forward, S::Function, false, false));
+  // Forward ops by their innermost module.
+  EXPECT_TRUE(op_device_timed(false, false, P::Forward, S::Function, true, false));
+  EXPECT_FALSE(op_device_timed(false, false, P::Forward, S::Function, false, false));
+  // Inside a timed op (an addmm under a timed linear, a mm under a timed backward node).
+  EXPECT_TRUE(op_device_timed(false, true, P::Forward, S::Function, false, false));
+  EXPECT_TRUE(op_device_timed(false, true, P::Backward, S::Function, false, false));
+  // Backward nodes by the forward op that made them, not by a module (backward runs outside module scopes).
+  EXPECT_TRUE(op_device_timed(false, false, P::Backward, S::BackwardFunction, false, true));
+  EXPECT_FALSE(op_device_timed(false, false, P::Backward, S::BackwardFunction, true, false));
+  // A backward op outside any node (engine bookkeeping) is not a chosen layer's.
+  EXPECT_FALSE(op_device_timed(false, false, P::Backward, S::Function, true, false));
+  // The optimizer step, always.
+  EXPECT_TRUE(op_device_timed(false, false, P::Optimizer, S::UserScope, false, false));
+  EXPECT_TRUE(op_device_timed(false, false, P::Optimizer, S::Function, false, false));
+  // A user scope in forward (a record_function block) is not a layer.
+  EXPECT_FALSE(op_device_timed(false, false, P::Forward, S::UserScope, true, false));
+}
+
+TEST(SparseTiming, SequenceMarksSetClearAndWrap) {
+  auto marks = std::make_unique<SeqMarks>();  // 128 KiB: not on the stack
+  EXPECT_FALSE(marks->marked(7));
+  marks->mark(7, true);
+  marks->mark(8, false);
+  EXPECT_TRUE(marks->marked(7));
+  EXPECT_FALSE(marks->marked(8));
+  EXPECT_FALSE(marks->marked(6));
+  // A later forward op with a number that shares the bit overwrites it either way.
+  marks->mark(7 + SeqMarks::kBits, false);
+  EXPECT_FALSE(marks->marked(7));
+  marks->mark(8 + 3 * SeqMarks::kBits, true);
+  EXPECT_TRUE(marks->marked(8));
+  // No sequence number (-1): nothing marked, never timed by its mark.
+  marks->mark(-1, true);
+  EXPECT_FALSE(marks->marked(-1));
+  EXPECT_FALSE(marks->marked(SeqMarks::kBits - 1));
 }
 
 }  // namespace

@@ -400,6 +400,60 @@ TEST(StepTime, SparseTimingPredictsTheUntimedLayers) {
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: design should be d-optimal or random, got 'best'");
 }
 
+TEST(StepTime, ProbesTracedWithChosenLayersBringTheirChoice) {
+  // Traced with Net.b alone timed: its times are used, Net.a's are predicted, whatever time_fraction says.
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4}) {
+    Trace t = make_trace(1000 * b, 256 * b);
+    t.timed_layers = {"Net.b"};
+    probes.push_back(iteration_timing(t, b));
+  }
+  ASSERT_EQ(probes[0].layers.size(), 2u);
+  EXPECT_FALSE(probes[0].layers[0].timed);
+  EXPECT_TRUE(probes[0].layers[1].timed);
+  EXPECT_FALSE(iteration_timing_from_json(iteration_timing_to_json(probes[0])).layers[0].timed);
+  EXPECT_TRUE(iteration_timing_from_json(iteration_timing_to_json(probes[0])).layers[1].timed);
+  StepTimeOptions o;
+  o.batch_size = 8;
+  for (double fraction : {1.0, 0.5}) {
+    o.time_fraction = fraction;
+    const StepTimeForecast f = forecast_step_time(probes, o);
+    EXPECT_EQ(f.timed_layers, 1);
+    ASSERT_EQ(f.per_layer.size(), 2u);
+    EXPECT_NE(f.per_layer[0].source, "measured");
+    EXPECT_EQ(f.per_layer[1].source, "measured");
+    EXPECT_NEAR(f.per_layer[1].forward_ms, 2 * 8000 / 1e6, 1e-9);  // 2k ns at k = 1000 b
+    ASSERT_FALSE(f.notes.empty());
+    EXPECT_EQ(f.notes[0].rfind("timed 1 of 2 layers (chosen before the probes were timed); the rest from per-kind "
+                               "roofline models: ", 0), 0u)
+        << f.notes[0];
+  }
+  // A choice that names none of the probes' layers leaves nothing to fit the models on.
+  for (IterationTiming& p : probes) {
+    for (LayerTiming& l : p.layers) l.timed = false;
+  }
+  EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
+            "step time: the probes were traced with none of their layers timed");
+}
+
+TEST(StepTime, ChoosesTheLayersToTimeByName) {
+  const IterationTiming it = probes_with_outputs().back();
+  ASSERT_EQ(it.layers.size(), 2u);
+  const std::vector<std::string> one = choose_timed_layers(it, 0.5);
+  ASSERT_EQ(one.size(), 1u);
+  // The same layer forecast_step_time times for that fraction and design.
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.time_fraction = 0.5;
+  const StepTimeForecast f = forecast_step_time(probes_with_outputs(), o);
+  for (const LayerForecast& l : f.per_layer) EXPECT_EQ(l.source == "measured", l.layer == one[0]) << l.layer;
+  EXPECT_EQ(choose_timed_layers(it, 1.0), (std::vector<std::string>{"Net.a", "Net.b"}));
+  EXPECT_EQ(choose_timed_layers(it, 0.5, "random", 3).size(), 1u);
+  EXPECT_EQ(err([&] { choose_timed_layers(it, 1.5); }), "step time: time_fraction should be in (0, 1], got 1.5");
+  EXPECT_EQ(err([&] { choose_timed_layers(it, 0.5, "all"); }),
+            "step time: design should be d-optimal or random, got 'all'");
+}
+
 TEST(StepTime, PipelineOneFOneB) {
   const auto probes = probes_with_outputs();
   StepTimeOptions o;

@@ -212,7 +212,40 @@ def test_sparse_timing_reports_what_was_measured():
     assert t.timed_layers == len(measured) == -(-n // 4)  # a quarter of the layers, rounded up
     assert {x["source"] for x in t.per_layer} - {"measured"} <= {"kind", "pooled", "scaled_prior", "prior"}
     assert t.notes[0].startswith("2 layer(s) ran other kernels in smaller probes")
-    assert t.notes[1].startswith(f"timed {len(measured)} of {n} layers (d-optimal design)")
+    assert t.notes[1].startswith(f"timed {len(measured)} of {n} layers (chosen before the probes were timed)")
+    # Chosen once, on the first probe: every timing trace was asked for the same layers, the measured ones.
+    chosen = [[y["layer"] for y in x["layers"] if y["timed"]] for x in map(json.loads, fc.timings)]
+    assert chosen[0] == chosen[1] == chosen[2]
+    assert set(chosen[0]) == {x["layer"] for x in measured}
+    # Other batch sizes from the same probes keep that choice; a fraction asks for all layers again (CPU clocks
+    # timed every op), chosen anew by the design.
+    assert fc.step_time(32, gnn=None) == t
+    again = fc.step_time(32, time_fraction=1.0, gnn=None)
+    assert again.timed_layers == -1 and all(x["source"] == "measured" for x in again.per_layer)  # -1: all
+    assert fc.step_time(32, time_fraction=0.5, gnn=None).notes[1].startswith(
+        f"timed {-(-n // 2)} of {n} layers (d-optimal design)")
+
+
+def test_trace_records_the_layers_it_was_asked_to_time():
+    case = zoo.CASES["mlp"]
+    model, opt, step, _ = build(case, "sgd")
+    batch = case.make_batch(4)
+    with gpucast.trace(timed_layers=["MLP.net.0", "(outside modules)"]) as t:
+        step(batch)
+    doc = json.loads(t.result.to_json())
+    assert doc["timed_layers"] == ["MLP.net.0", "(outside modules)"]
+    timing = json.loads(t.result.handle.iteration_timing(4))
+    assert {x["layer"]: x["timed"] for x in timing["layers"]} == {
+        "MLP.net.0": True, "MLP.net.1": False, "MLP.net.2": False, "MLP.net.3": False, "MLP.net.4": False,
+        "(outside modules)": True}
+    with gpucast.trace() as t:  # no choice: every layer timed, nothing recorded about it
+        step(batch)
+    assert "timed_layers" not in json.loads(t.result.to_json())
+    assert all(x["timed"] for x in json.loads(t.result.handle.iteration_timing(4))["layers"])
+    for bad in ("MLP.net.0", [1, 2]):
+        with pytest.raises(ValueError, match=r"gpucast.trace: timed_layers should be a list of layer names \(str\), "
+                                             r"got "):
+            gpucast.trace(timed_layers=bad)
 
 
 def test_timing_probes_where_the_cpu_convolution_kernel_changes():

@@ -59,6 +59,9 @@ struct LayerTiming {
   // the layer (gpu_rates.h sets it to the kernels' overheads; 0 for measured times, which are divided whole).
   double forward_fixed_ns = 0;
   double backward_fixed_ns = 0;
+  // One of the layers the trace was asked to time (Trace::timed_layers; every layer when it names none). The
+  // forecast uses the times of timed layers only and predicts the others (sparse timing).
+  bool timed = true;
 };
 
 // Bytes passed from one layer to another in forward (a tensor one layer produced and another consumed).
@@ -116,6 +119,12 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch);
 // stay `timing`'s. A layer `structure` lacks keeps zero costs (the layer models then price it by its op count).
 IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
 
+// The layers of `t` to time (sparse timing): the `fraction` of them (at least one) chosen by a "d-optimal" design
+// over their cost features (layer_model.h: choose_layers_to_time) or a "random" one; in `t`'s forward order.
+// UserError for a fraction outside (0, 1] or another design.
+std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fraction,
+                                             const std::string& design = "d-optimal", uint64_t seed = 0);
+
 struct StepTimeOptions {
   int64_t batch_size = 0;     // global
   ParallelConfig parallel;
@@ -128,8 +137,12 @@ struct StepTimeOptions {
   // Sparse timing: the fraction of layers whose times are used (1: all), chosen by a "d-optimal" or "random"
   // design; the others are predicted by per-kind roofline models fitted on them, from `prior` where a kind
   // has no timed layer: priced at each probe's batch (where the models were fitted), then fitted over the batch
-  // like measured layers.
+  // like measured layers. Probes traced with a choice of layers (LayerTiming::timed false for some layers of
+  // the largest probe) bring their own: those layers are the timed ones, whatever time_fraction says, unless
+  // every_layer: then the choice is set aside and time_fraction applies to all layers (CPU clocks time every op;
+  // UserError for probes timed on the device, which timed only the chosen layers' ops).
   double time_fraction = 1.0;
+  bool every_layer = false;
   std::string design = "d-optimal";
   uint64_t design_seed = 0;
   DeviceRates prior{5e10, 1e10, 5e-6};  // a CPU core: 50 GFLOP/s, 10 GB/s, 5 us per op

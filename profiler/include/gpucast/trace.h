@@ -141,6 +141,9 @@ struct Trace {
   std::map<std::string, DeviceBaseline> baseline;  // by device
   TraceCounters counters;
   std::string timing_source = "cpu_clock";  // device time from "cupti", "cuda_events", or none ("cpu_clock")
+  // Sparse timing (timed_layers.h): the layers the trace was asked to time, the only ones whose ops device
+  // timers covered (CPU clocks time every op) and whose times the step-time forecast uses; empty: every layer.
+  std::vector<std::string> timed_layers;
   std::vector<std::string> notes;  // backends unavailable, fallbacks taken
 };
 

@@ -45,6 +45,7 @@ struct AssemblyInput {
   TraceCounters counters;  // counters gathered while recording (dropped, callback errors)
   std::vector<std::string> notes;
   std::string timing_source = "cpu_clock";
+  std::vector<std::string> timed_layers;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
 };

@@ -22,6 +22,9 @@ struct TraceOptions {
   int64_t max_events = 4000000;
   bool device_timing = true;       // time device work where a CUDA device is present
   bool external_profiler = false;  // another client (torch.profiler) records CUDA activity: leave CUPTI alone
+  // Sparse device timing (timed_layers.h): device timers only around these layers' ops (module paths, or
+  // "(outside modules)"), their backward and the optimizer step; empty: every op. CPU clocks time every op.
+  std::vector<std::string> timed_layers;
 };
 
 // A stopped trace whose records are not assembled yet: stopping only hands the per-thread buffers over,
