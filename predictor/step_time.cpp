@@ -480,7 +480,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const int64_t chosen_before = std::count_if(ref.layers.begin(), ref.layers.end(), [](const LayerTiming& l) { return l.timed; });
   if (o.every_layer && chosen_before < static_cast<int64_t>(ref.layers.size()) && ref.clock == "device") {
     GPUCAST_USER_ERROR("step time: every_layer asks for the times of every layer, but the probes were timed on the "
-                       "device for {} chosen layers of {} only; forecast again with time_fraction=1 for them all",
+                       "device for {} of their {} layers only; forecast again with time_fraction=1 to time them all",
                        chosen_before, ref.layers.size());
   }
   if (!o.every_layer && chosen_before < static_cast<int64_t>(ref.layers.size())) {

@@ -428,6 +428,16 @@ TEST(StepTime, ProbesTracedWithChosenLayersBringTheirChoice) {
                                "roofline models: ", 0), 0u)
         << f.notes[0];
   }
+  // every_layer sets the choice aside where CPU clocks timed every op; device timers ran around the choice only.
+  o.time_fraction = 1.0;
+  o.every_layer = true;
+  EXPECT_EQ(forecast_step_time(probes, o).timed_layers, -1);
+  std::vector<IterationTiming> on_device = probes;
+  for (IterationTiming& p : on_device) p.clock = "device";
+  EXPECT_EQ(err([&] { forecast_step_time(on_device, o); }),
+            "step time: every_layer asks for the times of every layer, but the probes were timed on the device for 1 "
+            "of their 2 layers only; forecast again with time_fraction=1 to time them all");
+  o.every_layer = false;
   // A choice that names none of the probes' layers leaves nothing to fit the models on.
   for (IterationTiming& p : probes) {
     for (LayerTiming& l : p.layers) l.timed = false;
