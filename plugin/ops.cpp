@@ -395,6 +395,8 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
   m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });
+  // Tests and rehearsals (tracer.h): device timing through a CPU-clock stand-in for CUPTI and CUDA events.
+  m.def("_use_stand_in_device_timer(bool on) -> ()", [](bool on) { gpucast::use_stand_in_device_timer(on); });
   m.def("installed_callbacks() -> int", [] { return static_cast<int64_t>(gpucast::installed_callbacks()); });
   m.def("global_callbacks_present() -> bool", [] { return at::hasGlobalCallbacks(); });
   m.def("cpu_memory_stats(bool reset_peak=False) -> int[]", [](bool reset) {

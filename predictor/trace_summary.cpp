@@ -37,7 +37,10 @@ std::string summarize_trace(const Trace& trace, int top_layers) {
                    static_cast<double>(trace.end_ns - trace.start_ns) / 1e6));
   line(fmt::format("  backward nodes: {} linked to their forward op, {} unlinked (no sequence number or no match)",
                    trace.counters.linked_backward, trace.counters.unlinked_backward));
-  line(fmt::format("  device timing: {}", trace.timing_source == "cpu_clock" ? "none (CPU clocks only)" : trace.timing_source));
+  line(fmt::format("  device timing: {}{}", trace.timing_source == "cpu_clock" ? "none (CPU clocks only)" : trace.timing_source,
+                   trace.timed_layers.empty() ? ""
+                                              : fmt::format("; sparse: {} chosen layer(s) timed, the rest predicted",
+                                                            trace.timed_layers.size())));
   line(fmt::format("  memory events: {}; dropped: {} ops, {} events; unmatched frees: {}; callback errors: {}",
                    trace.events.size(), trace.counters.dropped_ops, trace.counters.dropped_events,
                    trace.counters.unmatched_frees, trace.counters.callback_errors));

@@ -49,6 +49,7 @@ struct RawOp {
   Scope scope = Scope::Function;
   Phase phase = Phase::Forward;
   bool complete = false;
+  bool device_timed = false;  // device timers were taken around it
   int64_t seq_nr = -1;
   uint64_t fwd_thread = 0;
   int32_t parent = -1;
@@ -372,6 +373,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
                               op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr));
       if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, timed);
       if (timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
+      op.device_timed = timed;
     }
     ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer, timed});
     op.start_ns = now_ns();
@@ -461,6 +463,13 @@ void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c1
 
 }  // namespace detail
 
+static std::atomic<bool>& stand_in_timer() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
+void use_stand_in_device_timer(bool on) { stand_in_timer().store(on); }
+
 void start_trace(const TraceOptions& options) {
   TracerState& s = state();
   std::lock_guard<std::mutex> g(s.mu);
@@ -498,7 +507,11 @@ void start_trace(const TraceOptions& options) {
   s.timing_source = "cpu_clock";
   s.timed = TimedLayers(options.timed_layers);
   s.outside_timed = s.timed.layer_timed(kOutsideModules);
-  if (options.device_timing && cuda_device_present()) {
+  if (options.device_timing && stand_in_timer().load()) {
+    s.timer = make_cpu_span_timer();
+    s.timing_source = s.timer->name();
+    s.notes.push_back("device timing by the stand-in timer (CPU clock spans through the device-timer interface)");
+  } else if (options.device_timing && cuda_device_present()) {
     TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer());
     s.timer = std::move(choice.timer);
     s.timing_source = choice.source;
@@ -584,7 +597,7 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
   for (size_t i = 0; i < ts.rec.ops.size(); ++i) {
     const RawOp& r = ts.rec.ops[i];
     OpRecord op;
-    if (!device_ns.empty()) {
+    if (!device_ns.empty() && r.device_timed) {  // timed ops without device work took 0; untimed ones stay -1
       auto it = device_ns.find((ts.slot << 32) | i);
       op.device_ns = it == device_ns.end() ? 0 : it->second;
     }

@@ -234,6 +234,8 @@ def test_trace_records_the_layers_it_was_asked_to_time():
         step(batch)
     doc = json.loads(t.result.to_json())
     assert doc["timed_layers"] == ["MLP.net.0", "(outside modules)"]
+    assert ("device timing: none (CPU clocks only); sparse: 2 chosen layer(s) timed, the rest predicted"
+            in t.result.summary())
     timing = json.loads(t.result.handle.iteration_timing(4))
     assert {x["layer"]: x["timed"] for x in timing["layers"]} == {
         "MLP.net.0": True, "MLP.net.1": False, "MLP.net.2": False, "MLP.net.3": False, "MLP.net.4": False,
@@ -246,6 +248,49 @@ def test_trace_records_the_layers_it_was_asked_to_time():
         with pytest.raises(ValueError, match=r"gpucast.trace: timed_layers should be a list of layer names \(str\), "
                                              r"got "):
             gpucast.trace(timed_layers=bad)
+
+
+def test_device_timers_cover_the_chosen_layers_only():
+    # The tracer's device-timing path, with a CPU-clock stand-in for CUPTI / CUDA events: which ops get timers.
+    case = zoo.CASES["mlp"]
+    model, opt, step, _ = build(case, "adamw")
+    batch = case.make_batch(4)
+    step(batch)  # the optimizer's state exists: the traced step is a steady one
+    torch.ops.gpucast._use_stand_in_device_timer(True)
+    try:
+        with gpucast.trace(timed_layers=["MLP.net.2"]) as sparse:
+            step(batch)
+        with gpucast.trace() as full:
+            step(batch)
+    finally:
+        torch.ops.gpucast._use_stand_in_device_timer(False)
+    doc = json.loads(sparse.result.to_json())
+    assert doc["timing_source"] == "cpu_spans" and doc["timed_layers"] == ["MLP.net.2"]
+    ops = doc["ops"]
+
+    def layer(o):  # the op's own module, or (backward) its forward op's, or its enclosing op's
+        while True:
+            if o["phase"] == "forward" and o["module"]:
+                return o["module"]
+            if o["fwd_op"] >= 0:
+                return ops[o["fwd_op"]]["module"] or "(outside modules)"
+            if o["parent"] < 0:
+                return "(outside modules)"
+            o = ops[o["parent"]]
+
+    timed = [o for o in ops if o["device_ns"] >= 0]
+    untimed = [o for o in ops if o["device_ns"] < 0]
+    # Every optimizer op, and the forward and backward ops of MLP.net.2 (nested ones too), nothing else.
+    assert {o["name"] for o in timed if o["phase"] == "optimizer"} >= {"Optimizer.step#AdamW.step"}
+    assert all(o["phase"] == "optimizer" or layer(o) == "MLP.net.2" for o in timed)
+    assert not any(o["phase"] == "optimizer" for o in untimed)
+    mine = [o for o in ops if o["phase"] != "optimizer" and layer(o) == "MLP.net.2"
+            and (o["scope"] == "backward_function" or o["phase"] == "forward")]
+    assert {o["name"] for o in mine} >= {"aten::linear", "aten::addmm", "AddmmBackward0"}
+    assert all(o["device_ns"] >= 0 for o in mine)
+    assert any(layer(o) == "MLP.net.0" for o in untimed) and any(layer(o) == "MLP.net.4" for o in untimed)
+    # Without a choice, every op carries a device time.
+    assert all(o["device_ns"] >= 0 for o in json.loads(full.result.to_json())["ops"] if o["complete"])
 
 
 def test_timing_probes_where_the_cpu_convolution_kernel_changes():

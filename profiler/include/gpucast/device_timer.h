@@ -53,6 +53,11 @@ TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::uniqu
 // Device nanoseconds per op key (sum of its spans).
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans);
 
+// A stand-in with the device timers' interface that takes CPU clock spans (steady_clock) from op_begin to op_end:
+// lets tests and rehearsals run the tracer's device-timing path (which ops get timers, how spans come back to
+// their ops) on a machine without a GPU. Thread-safe; source name "cpu_spans".
+std::unique_ptr<DeviceTimer> make_cpu_span_timer();
+
 // Factories for the real timers; null where CUDA (or CUPTI) is not compiled in or cannot be loaded.
 std::unique_ptr<DeviceTimer> make_cupti_timer();
 std::unique_ptr<DeviceTimer> make_cuda_event_timer();

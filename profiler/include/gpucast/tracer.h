@@ -50,6 +50,9 @@ void start_trace(const TraceOptions& options);
 RecordedTrace stop_recording();
 Trace stop_trace();  // stop_recording().trace(), for callers that want the Trace at once
 bool trace_active();
+// Tests and rehearsals: later traces with device_timing on use make_cpu_span_timer() (device_timer.h) in place of
+// CUPTI and CUDA events, with or without a GPU, so that the device-timing path runs on any machine.
+void use_stand_in_device_timer(bool on);
 // Number of RecordFunction callbacks gpucast has installed right now (0 outside a trace).
 int installed_callbacks();
 
