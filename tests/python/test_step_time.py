@@ -291,6 +291,16 @@ def test_device_timers_cover_the_chosen_layers_only():
     assert any(layer(o) == "MLP.net.0" for o in untimed) and any(layer(o) == "MLP.net.4" for o in untimed)
     # Without a choice, every op carries a device time.
     assert all(o["device_ns"] >= 0 for o in json.loads(full.result.to_json())["ops"] if o["complete"])
+    # The forecast over device-clock probes timed sparsely: the chosen layers' times, and no re-choice later.
+    torch.ops.gpucast._use_stand_in_device_timer(True)
+    try:
+        fc = gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt, time_fraction=0.25, gnn=None)
+    finally:
+        torch.ops.gpucast._use_stand_in_device_timer(False)
+    assert fc.time.clock == "device" and fc.time.timed_layers == 2  # of 6
+    with pytest.raises(ValueError, match=r"step time: every_layer asks for the times of every layer, but the probes "
+                                         r"were timed on the device for 2 of their 6 layers only"):
+        fc.step_time(16, time_fraction=1.0)
 
 
 def test_timing_probes_where_the_cpu_convolution_kernel_changes():
