@@ -240,11 +240,11 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
         "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
-        "bool tf32_conv=True, int seq_len=0, bool every_layer=False) -> str",
+        "bool tf32_conv=True, int seq_len=0, bool every_layer=False, float time_budget=1.0) -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
            double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
            double prior_flops, double prior_bytes, const std::string& gpu, const std::string& gpu_rates,
-           bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer) {
+           bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer, double time_budget) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -258,6 +258,7 @@ TORCH_LIBRARY(gpucast, m) {
             o.design_seed = static_cast<uint64_t>(design_seed);
             o.seq_len = seq_len;
             o.every_layer = every_layer;
+            o.time_budget = time_budget;
             if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
             if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
             if (!gpu.empty()) {  // the probes ran elsewhere: every layer priced for the GPU from a rates table
@@ -290,11 +291,12 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
           });
         });
-  m.def("choose_timed_layers(str timing, float fraction, str design=\"d-optimal\", int seed=0) -> str[]",
-        [](const std::string& timing, double fraction, const std::string& design, int64_t seed) {
+  m.def("choose_timed_layers(str timing, float fraction, str design=\"d-optimal\", int seed=0, "
+        "float time_budget=1.0) -> str[]",
+        [](const std::string& timing, double fraction, const std::string& design, int64_t seed, double budget) {
           return gpucast::translate([&] {
             return gpucast::choose_timed_layers(gpucast::iteration_timing_from_json(timing), fraction, design,
-                                                static_cast<uint64_t>(seed));
+                                                static_cast<uint64_t>(seed), budget);
           });
         });
   m.def("gpu_rates(str path=\"\") -> str", [](const std::string& path) {

@@ -343,24 +343,65 @@ std::vector<int64_t> balanced_stages(const std::vector<double>& cost, int64_t pa
 namespace {
 
 std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fraction, const std::string& design,
-                                         uint64_t seed) {
+                                         uint64_t seed, double budget) {
   if (!(fraction > 0 && fraction <= 1)) GPUCAST_USER_ERROR("step time: time_fraction should be in (0, 1], got {}", fraction);
+  if (!(budget > 0 && budget <= 1)) GPUCAST_USER_ERROR("step time: time_budget should be in (0, 1], got {}", budget);
   if (design != "d-optimal" && design != "random") {
     GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", design);
   }
   std::vector<LayerCost> costs;
   for (const LayerTiming& l : t.layers) costs.push_back(LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}});
   const size_t n = costs.size();
-  const size_t want = std::max<size_t>(1, static_cast<size_t>(std::ceil(fraction * static_cast<double>(n) - 1e-9)));
-  return design == "random" ? random_design(n, std::min(want, n), seed) : choose_layers_to_time(costs, fraction, seed);
+  if (n == 0) return {};
+  auto choose = [&](size_t k) {
+    return design == "random" ? random_design(n, k, seed)
+                              : choose_layers_to_time(costs, static_cast<double>(k) / static_cast<double>(n), seed);
+  };
+  const size_t want = std::min(n, std::max<size_t>(1, static_cast<size_t>(std::ceil(fraction * static_cast<double>(n) - 1e-9))));
+  std::vector<size_t> chosen = choose(want);
+  double total = 0;
+  for (const LayerTiming& l : t.layers) total += l.forward_ns + l.backward_ns;
+  auto share = [&](const std::vector<size_t>& c) {
+    double x = 0;
+    for (size_t i : c) x += t.layers[i].forward_ns + t.layers[i].backward_ns;
+    return x / total;
+  };
+  if (budget >= 1 || !(total > 0) || share(chosen) <= budget) return chosen;
+  // The most layers whose design stays within the budget (a design's share grows with its size, by and large:
+  // bisection over the size), else the layer that takes least time alone.
+  size_t lo = 0, hi = want;  // share(choose(hi)) > budget; lo: the largest size known to fit (0: none yet)
+  std::vector<size_t> best;
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    std::vector<size_t> c = choose(mid);
+    if (share(c) <= budget) {
+      lo = mid;
+      best = std::move(c);
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == 0) {
+    std::vector<size_t> one = choose(1);
+    if (share(one) <= budget) return one;
+    size_t cheapest = 0;
+    for (size_t i = 1; i < n; ++i) {
+      if (t.layers[i].forward_ns + t.layers[i].backward_ns <
+          t.layers[cheapest].forward_ns + t.layers[cheapest].backward_ns) {
+        cheapest = i;
+      }
+    }
+    return {cheapest};
+  }
+  return best;
 }
 
 }  // namespace
 
 std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fraction, const std::string& design,
-                                             uint64_t seed) {
+                                             uint64_t seed, double time_budget) {
   std::vector<std::string> out;
-  for (size_t i : choose_timed_indices(t, fraction, design, seed)) out.push_back(t.layers[i].layer);
+  for (size_t i : choose_timed_indices(t, fraction, design, seed, time_budget)) out.push_back(t.layers[i].layer);
   return out;
 }
 
@@ -489,8 +530,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     }
     chooser = "chosen before the probes were timed";
     if (chosen.empty()) GPUCAST_USER_ERROR("step time: the probes were traced with none of their layers timed");
-  } else if (o.time_fraction < 1.0) {
-    chosen = choose_timed_indices(ref, o.time_fraction, o.design, o.design_seed);
+  } else if (o.time_fraction < 1.0 || o.time_budget < 1.0) {
+    chosen = choose_timed_indices(ref, o.time_fraction, o.design, o.design_seed, o.time_budget);
     chooser = o.design + " design";
   }
   if (!chooser.empty()) {

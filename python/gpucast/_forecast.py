@@ -171,12 +171,13 @@ class Forecast:
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",
-                  gnn: str | None = "", seq_len: int | None = None) -> TimeForecast:
+                  gnn: str | None = "", seq_len: int | None = None,
+                  time_budget: float | None = None) -> TimeForecast:
         """The step time at another batch size, sequence length (where the forecast was made with seq_len) or
         parallel strategy from the same probes: compare strategies without tracing again. Raises ValueError
-        where the probes did not run on the forecast's target. time_fraction None: the layers the forecast
-        timed (all, or its sparse choice); a fraction: that share of every layer, chosen again by `design`
-        (probes timed on the CPU only: device timers ran around the forecast's choice alone)."""
+        where the probes did not run on the forecast's target. time_fraction and time_budget None: the layers
+        the forecast timed (all, or its sparse choice); either set: the layers chosen again among all by
+        `design` (probes timed on the CPU only: device timers ran around the forecast's choice alone)."""
         if seq_len is not None and self.seq_len is None:
             raise ValueError("step_time: seq_len needs probes at several lengths (forecast(..., seq_len=))")
         if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
@@ -187,13 +188,15 @@ class Forecast:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"step_time: batch_size must be an integer of at least 1, got {batch_size!r}")
         fraction = 1.0 if time_fraction is None else float(time_fraction)
-        every = time_fraction is not None
-        prior = _prior(self.target, fraction, self.timings, every)
+        budget = 1.0 if time_budget is None else float(time_budget)
+        every = time_fraction is not None or time_budget is not None
+        prior = _prior(self.target, min(fraction, budget), self.timings, every)
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
                                                     _format_link(link), float(time_scale), fraction,
                                                     str(design), 0, *prior,
                                                     **_gpu_pricing(self.target, self.probe_device),
-                                                    seq_len=int(length or 0), every_layer=every)
+                                                    seq_len=int(length or 0), every_layer=every,
+                                                    time_budget=budget)
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
         return tf
@@ -326,7 +329,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
-             link: dict | str | None = None, time_fraction: float = 1.0, gnn: str | None = "") -> Forecast:
+             link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
+             gnn: str | None = "") -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -356,7 +360,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     only that fraction of the layers is timed (a D-optimal design over their FLOPs, bytes and kind, chosen on
     the first probe's structure; its timing traces take device timers around those layers only: timed_layers
     of gpucast.trace) and keeps its measured times; the others are predicted by per-kind roofline models
-    fitted on them (per_layer[i]["source"]; fc.time.timed_layers counts the timed ones).
+    fitted on them (per_layer[i]["source"]; fc.time.timed_layers counts the timed ones). time_budget < 1 bounds
+    the timed layers' share of the iteration's layer time instead, or as well (their times in the first probe's
+    full trace): the largest design within it.
     The graph network (ScaleDL's alpha and beta) then corrects the step on target "cpu": `gnn` is a weights
     file ("" the shipped one; None: no correction); fc.time.alpha, beta, correction, uncorrected_step_ms.
 
@@ -383,6 +389,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             raise ValueError(f"forecast: scaling by sequence length needs 3 probe batch sizes, got {tuple(bs)!r}")
         # Every batch size at the shortest length, every length at the smallest batch, and one cross point.
         design = sorted({(b, lens[0]) for b in bs} | {(bs[0], x) for x in lens} | {(bs[1], lens[-1])})
+    for name, value in (("time_fraction", time_fraction), ("time_budget", time_budget)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"forecast: {name} must be a number in (0, 1], got {value!r}")
     if iterations not in (1, 2):
         raise ValueError(f"forecast: iterations must be 1 or 2, got {iterations!r}")
     target = str(target)
@@ -431,10 +440,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             structure = t.result.handle.iteration_timing(b)
             t = None  # the memory trace is not needed any more
             timed = _time_on_target(target, probe_device)
-            if timed and time_fraction < 1.0 and timed_layers is None:
+            if timed and min(time_fraction, time_budget) < 1.0 and timed_layers is None:
                 # Sparse timing: the layers to time, chosen once on the first probe's structure; every timing
                 # trace then takes device timers around those layers only.
-                timed_layers = list(torch.ops.gpucast.choose_timed_layers(structure, float(time_fraction)))
+                timed_layers = list(torch.ops.gpucast.choose_timed_layers(
+                    structure, float(time_fraction), time_budget=float(time_budget)))
             timing = _steady_timing(step, batch, b, structure, timed_layers) if timed else structure
             timings.append(timing if length is None else _with_seq(timing, length))
             del batch, t

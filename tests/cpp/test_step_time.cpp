@@ -464,6 +464,46 @@ TEST(StepTime, ChoosesTheLayersToTimeByName) {
             "step time: design should be d-optimal or random, got 'all'");
 }
 
+TEST(StepTime, ATimeBudgetBoundsTheTimedLayersShare) {
+  // Four layers taking 10, 20, 30 and 40 % of the layer time.
+  IterationTiming it;
+  it.batch = 8;
+  const char* kinds[] = {"matmul", "norm", "elementwise", "conv"};
+  for (int i = 0; i < 4; ++i) {
+    LayerTiming l{"L" + std::to_string(i), 1000.0 * (i + 1), 0.0};
+    l.cost_kind = kinds[i];
+    l.flops = 1e6 * (i + 1);
+    l.bytes = 1e5 * (4 - i);
+    l.ops = 1 + i;
+    it.layers.push_back(l);
+  }
+  auto share = [&](const std::vector<std::string>& names) {
+    double x = 0;
+    for (const std::string& n : names) x += 1000.0 * (std::stoi(n.substr(1)) + 1);
+    return x / 10000.0;
+  };
+  EXPECT_EQ(choose_timed_layers(it, 1.0), (std::vector<std::string>{"L0", "L1", "L2", "L3"}));
+  for (const std::string design : {"d-optimal", "random"}) {
+    for (double budget : {0.95, 0.6, 0.45, 0.3, 0.15}) {
+      const std::vector<std::string> c = choose_timed_layers(it, 1.0, design, 1, budget);
+      ASSERT_FALSE(c.empty());
+      EXPECT_LE(share(c), budget + 1e-12) << design << " " << budget;
+    }
+    // Below every layer's share: the layer that takes least time, alone.
+    EXPECT_EQ(choose_timed_layers(it, 1.0, design, 1, 0.05), (std::vector<std::string>{"L0"}));
+  }
+  // The budget can only take layers away from the fraction's design.
+  EXPECT_EQ(choose_timed_layers(it, 0.5, "d-optimal", 0, 1.0).size(), 2u);
+  EXPECT_LE(choose_timed_layers(it, 0.5, "d-optimal", 0, 0.3).size(), 2u);
+  EXPECT_EQ(err([&] { choose_timed_layers(it, 1.0, "d-optimal", 0, 0.0); }),
+            "step time: time_budget should be in (0, 1], got 0");
+  // Through the forecast's own design path too.
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.time_budget = 0.15;
+  EXPECT_EQ(forecast_step_time({it}, o).timed_layers, 1);
+}
+
 TEST(StepTime, PipelineOneFOneB) {
   const auto probes = probes_with_outputs();
   StepTimeOptions o;

@@ -226,6 +226,17 @@ def test_sparse_timing_reports_what_was_measured():
         f"timed {-(-n // 2)} of {n} layers (d-optimal design)")
 
 
+def test_a_time_budget_bounds_the_timed_layers():
+    fc = forecast(batch=32, time_budget=0.3, gnn=None)
+    n = len(fc.time.per_layer)
+    assert 1 <= fc.time.timed_layers < n
+    assert fc.time.notes[1].startswith(f"timed {fc.time.timed_layers} of {n} layers (chosen before the probes were timed)")
+    for bad in ({"time_budget": 0}, {"time_fraction": 1.5}, {"time_budget": "half"}):
+        (name, value), = bad.items()
+        with pytest.raises(ValueError, match=rf"forecast: {name} must be a number in \(0, 1\], got {value!r}"):
+            forecast(**bad)
+
+
 def test_trace_records_the_layers_it_was_asked_to_time():
     case = zoo.CASES["mlp"]
     model, opt, step, _ = build(case, "sgd")

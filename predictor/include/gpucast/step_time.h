@@ -121,9 +121,12 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
 
 // The layers of `t` to time (sparse timing): the `fraction` of them (at least one) chosen by a "d-optimal" design
 // over their cost features (layer_model.h: choose_layers_to_time) or a "random" one; in `t`'s forward order.
-// UserError for a fraction outside (0, 1] or another design.
+// time_budget < 1 also bounds the chosen layers' share of the iteration's layer time (their forward and backward
+// times in `t` against every layer's): the largest design within it (bisection over the design's size), else the
+// layer that takes least time. UserError for a fraction or budget outside (0, 1] or another design.
 std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fraction,
-                                             const std::string& design = "d-optimal", uint64_t seed = 0);
+                                             const std::string& design = "d-optimal", uint64_t seed = 0,
+                                             double time_budget = 1.0);
 
 struct StepTimeOptions {
   int64_t batch_size = 0;     // global
@@ -142,6 +145,7 @@ struct StepTimeOptions {
   // every_layer: then the choice is set aside and time_fraction applies to all layers (CPU clocks time every op;
   // UserError for probes timed on the device, which timed only the chosen layers' ops).
   double time_fraction = 1.0;
+  double time_budget = 1.0;  // and at most this share of the largest probe's layer time (choose_timed_layers)
   bool every_layer = false;
   std::string design = "d-optimal";
   uint64_t design_seed = 0;
