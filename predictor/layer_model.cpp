@@ -887,25 +887,64 @@ std::vector<size_t> choose_layers_to_time(const std::vector<LayerCost>& costs, d
   // 1e-9 below: 0.1 * 30 is 3.0000000000000004 in floating point, and should ask for 3 layers.
   const double wanted = std::ceil(fraction * static_cast<double>(n) - 1e-9);
   const size_t k = std::min(n, std::max<size_t>(1, static_cast<size_t>(wanted)));
+  std::vector<size_t> out;
   if (k == n) {
-    std::vector<size_t> all(n);
-    std::iota(all.begin(), all.end(), size_t{0});
-    return all;
+    out.resize(n);
+    std::iota(out.begin(), out.end(), size_t{0});
+    return out;
   }
-  Rows rows;
-  std::map<size_t, size_t> costliest;  // kind -> layer
-  for (size_t i = 0; i < n; ++i) {
-    rows.push_back(design_row(costs[i]));
-    const auto [it, added] = costliest.emplace(kind_index(costs[i].kind), i);
-    const LayerCost &a = costs[i], &b = costs[it->second];
-    if (!added && (a.flops > b.flops || (a.flops == b.flops && a.bytes > b.bytes))) it->second = i;
+  // Each kind's layers, and its costliest (most FLOPs, then bytes) first among them.
+  std::map<size_t, std::vector<size_t>> by_kind;
+  for (size_t i = 0; i < n; ++i) by_kind[kind_index(costs[i].kind)].push_back(i);
+  auto costlier = [&](size_t a, size_t b) {
+    return costs[a].flops > costs[b].flops || (costs[a].flops == costs[b].flops && costs[a].bytes > costs[b].bytes);
+  };
+  for (auto& [kind, members] : by_kind) {
+    std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) { return costlier(a, b); });
   }
-  std::vector<size_t> fixed;
-  if (k >= costliest.size()) {
-    for (auto [kind, i] : costliest) fixed.push_back(i);
-    std::sort(fixed.begin(), fixed.end());
+  // The budget over the kinds: one layer each (fewer layers than kinds: the kinds with the most layers, then the
+  // costliest), the rest by largest remainder of the kinds' shares of the layers.
+  std::vector<std::pair<size_t, std::vector<size_t>*>> kinds;
+  for (auto& [kind, members] : by_kind) kinds.push_back({kind, &members});
+  std::stable_sort(kinds.begin(), kinds.end(), [&](const auto& a, const auto& b) {
+    if (a.second->size() != b.second->size()) return a.second->size() > b.second->size();
+    return costlier(a.second->front(), b.second->front());
+  });
+  std::vector<size_t> alloc(kinds.size(), 0);
+  size_t left = k;
+  for (size_t j = 0; j < kinds.size() && left > 0; ++j) alloc[j] = 1, --left;
+  while (left > 0) {
+    size_t best = kinds.size();
+    double best_gap = 0;
+    for (size_t j = 0; j < kinds.size(); ++j) {
+      const double size = static_cast<double>(kinds[j].second->size());
+      if (alloc[j] >= kinds[j].second->size()) continue;
+      const double gap = size / static_cast<double>(n) * static_cast<double>(k) - static_cast<double>(alloc[j]);
+      if (best == kinds.size() || gap > best_gap) best = j, best_gap = gap;
+    }
+    ++alloc[best], --left;  // some kind has room: k < n
   }
-  return fedorov(rows, check_rows(rows, "choose_layers_to_time"), k, seed, fixed);
+  // Within each kind, a D-optimal design for that kind's model (an intercept, log FLOPs, log bytes, log ops),
+  // its costliest layer kept.
+  for (size_t j = 0; j < kinds.size(); ++j) {
+    const std::vector<size_t>& members = *kinds[j].second;
+    if (alloc[j] == 0) continue;
+    if (alloc[j] >= members.size()) {
+      out.insert(out.end(), members.begin(), members.end());
+      continue;
+    }
+    Rows rows;
+    for (size_t i : members) {
+      const LayerCost& c = costs[i];
+      rows.push_back({1.0, std::log1p(std::max(0.0, c.flops)), std::log1p(std::max(0.0, c.bytes)),
+                      std::log1p(static_cast<double>(std::max<int64_t>(0, c.ops)))});
+    }
+    for (size_t r : fedorov(rows, check_rows(rows, "choose_layers_to_time"), alloc[j], seed, {0})) {
+      out.push_back(members[r]);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace gpucast

@@ -1,6 +1,8 @@
 // Per-layer cost features, the roofline time model fitted per kind, and D-optimal choice of the layers to time.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -623,9 +625,19 @@ TEST(LayerModel, ChooseLayersToTime) {
   const std::vector<size_t> six = choose_layers_to_time(costs, 0.2);
   ASSERT_EQ(six.size(), 6u);
   for (size_t i : want) EXPECT_TRUE(std::binary_search(six.begin(), six.end(), i)) << i;
-  EXPECT_EQ(choose_layers_to_time(costs, 0.01).size(), 1u);
   EXPECT_EQ(choose_layers_to_time(costs, 1.0).size(), 30u);
   EXPECT_TRUE(choose_layers_to_time({}, 0.5).empty());
+  // Fewer layers than kinds: the kinds with the most layers, each by its costliest layer.
+  EXPECT_EQ(choose_layers_to_time(costs, 0.01), (std::vector<size_t>{top_matmul}));
+  EXPECT_EQ(choose_layers_to_time(costs, 2.0 / 30), (std::vector<size_t>{std::min(top_matmul, top_norm),
+                                                                          std::max(top_matmul, top_norm)}));
+  // The rest in proportion to each kind's layers: 26 matmuls, 3 norms, 1 embedding; 10 layers are 1 each, then
+  // largest remainders of 26/30 * 10 - 1 = 7.67 (matmul) and 3/30 * 10 - 1 = 0: 8 matmuls, 1 norm, 1 embedding.
+  const std::vector<size_t> ten = choose_layers_to_time(costs, 10.0 / 30);
+  ASSERT_EQ(ten.size(), 10u);
+  std::map<std::string, int> per_kind;
+  for (size_t i : ten) ++per_kind[costs[i].kind];
+  EXPECT_EQ(per_kind, (std::map<std::string, int>{{"embedding", 1}, {"matmul", 8}, {"norm", 1}}));
 }
 
 TEST(LayerModel, DesignErrors) {

@@ -166,9 +166,12 @@ std::vector<size_t> d_optimal_design(const std::vector<std::vector<double>>& can
 // k distinct indices out of n drawn uniformly (sorted); the baseline d_optimal_design is compared with.
 std::vector<size_t> random_design(size_t n, size_t k, uint64_t seed);
 
-// The layers to time: k = max(1, ceil(fraction * n)) of the n layers, a D-optimal design over design_row(). When
-// k covers the kinds present, each kind's costliest layer (most FLOPs, then bytes) is kept in the design, so every
-// kind gets its own fit. Sorted indices. Errors (UserError): fraction outside (0, 1].
+// The layers to time: k = max(1, ceil(fraction * n)) of the n layers, stratified by kind as the layer models are
+// fitted (one model per kind): one layer per kind (with fewer layers than kinds, the kinds with the most layers),
+// the rest spread over the kinds in proportion to their number of layers (largest remainders); within each kind
+// a D-optimal design (Fedorov exchange, `seed` as for d_optimal_design) over that kind's model features (an
+// intercept, log FLOPs, log bytes, log ops), its costliest layer (most FLOPs, then bytes) always in it. Sorted
+// indices. Errors (UserError): fraction outside (0, 1].
 std::vector<size_t> choose_layers_to_time(const std::vector<LayerCost>& costs, double fraction, uint64_t seed = 0);
 
 }  // namespace gpucast
