@@ -304,6 +304,16 @@ def main() -> int:
           f"{s_d:.2f} % D-optimal, {s_r:.2f} % random (mean of 5 seeds), {s_all:.2f} % every layer timed; summed "
           f"untimed layers against their measured times: {statistics.fmean(lerr['d-optimal']):.1f} % D-optimal, "
           f"{statistics.fmean(lerr['random']):.1f} % random")
+    # The same at other budgets: the design (stratified by kind, D-optimal within each) against random ones.
+    sweep = {}
+    print(f"{'timed':>6} {'step MRE D-optimal':>19} {'random':>7} {'untimed layers D-optimal':>25} {'random':>7}")
+    for fraction in sorted({0.1, 0.25, 0.5} | {args.fraction}):
+        st, le = (steps, lerr) if fraction == args.fraction else sparse_timing(records, fraction)
+        row = {"step_mre_pct": {k: round(errors(st[k], truth)[0], 3) for k in ("d-optimal", "random")},
+               "untimed_layers_err_pct": {k: round(statistics.fmean(v), 3) for k, v in le.items()}}
+        sweep[str(fraction)] = row
+        print(f"{fraction:6.0%} {row['step_mre_pct']['d-optimal']:17.2f} % {row['step_mre_pct']['random']:5.2f} % "
+              f"{row['untimed_layers_err_pct']['d-optimal']:23.1f} % {row['untimed_layers_err_pct']['random']:5.1f} %")
     if args.weights_out:
         train = [r for r, ok in zip(records, steady) if ok]
         gnn_predict(train, records[:1], keep=args.weights_out)
@@ -312,7 +322,8 @@ def main() -> int:
            "table": {f"{n} | {s}": {"mre_pct": round(v[0], 3), "rmse_ms": round(v[1], 3)} for (n, s), v in table.items()},
            "sparse": {"fraction": args.fraction, "step_mre_pct": {"d-optimal": round(s_d, 3), "random": round(s_r, 3),
                                                                   "all": round(s_all, 3)},
-                      "untimed_layers_err_pct": {k: round(statistics.fmean(v), 3) for k, v in lerr.items()}}}
+                      "untimed_layers_err_pct": {k: round(statistics.fmean(v), 3) for k, v in lerr.items()},
+                      "by_fraction": sweep}}
     print(json.dumps(res))
     return 0
 

@@ -357,12 +357,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
     "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
-    only that fraction of the layers is timed (a D-optimal design over their FLOPs, bytes and kind, chosen on
-    the first probe's structure; its timing traces take device timers around those layers only: timed_layers
-    of gpucast.trace) and keeps its measured times; the others are predicted by per-kind roofline models
-    fitted on them (per_layer[i]["source"]; fc.time.timed_layers counts the timed ones). time_budget < 1 bounds
-    the timed layers' share of the iteration's layer time instead, or as well (their times in the first probe's
-    full trace): the largest design within it.
+    only that fraction of the layers is timed (stratified by kind, D-optimal over FLOPs, bytes and ops within
+    each kind, chosen on the first probe's structure; its timing traces take device timers around those layers
+    only: timed_layers of gpucast.trace) and keeps its measured times; the others are predicted by per-kind
+    roofline models fitted on them (per_layer[i]["source"]; fc.time.timed_layers counts the timed ones).
+    time_budget < 1 bounds the timed layers' share of the iteration's layer time instead, or as well (their
+    times in the first probe's full trace): the largest design within it.
     The graph network (ScaleDL's alpha and beta) then corrects the step on target "cpu": `gnn` is a weights
     file ("" the shipped one; None: no correction); fc.time.alpha, beta, correction, uncorrected_step_ms.
 
@@ -641,7 +641,8 @@ def step_graph(timings: list, tf: TimeForecast, optimizer: str, rates: dict) -> 
 def _prior(target: str, time_fraction: float, timings: list, every_layer: bool = False) -> tuple:
     """The layer models' prior rates (FLOP/s, bytes/s) for sparse timing (a fraction below 1, or probes traced with
     a choice of layers, unless every_layer): this CPU's, measured; 0 elsewhere (the core's defaults)."""
-    chosen = not every_layer and any(not x.get("timed", True) for x in json.loads(timings[-1])["layers"]) if timings else False
+    chosen = (not every_layer and bool(timings)
+              and any(not x.get("timed", True) for x in json.loads(timings[-1])["layers"]))
     if target != "cpu" or (time_fraction >= 1.0 and not chosen):
         return 0.0, 0.0
     r = cpu_rates()
