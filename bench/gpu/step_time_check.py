@@ -15,6 +15,7 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
 Last line: one JSON object.
 
     python bench/gpu/step_time_check.py --target H100-80GB [--device cuda] [--cases gpt,cnn,resnet18]
+    python bench/gpu/step_time_check.py --target cpu --device cpu --stand-in   (a rehearsal without a GPU)
 """
 from __future__ import annotations
 
@@ -74,7 +75,13 @@ def main() -> int:
     ap.add_argument("--target", required=True, help="the GPU's name in gpucast's device table, or cpu")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--cases", default="gpt,cnn,resnet18")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="rehearsal on the CPU: device timing through gpucast's CPU-clock stand-in for CUPTI")
     args = ap.parse_args()
+    if args.stand_in:
+        import torch
+        import gpucast  # noqa: F401  (loads the library)
+        torch.ops.gpucast._use_stand_in_device_timer(True)
     rows = []
     for name in args.cases.split(","):
         try:
