@@ -105,7 +105,6 @@ struct OpenOp {
   uint64_t handle;
   bool backward;   // opened a backward region
   bool optimizer;  // opened an optimizer region
-  bool timed;      // device timers were taken around it (timed_layers.h)
 };
 
 // A thread's buffer lock: taken by its own thread around each record (uncontended: one exchange and one store),
@@ -365,17 +364,15 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (optimizer) ++ts->optimizer_depth;
     op.phase = ts->phase();  // a region's own record belongs to the region
     if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
-    bool timed = true;
     if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
       const bool module_timed = ts->module_timed.empty() ? s.outside_timed : ts->module_timed.back() != 0;
-      const bool parent_timed = !ts->stack.empty() && ts->stack.back().timed;
-      timed = op_device_timed(s.timed.all(), parent_timed, op.phase, op.scope, module_timed,
-                              op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr));
-      if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, timed);
-      if (timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
-      op.device_timed = timed;
+      const bool parent_timed = !ts->stack.empty() && ts->rec.ops[ts->stack.back().index].device_timed;
+      op.device_timed = op_device_timed(s.timed.all(), parent_timed, op.phase, op.scope, module_timed,
+                                        op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr));
+      if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, op.device_timed);
+      if (op.device_timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
     }
-    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer, timed});
+    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer});
     op.start_ns = now_ns();
     op.start_seq = s.seq.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
@@ -401,9 +398,9 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
     while (stack.size() >= pos) {
       const OpenOp open = stack.back();
       stack.pop_back();
-      DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire);
-      if (timer != nullptr && open.timed) timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
       RawOp& op = ts->rec.ops[open.index];
+      DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire);
+      if (timer != nullptr && op.device_timed) timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
       if (open.backward) --ts->backward_depth;
       if (open.optimizer) --ts->optimizer_depth;
       if (op.scope == Scope::BackwardFunction && !ts->open_bwd_nodes.empty()) ts->open_bwd_nodes.pop_back();
