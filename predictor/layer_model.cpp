@@ -899,16 +899,14 @@ std::vector<size_t> choose_layers_to_time(const std::vector<LayerCost>& costs, d
   auto costlier = [&](size_t a, size_t b) {
     return costs[a].flops > costs[b].flops || (costs[a].flops == costs[b].flops && costs[a].bytes > costs[b].bytes);
   };
-  for (auto& [kind, members] : by_kind) {
-    std::stable_sort(members.begin(), members.end(), [&](size_t a, size_t b) { return costlier(a, b); });
-  }
+  for (auto& [kind, members] : by_kind) std::stable_sort(members.begin(), members.end(), costlier);
   // The budget over the kinds: one layer each (fewer layers than kinds: the kinds with the most layers, then the
   // costliest), the rest by largest remainder of the kinds' shares of the layers.
-  std::vector<std::pair<size_t, std::vector<size_t>*>> kinds;
-  for (auto& [kind, members] : by_kind) kinds.push_back({kind, &members});
-  std::stable_sort(kinds.begin(), kinds.end(), [&](const auto& a, const auto& b) {
-    if (a.second->size() != b.second->size()) return a.second->size() > b.second->size();
-    return costlier(a.second->front(), b.second->front());
+  std::vector<std::vector<size_t>*> kinds;
+  for (auto& [kind, members] : by_kind) kinds.push_back(&members);
+  std::stable_sort(kinds.begin(), kinds.end(), [&](const auto* a, const auto* b) {
+    if (a->size() != b->size()) return a->size() > b->size();
+    return costlier(a->front(), b->front());
   });
   std::vector<size_t> alloc(kinds.size(), 0);
   size_t left = k;
@@ -917,28 +915,24 @@ std::vector<size_t> choose_layers_to_time(const std::vector<LayerCost>& costs, d
     size_t best = kinds.size();
     double best_gap = 0;
     for (size_t j = 0; j < kinds.size(); ++j) {
-      const double size = static_cast<double>(kinds[j].second->size());
-      if (alloc[j] >= kinds[j].second->size()) continue;
+      const double size = static_cast<double>(kinds[j]->size());
+      if (alloc[j] >= kinds[j]->size()) continue;
       const double gap = size / static_cast<double>(n) * static_cast<double>(k) - static_cast<double>(alloc[j]);
       if (best == kinds.size() || gap > best_gap) best = j, best_gap = gap;
     }
     ++alloc[best], --left;  // some kind has room: k < n
   }
-  // Within each kind, a D-optimal design for that kind's model (an intercept, log FLOPs, log bytes, log ops),
-  // its costliest layer kept.
+  // Within each kind, a D-optimal design for that kind's model over design_row() (its kind column is the
+  // intercept there, the other kinds' columns zero), its costliest layer kept.
   for (size_t j = 0; j < kinds.size(); ++j) {
-    const std::vector<size_t>& members = *kinds[j].second;
+    const std::vector<size_t>& members = *kinds[j];
     if (alloc[j] == 0) continue;
     if (alloc[j] >= members.size()) {
       out.insert(out.end(), members.begin(), members.end());
       continue;
     }
     Rows rows;
-    for (size_t i : members) {
-      const LayerCost& c = costs[i];
-      rows.push_back({1.0, std::log1p(std::max(0.0, c.flops)), std::log1p(std::max(0.0, c.bytes)),
-                      std::log1p(static_cast<double>(std::max<int64_t>(0, c.ops)))});
-    }
+    for (size_t i : members) rows.push_back(design_row(costs[i]));
     for (size_t r : fedorov(rows, check_rows(rows, "choose_layers_to_time"), alloc[j], seed, {0})) {
       out.push_back(members[r]);
     }

@@ -338,9 +338,8 @@ std::vector<int64_t> balanced_stages(const std::vector<double>& cost, int64_t pa
   return stage;
 }
 
-}  // namespace
-
-namespace {
+// What the layer models (layer_model.h) and the design see of a layer.
+LayerCost layer_cost(const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}}; }
 
 std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fraction, const std::string& design,
                                          uint64_t seed, double budget) {
@@ -350,7 +349,7 @@ std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fracti
     GPUCAST_USER_ERROR("step time: design should be d-optimal or random, got '{}'", design);
   }
   std::vector<LayerCost> costs;
-  for (const LayerTiming& l : t.layers) costs.push_back(LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}});
+  for (const LayerTiming& l : t.layers) costs.push_back(layer_cost(l));
   const size_t n = costs.size();
   if (n == 0) return {};
   auto choose = [&](size_t k) {
@@ -359,11 +358,12 @@ std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fracti
   };
   const size_t want = std::min(n, std::max<size_t>(1, static_cast<size_t>(std::ceil(fraction * static_cast<double>(n) - 1e-9))));
   std::vector<size_t> chosen = choose(want);
+  auto time_of = [&](size_t i) { return t.layers[i].forward_ns + t.layers[i].backward_ns; };
   double total = 0;
-  for (const LayerTiming& l : t.layers) total += l.forward_ns + l.backward_ns;
+  for (size_t i = 0; i < n; ++i) total += time_of(i);
   auto share = [&](const std::vector<size_t>& c) {
     double x = 0;
-    for (size_t i : c) x += t.layers[i].forward_ns + t.layers[i].backward_ns;
+    for (size_t i : c) x += time_of(i);
     return x / total;
   };
   if (budget >= 1 || !(total > 0) || share(chosen) <= budget) return chosen;
@@ -386,10 +386,7 @@ std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fracti
     if (share(one) <= budget) return one;
     size_t cheapest = 0;
     for (size_t i = 1; i < n; ++i) {
-      if (t.layers[i].forward_ns + t.layers[i].backward_ns <
-          t.layers[cheapest].forward_ns + t.layers[cheapest].backward_ns) {
-        cheapest = i;
-      }
+      if (time_of(i) < time_of(cheapest)) cheapest = i;
     }
     return {cheapest};
   }
@@ -514,7 +511,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   // Sparse timing: only the chosen layers' times are used; the others come from per-kind roofline models fitted
   // on them (layer_model.h), over all probes. Each probe's wall time is known, so "other" stays its remainder.
   std::unordered_map<std::string, LayerForecast> modelled;  // untimed layers at the target batch
-  auto cost_of = [](const LayerTiming& l) { return LayerCost{l.layer, l.cost_kind, l.flops, l.bytes, l.ops, {}}; };
   // Chosen when the probes were traced (their timed flags), or here by the design.
   std::vector<size_t> chosen;
   std::string chooser;
@@ -544,7 +540,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
         if (!timed[l.layer] || !same_kernels(l)) continue;
-        costs.push_back(cost_of(l));
+        costs.push_back(layer_cost(l));
         samples.push_back({costs.size() - 1, k * l.forward_ns, k * l.backward_ns});
       }
     }
@@ -553,10 +549,10 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     // Each untimed layer is priced at every probe's batch against its work at the largest probe, so that the
     // model's guard against extrapolation prices one layer the same way at every batch size.
     std::unordered_map<std::string, LayerCost> reach;
-    for (const LayerTiming& l : ref.layers) reach.emplace(l.layer, cost_of(l));
+    for (const LayerTiming& l : ref.layers) reach.emplace(l.layer, layer_cost(l));
     auto price = [&](const LayerTiming& l) {
       const auto r = reach.find(l.layer);
-      return model.predict(cost_of(l), r == reach.end() ? nullptr : &r->second);
+      return model.predict(layer_cost(l), r == reach.end() ? nullptr : &r->second);
     };
     f.timed_layers = static_cast<int64_t>(chosen.size());
     // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones; over the
