@@ -44,7 +44,7 @@ def main():
             for t, b in probes:
                 f.add_probe(t.handle, b)
             t0 = time.perf_counter()
-            out = json.loads(f.run(64, target, 0, 0.9, "cpu", "", "", "", [], 0.0))
+            out = json.loads(f.run(64, target, 0, 0.9, "cpu", "", "", "", [], 0.0, -1, ""))
             walls.append((time.perf_counter() - t0) * 1e3)
             inner.append(out["forecast_ms"])
         row = {"target": target, "ops_per_probe": ops, "median_ms": round(statistics.median(walls), 3),

@@ -124,6 +124,9 @@ def main():
     ap.add_argument("--memtracker", metavar="NAME:BATCH", help=argparse.SUPPRESS)
     ap.add_argument("--target", default="cpu",
                     help="cpu (default), or a GPU of the device table: probes and measurement then run on CUDA")
+    ap.add_argument("--cpu-probes", action="store_true",
+                    help="with a GPU --target: probe on the CPU (the rules for what CUDA allocates differently: "
+                         "cuBLAS and cuDNN workspaces, attention, optimizers), measure on the GPU")
     args = ap.parse_args()
     if args.measure:
         name, batch = args.measure.split(":")
@@ -186,19 +189,24 @@ def main():
 
 
 def main_cuda(args):
-    """The same cases on a GPU: forecast allocated and reserved from CUDA probes, measure in a fresh process."""
+    """The same cases on a GPU: forecast allocated and reserved from CUDA probes (or, with --cpu-probes, CPU
+    probes), measure in a fresh process."""
     import torch
     import gpucast
     rows = []
-    print(f"{'case':<20} {'batch':>5} {'alloc MiB':>10} {'fc MiB':>8} {'err %':>7} {'reserved MiB':>12} {'fc MiB':>8} {'err %':>7}")
+    print(f"{'case':<20} {'batch':>5} {'alloc MiB':>10} {'fc MiB':>8} {'err %':>7} {'reserved MiB':>12} {'fc MiB':>8} {'err %':>7}"
+          + ("  conv calls, workspace headroom alloc/reserved MiB" if args.cpu_probes else ""))
     for name in args.cases.split(","):
         batch = DEFAULT_CASES.get(name, 32)
         case, model, opt, step = build(name)
-        model.cuda()
-        opt = __import__("examples.zoo", fromlist=["zoo"]).make_optimizer("adamw", model.parameters())
-        step = __import__("examples.zoo", fromlist=["zoo"]).make_step(model, opt, case.loss_fn)
-        fc = gpucast.forecast(step, lambda n: to_cuda(case.make_batch(n)), batch, model=model, optimizer=opt,
-                              target=args.target)
+        if args.cpu_probes:
+            fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target=args.target)
+        else:
+            model.cuda()
+            opt = __import__("examples.zoo", fromlist=["zoo"]).make_optimizer("adamw", model.parameters())
+            step = __import__("examples.zoo", fromlist=["zoo"]).make_step(model, opt, case.loss_fn)
+            fc = gpucast.forecast(step, lambda n: to_cuda(case.make_batch(n)), batch, model=model, optimizer=opt,
+                                  target=args.target)
         del model, opt, step
         torch.cuda.empty_cache()
         alloc, reserved = run_child(["--measure", f"{name}:{batch}", "--iterations", str(args.iterations),
@@ -208,10 +216,16 @@ def main_cuda(args):
         rows.append({"case": name, "batch": batch, "measured_allocated": alloc, "measured_reserved": reserved,
                      "forecast_allocated": fc.memory.peak_allocated_bytes,
                      "forecast_reserved": fc.memory.peak_reserved_bytes,
-                     "allocated_err_pct": round(ea, 3), "reserved_err_pct": round(er, 3)})
-        print(f"{name:<20} {batch:>5} {alloc / 2**20:>10.1f} {fc.memory.peak_allocated_bytes / 2**20:>8.1f} {ea:>+7.2f} "
-              f"{reserved / 2**20:>12.1f} {fc.memory.peak_reserved_bytes / 2**20:>8.1f} {er:>+7.2f}")
-    summary = {"bench": "memory_accuracy", "target": args.target,
+                     "allocated_err_pct": round(ea, 3), "reserved_err_pct": round(er, 3),
+                     "conv_calls": fc.memory.conv_calls,
+                     "conv_headroom_allocated": fc.memory.conv_workspace_headroom_allocated_bytes,
+                     "conv_headroom_reserved": fc.memory.conv_workspace_headroom_reserved_bytes})
+        m = fc.memory
+        print(f"{name:<20} {batch:>5} {alloc / 2**20:>10.1f} {m.peak_allocated_bytes / 2**20:>8.1f} {ea:>+7.2f} "
+              f"{reserved / 2**20:>12.1f} {m.peak_reserved_bytes / 2**20:>8.1f} {er:>+7.2f}"
+              + (f"  {m.conv_calls}, {m.conv_workspace_headroom_allocated_bytes / 2**20:.1f}/"
+                 f"{m.conv_workspace_headroom_reserved_bytes / 2**20:.1f}" if args.cpu_probes else ""))
+    summary = {"bench": "memory_accuracy", "target": args.target, "probes": "cpu" if args.cpu_probes else "cuda",
                "median_abs_allocated_err_pct": round(statistics.median(abs(r["allocated_err_pct"]) for r in rows), 3),
                "median_abs_reserved_err_pct": round(statistics.median(abs(r["reserved_err_pct"]) for r in rows), 3),
                "cases": rows}

@@ -115,7 +115,8 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
   void set_target_seq(int64_t seq) { target_seq = seq; }
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
-                  const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction) {
+                  const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction,
+                  int64_t conv_workspace, const std::string& cudnn_conv_wscap) {
     return translate([&] {
       MemoryForecastInput in;
       for (const auto& p : probes) in.probes.push_back(&p->get());
@@ -131,6 +132,8 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.allocator = alloc_conf.empty() ? AllocatorConfig{} : AllocatorConfig::parse(alloc_conf);
       in.cublas_workspace_config = cublas_config;
       in.memory_fraction = memory_fraction;
+      in.conv_workspace_bytes = conv_workspace;
+      in.cudnn_conv_wscap = cudnn_conv_wscap;
       for (int64_t p : exclude) in.exclude_ptrs.push_back(static_cast<uint64_t>(p));
       return memory_forecast_to_json(forecast_memory(in));
     });

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -160,6 +161,36 @@ int64_t AllocatorConfig::allocation_size(int64_t size) const {
   if (size <= kSmallSize) return kSmallBuffer;
   if (size < kMinLargeAlloc) return large_segment_size;
   return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+}
+
+int64_t AllocatorConfig::largest_request_in_segment(int64_t bytes) const {
+  // The largest multiple of 512 in [lo, hi] for which `fits` holds (fits is monotonic there), else 0.
+  auto largest = [](int64_t lo, int64_t hi, auto fits) -> int64_t {
+    lo = (lo + 511) / 512;
+    hi /= 512;
+    if (hi < lo || !fits(lo * 512)) return 0;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits(mid * 512)) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo * 512;
+  };
+  int64_t best = 0;
+  if (bytes >= kSmallBuffer) best = kSmallSize;  // the small pool's 2 MiB segment (or page)
+  if (expandable_segments) {
+    // Large requests map pages of large_segment_size at the end of the stream's segment.
+    return std::max(best, bytes / large_segment_size * large_segment_size);
+  }
+  if (bytes >= large_segment_size) {
+    // Requests above 1 MiB whose rounded size stays below 10 MiB take a large_segment_size segment.
+    best = std::max(best, largest(kSmallSize + 1, kMinLargeAlloc - 1,
+                                  [&](int64_t w) { return round_size(w) < kMinLargeAlloc; }));
+  }
+  return std::max(best, largest(kMinLargeAlloc, bytes, [&](int64_t w) {
+                    const int64_t r = round_size(w);
+                    return r >= kMinLargeAlloc && allocation_size(r) <= bytes;
+                  }));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -526,6 +557,23 @@ int64_t AllocatorSim::block_bytes(int64_t id) const {
 int64_t AllocatorSim::address(int64_t id) const {
   auto it = impl_->live.find(id);
   return it == impl_->live.end() ? 0 : it->second->ptr;
+}
+
+int64_t AllocatorSim::largest_cached_request(int stream) const {
+  int64_t best = 0;
+  for (const Pool* pool : {&impl_->large, &impl_->small}) {
+    // Blocks are ordered by (stream, size, address): the stream's largest is the last one before the next stream.
+    Block key;
+    key.stream = stream + 1;
+    key.size = 0;
+    key.ptr = 0;
+    auto it = pool->blocks.lower_bound(&key);
+    if (it == pool->blocks.begin()) continue;
+    const Block* b = *std::prev(it);
+    if (b->stream != stream) continue;
+    best = std::max(best, pool->small ? std::min(b->size, kSmallSize) : b->size);
+  }
+  return best;
 }
 
 SimResult simulate(const std::vector<SimRequest>& requests, const AllocatorConfig& config, const SimOptions& options) {

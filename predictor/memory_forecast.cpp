@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -65,6 +66,16 @@ int64_t cublas_workspace_bytes(int compute_capability, const std::string& config
   return total;
 }
 
+int64_t cudnn_conv_wscap_bytes(const std::string& text) {
+  if (text.empty()) return -1;
+  const bool digits = text.size() <= 12 && std::all_of(text.begin(), text.end(), [](char c) {
+    return std::isdigit(static_cast<unsigned char>(c)) != 0;
+  });
+  if (!digits) {
+    GPUCAST_USER_ERROR("CUDNN_CONV_WSCAP_DBG: expected a whole number of MiB such as '256', got '{}'", text);
+  }
+  return std::stoll(text) * kMiB;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Streams
@@ -84,6 +95,7 @@ struct Entry {
   int64_t op = kNone;       // op in the probe's trace
   int iteration = 1;
   uint64_t ptr = 0;         // alloc: the block's address in the probe
+  bool conv_call = false;   // a marker (no bytes): a convolution call, where cuDNN would take its workspace
 };
 
 struct Stream {
@@ -355,6 +367,8 @@ struct Replay {
   int64_t peak_entry = kNone;  // entry index at the allocated peak (-1: initial blocks)
   double fragmentation = 0;
   std::array<int64_t, kNumCategories> breakdown{};
+  // At the conv_call markers: the largest workspace per call that leaves the peaks as they are (-1: no marker).
+  int64_t conv_headroom_allocated = -1, conv_headroom_reserved = -1;
 };
 
 Replay replay(const Planned& p, bool gpu, const AllocatorConfig& cfg) {
@@ -385,8 +399,16 @@ Replay replay(const Planned& p, bool gpu, const AllocatorConfig& cfg) {
     if (p.initial[i] > 0) on_alloc(initial_ref(i), p.initial[i], p.initial_category[i]);
   }
   snapshot(-1);
+  struct Mark {
+    int64_t allocated, reserved, cached;
+  };
+  std::vector<Mark> marks;
   for (size_t i = 0; i < p.entries.size(); ++i) {
     const Entry& e = p.entries[i];
+    if (e.conv_call) {
+      if (gpu) marks.push_back({sim.stats().allocated, sim.stats().reserved, sim.largest_cached_request()});
+      continue;
+    }
     if (e.alloc) {
       if (e.bytes <= 0) continue;
       on_alloc(e.ref, e.bytes, e.category);
@@ -406,6 +428,14 @@ Replay replay(const Planned& p, bool gpu, const AllocatorConfig& cfg) {
   if (gpu) {
     r.peak_reserved = sim.stats().peak_reserved;
     r.fragmentation = r.peak_reserved > 0 ? 1.0 - static_cast<double>(r.peak_allocated) / static_cast<double>(r.peak_reserved) : 0.0;
+    for (const Mark& m : marks) {
+      // A workspace fits under the allocated peak when its 512-byte blocks do; under the reserved peak when a
+      // cached block serves it or the segment it needs stays under the peak.
+      const int64_t a = (r.peak_allocated - m.allocated) / 512 * 512;
+      const int64_t res = std::max(m.cached, cfg.largest_request_in_segment(r.peak_reserved - m.reserved));
+      r.conv_headroom_allocated = r.conv_headroom_allocated < 0 ? a : std::min(r.conv_headroom_allocated, a);
+      r.conv_headroom_reserved = r.conv_headroom_reserved < 0 ? res : std::min(r.conv_headroom_reserved, res);
+    }
   } else {
     r.peak_reserved = r.peak_allocated;
   }
@@ -451,6 +481,16 @@ class Forecaster {
     out_.first_iteration_peak_bytes = r.first_peak;
     out_.steady_peak_bytes = r.steady_peak;
     out_.fragmentation = r.fragmentation;
+    out_.conv_workspace_headroom_allocated_bytes = r.conv_headroom_allocated;
+    out_.conv_workspace_headroom_reserved_bytes = r.conv_headroom_reserved;
+    if (conv_headroom_note_ && r.conv_headroom_allocated >= 0) {
+      out_.notes.push_back(fmt::format(
+          "cuDNN: the workspace of each of {} convolution call(s) per iteration is chosen on the GPU and not "
+          "modelled; the forecast holds while each stays under {} (peak allocated) and {} (peak reserved): set "
+          "conv_workspace, or CUDNN_CONV_WSCAP_DBG, to model one{}",
+          out_.conv_calls, format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved),
+          conv_scratch_note_));
+    }
     for (int c = 0; c < kNumCategories; ++c) {
       if (r.breakdown[c] != 0) out_.breakdown[std::string(to_string(static_cast<Category>(c)))] = r.breakdown[c];
     }
@@ -488,6 +528,14 @@ class Forecaster {
       if (in_.probes.size() < 5) {
         GPUCAST_USER_ERROR("forecast: scaling by sequence length needs at least 5 probes, got {}", in_.probes.size());
       }
+    }
+    if (in_.conv_workspace_bytes < -1) {
+      GPUCAST_USER_ERROR("forecast: conv_workspace must be a number of bytes of at least 0, got {}",
+                         in_.conv_workspace_bytes);
+    }
+    if (in_.target != "cpu") {  // cuDNN's cap means nothing to a CPU target
+      conv_workspace_ = in_.conv_workspace_bytes >= 0 ? in_.conv_workspace_bytes
+                                                      : cudnn_conv_wscap_bytes(in_.cudnn_conv_wscap);
     }
     if (!(in_.safety_fraction > 0.0 && in_.safety_fraction <= 1.0)) {
       GPUCAST_USER_ERROR("forecast: safety fraction must be in (0, 1], got {}", in_.safety_fraction);
@@ -797,6 +845,85 @@ class Forecaster {
     return changed;
   }
 
+  // The outermost convolution op (forward: aten::conv2d, aten::convolution...; backward:
+  // aten::convolution_backward) each op of the reference trace runs in; kNone outside convolutions.
+  const std::vector<int64_t>& conv_call_of() {
+    if (!conv_call_of_.empty() || model_.trace->ops.empty()) return conv_call_of_;
+    const std::vector<OpRecord>& ops = model_.trace->ops;
+    conv_call_of_.assign(ops.size(), kNone);
+    for (size_t i = 0; i < ops.size(); ++i) {  // parents precede their children
+      const int64_t parent = ops[i].parent;
+      if (parent >= 0 && conv_call_of_[parent] != kNone) conv_call_of_[i] = conv_call_of_[parent];
+      else if (op_cost_kind(ops[i].name) == "conv") conv_call_of_[i] = static_cast<int64_t>(i);
+    }
+    return conv_call_of_;
+  }
+
+  // Convolutions on CUDA (cuDNN, aten/src/ATen/native/cudnn/Conv_v8.cpp): what the CPU kernels allocate and
+  // free inside a convolution (oneDNN's reorders and scratch, im2col columns) is not what CUDA allocates; there
+  // cuDNN runs each convolution with one workspace from the caching allocator, taken after the outputs and
+  // freed when the call returns. Those CPU allocations are left out, and after each call's last remaining
+  // allocation comes its workspace (conv_workspace_ bytes) or, when that is unknown, a marker where the replay
+  // measures how large it could be. Returns the CPU allocations left out of the first iteration.
+  int64_t replace_conv_scratch(Planned& p) {
+    // What to do with each entry depends on the stream's structure only, the same at every batch size: worked
+    // out once (0 keep, 1 leave out, 2 keep and add the workspace after it).
+    if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
+    constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
+    std::vector<Entry> out;
+    out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls) * 2);
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      if (conv_plan_[i] == 1) continue;
+      out.push_back(e);
+      if (conv_plan_[i] != 2) continue;
+      if (conv_workspace_ > 0) {
+        out.push_back(Entry{true, kConvWorkspaceRef, conv_workspace_, Category::Temporary, e.phase, e.op, e.iteration});
+        out.push_back(Entry{false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration});
+      } else if (conv_workspace_ < 0) {
+        Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
+        mark.conv_call = true;
+        out.push_back(mark);
+      }
+    }
+    p.entries = std::move(out);
+    return conv_scratch_;
+  }
+
+  void plan_conv_calls(const Planned& p) {
+    conv_plan_.assign(p.entries.size(), 0);
+    conv_scratch_ = 0;
+    out_.conv_calls = 0;
+    const std::vector<int64_t>& call = conv_call_of();
+    if (call.empty()) return;
+    auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
+    std::unordered_map<int64_t, int64_t> alloc_call;  // ref -> convolution call that allocated it
+    for (const Entry& e : p.entries) {
+      if (e.alloc && call_of(e) != kNone) alloc_call[e.ref] = call_of(e);
+    }
+    std::unordered_set<int64_t> scratch;  // allocated and freed within the same call
+    for (const Entry& e : p.entries) {
+      if (e.alloc) continue;
+      auto it = alloc_call.find(e.ref);
+      if (it != alloc_call.end() && it->second == call_of(e)) scratch.insert(e.ref);
+    }
+    // The last kept allocation of each call (a call: its op and iteration).
+    std::map<std::pair<int64_t, int>, size_t> last_of;
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      if (scratch.count(e.ref) != 0) {
+        conv_plan_[i] = 1;
+        conv_scratch_ += e.alloc && e.iteration == 1 ? 1 : 0;
+      } else if (e.alloc && call_of(e) != kNone) {
+        last_of[{call_of(e), e.iteration}] = i;
+      }
+    }
+    for (const auto& [key, i] : last_of) {
+      conv_plan_[i] = 2;
+      if (key.second == 1) ++out_.conv_calls;
+    }
+  }
+
   // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
   void add_device_allocations(Planned& p, const Stream& s) {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
@@ -812,6 +939,7 @@ class Forecaster {
     }
     adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
     const int64_t sdpa_changed = adjust_attention(p);
+    const int64_t conv_scratch = replace_conv_scratch(p);
     int last_optimizer_iteration = 0;
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
@@ -851,7 +979,21 @@ class Forecaster {
           "attention weights replaced by a logsumexp)",
           sdpa_changed));
     }
-    out_.notes.push_back("cuDNN convolution workspaces are not modelled yet");
+    if (out_.conv_calls > 0) {
+      out_.conv_workspace_bytes = conv_workspace_;
+      const std::string cpu = conv_scratch > 0 ? fmt::format("; the CPU kernels' scratch inside convolutions ({} "
+                                                             "allocation(s) per iteration) left out", conv_scratch)
+                                               : "";
+      if (conv_workspace_ >= 0) {
+        out_.notes.push_back(fmt::format(
+            "cuDNN: a {} workspace at each of {} convolution call(s) per iteration ({}){}", format_bytes(conv_workspace_),
+            out_.conv_calls,
+            in_.conv_workspace_bytes >= 0 ? "conv_workspace" : "CUDNN_CONV_WSCAP_DBG's cap: an upper bound", cpu));
+      } else {
+        conv_headroom_note_ = true;  // completed with the replay's headroom in run()
+        conv_scratch_note_ = cpu;
+      }
+    }
   }
 
   int64_t max_batch(bool gpu) {
@@ -882,6 +1024,12 @@ class Forecaster {
   std::vector<Stream> streams_;
   Model model_;
   bool notes_added_ = false;
+  int64_t conv_workspace_ = -1;           // cuDNN workspace per convolution call; -1 unknown
+  std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
+  std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
+  int64_t conv_scratch_ = 0;              // CPU scratch allocations left out of the first iteration
+  bool conv_headroom_note_ = false;
+  std::string conv_scratch_note_;
 };
 
 }  // namespace
@@ -916,6 +1064,10 @@ std::string memory_forecast_to_json(const MemoryForecast& f) {
                    {"scaled", f.scaled},
                    {"nonlinear_allocations", f.nonlinear_allocations},
                    {"allocations", f.allocations},
+                   {"conv_calls", f.conv_calls},
+                   {"conv_workspace_bytes", f.conv_workspace_bytes},
+                   {"conv_workspace_headroom_allocated_bytes", f.conv_workspace_headroom_allocated_bytes},
+                   {"conv_workspace_headroom_reserved_bytes", f.conv_workspace_headroom_reserved_bytes},
                    {"warnings", f.warnings},
                    {"notes", f.notes},
                    {"forecast_ms", f.forecast_ms}};

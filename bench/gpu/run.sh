@@ -21,8 +21,12 @@ print("H200-141GB" if "H200" in n else "H100-80GB" if "H100" in n else "A100-80G
 PY
 )
 timeout 90 $PY bench/gpu/record_histories.py > "$out/histories.txt" 2>&1; echo "histories rc=$?"
-timeout 150 $PY bench/memory_accuracy.py --target "$target" --cases mlp,cnn,gpt,resnet18 > "$out/memory_accuracy.txt" 2>&1
+timeout 120 $PY bench/memory_accuracy.py --target "$target" --cases mlp,cnn,gpt,resnet18 > "$out/memory_accuracy.txt" 2>&1
 echo "memory_accuracy rc=$?"
+# CPU probes for the GPU: the rules for what CUDA allocates differently (cuDNN workspaces: reported headroom).
+timeout 60 $PY bench/memory_accuracy.py --target "$target" --cpu-probes --cases cnn,resnet18 \
+  > "$out/memory_from_cpu_probes.txt" 2>&1
+echo "memory_from_cpu_probes rc=$?"
 timeout 120 $PY bench/gpu/step_time_check.py --target "$target" > "$out/step_time_check.txt" 2>&1
 echo "step_time_check rc=$?"
 tail -3 "$out"/*.txt

@@ -180,7 +180,8 @@ def forecast_traced_step(t, batch: int, target: str, capacity_mb: int = 0, safet
     device = "cuda:0" if t.peak_bytes("cuda:0") > 0 else "cpu"
     alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     text = forecaster.run(batch, _resolve_target(target), capacity_mb * 2**20, safety, device, "", alloc_conf,
-                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0)
+                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0, -1,
+                          os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
     return MemoryForecast(**json.loads(text))
 
 

@@ -119,6 +119,12 @@ class MemoryForecast:
     warnings: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     forecast_ms: float = 0.0
+    # GPU targets from CPU probes: convolution calls per iteration, the cuDNN workspace modelled at each (-1: not
+    # known, none modelled), and the largest workspace per call that leaves the forecast peaks as they are.
+    conv_calls: int = 0
+    conv_workspace_bytes: int = -1
+    conv_workspace_headroom_allocated_bytes: int = -1
+    conv_workspace_headroom_reserved_bytes: int = -1
 
 
 @dataclass
@@ -330,7 +336,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
              link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
-             gnn: str | None = "") -> Forecast:
+             gnn: str | None = "", conv_workspace: int | None = None) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -340,6 +346,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
+    For a GPU target from CPU probes, convolutions run on cuDNN, whose workspace per call is chosen on the GPU:
+    `conv_workspace` (bytes) models one at every convolution; without it CUDNN_CONV_WSCAP_DBG's cap (MiB) is
+    modelled when set, else none, and fc.memory.conv_workspace_headroom_allocated_bytes / _reserved_bytes say
+    how large each may be before the forecast peaks change.
 
     Step time (fc.time) for a GPU target from CPU probes is priced, layer by layer, from the probes' work (FLOPs
     and bytes per op kind and precision) at the GPU's rates in gpucast's table (gpucast.gpu_rates(): efficiencies
@@ -403,6 +413,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     parallel_text = _format_parallel(parallel)
     alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
+                                       or conv_workspace < 0):
+        raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
 
     state = _State(model, optimizer)
     if model is None or optimizer is None:
@@ -477,7 +490,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
     text = forecaster.run(batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
-                          alloc_conf, cublas, state.own_ptrs(), 0.0)
+                          alloc_conf, cublas, state.own_ptrs(), 0.0,
+                          -1 if conv_workspace is None else conv_workspace, os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
     memory = MemoryForecast(**json.loads(text))
     for w in memory.warnings:
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)

@@ -251,6 +251,33 @@ TEST(AllocatorSim, EmptyCacheKeepsSegmentsWithLiveBlocks) {
   EXPECT_EQ(sim.stats().peak_reserved, 20 * MiB);
 }
 
+TEST(AllocatorSim, LargestCachedRequestPerStream) {
+  AllocatorSim sim;
+  EXPECT_EQ(sim.largest_cached_request(), 0);
+  ASSERT_TRUE(sim.malloc(1, 5 * MiB));  // a 20 MiB segment, split: 15 MiB stays cached
+  EXPECT_EQ(sim.largest_cached_request(), 15 * MiB);
+  ASSERT_TRUE(sim.malloc(2, 4096));  // a 2 MiB small segment: its free blocks serve requests up to 1 MiB
+  sim.free(1);
+  EXPECT_EQ(sim.largest_cached_request(), 20 * MiB);
+  EXPECT_EQ(sim.largest_cached_request(1), 0);  // freed blocks serve their own stream only
+  ASSERT_TRUE(sim.malloc(3, 20 * MiB));
+  EXPECT_EQ(sim.largest_cached_request(), MiB);
+}
+
+TEST(AllocatorConfig, LargestRequestInANewSegment) {
+  AllocatorConfig c;
+  EXPECT_EQ(c.largest_request_in_segment(0), 0);
+  EXPECT_EQ(c.largest_request_in_segment(2 * MiB - 1), 0);
+  EXPECT_EQ(c.largest_request_in_segment(2 * MiB), MiB);       // a small segment
+  EXPECT_EQ(c.largest_request_in_segment(9 * MiB), MiB);       // 1-10 MiB requests need a 20 MiB segment
+  EXPECT_EQ(c.largest_request_in_segment(15 * MiB), 14 * MiB);  // from 10 MiB: the request rounded to 2 MiB
+  EXPECT_EQ(c.largest_request_in_segment(20 * MiB), 20 * MiB);
+  AllocatorConfig small = AllocatorConfig::parse("large_segment_size_mb:4");
+  EXPECT_EQ(small.largest_request_in_segment(5 * MiB), 10 * MiB - 512);  // below 10 MiB: a 4 MiB segment
+  AllocatorConfig exp = AllocatorConfig::parse("expandable_segments:True");
+  EXPECT_EQ(exp.largest_request_in_segment(45 * MiB), 40 * MiB);  // whole 20 MiB pages
+}
+
 TEST(Simulate, ReportsPeaksWhereTheyFallAndFragmentation) {
   std::vector<SimRequest> reqs = {{1, 4 * MiB}, {2, 4 * MiB}, {1, 0}, {3, 16 * MiB}, {2, 0}, {3, 0}};
   SimResult r = simulate(reqs);

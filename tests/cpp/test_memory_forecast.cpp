@@ -1,6 +1,8 @@
 // The memory forecast over hand-built probe traces: scaling, steady state, devices, parallel rules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/trace_assembly.h"
@@ -243,6 +245,151 @@ TEST(MemoryForecast, ScalesBySequenceLength) {
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(), "forecast: scaling by sequence length needs at least 5 probes, got 4");
   }
+}
+
+}  // namespace
+}  // namespace gpucast
+
+namespace gpucast {
+namespace {
+
+// A convolution step, batch b, probed on the CPU: aten::conv2d > aten::mkldnn_convolution allocates the
+// activation (2048 b bytes) and a scratch buffer it frees before returning (1024 b); the backward node's
+// aten::convolution_backward allocates the weight's gradient (1024) and scratch of 3072 b, freed inside;
+// the node then frees the activation; the first SGD step creates 1024 bytes of state. Held from the start:
+// a 1000-byte parameter and a 100 b-byte input.
+Trace conv_probe(int64_t b) {
+  AssemblyInput in;
+  RawThread th;
+  th.thread = 1;
+  uint64_t seq = 1;
+  auto op = [&](const char* name, Scope scope, Phase phase, int64_t parent) {
+    OpRecord o;
+    o.name = name;
+    o.scope = scope;
+    o.phase = phase;
+    o.parent = parent;
+    o.start_seq = seq++;
+    th.ops.push_back(o);
+    return static_cast<int64_t>(th.ops.size() - 1);
+  };
+  auto end = [&](int64_t i) { th.ops[i].end_seq = seq++; };
+  auto ev = [&](uint64_t ptr, int64_t bytes, int64_t o, Phase phase) {
+    MemEvent e;
+    e.seq = seq++;
+    e.ptr = ptr;
+    e.bytes = e.block_bytes = bytes;
+    e.device = "cpu";
+    e.op = o;
+    e.phase = phase;
+    th.events.push_back(e);
+  };
+  auto tag = [&](uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); };
+  tag(0x10, Category::Parameter);
+  tag(0x20, Category::Input);
+  int64_t z = op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer, -1);
+  end(z);
+  int64_t conv = op("aten::conv2d", Scope::Function, Phase::Forward, -1);
+  int64_t mkl = op("aten::mkldnn_convolution", Scope::Function, Phase::Forward, conv);
+  ev(0x100, 2048 * b, mkl, Phase::Forward);
+  ev(0x800, 1024 * b, mkl, Phase::Forward);
+  ev(0x800, -1024 * b, mkl, Phase::Forward);
+  end(mkl);
+  end(conv);
+  int64_t node = op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward, -1);
+  int64_t bwd = op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
+  ev(0x200, 1024, bwd, Phase::Backward);
+  ev(0x900, 3072 * b, bwd, Phase::Backward);
+  ev(0x900, -3072 * b, bwd, Phase::Backward);
+  end(bwd);
+  ev(0x100, -2048 * b, node, Phase::Backward);
+  end(node);
+  tag(0x200, Category::Gradient);
+  int64_t st = op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer, -1);
+  ev(0x300, 1024, st, Phase::Optimizer);
+  end(st);
+  tag(0x300, Category::OptimizerState);
+  in.threads.push_back(th);
+  in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, 100 * b, 100 * b, "cpu"}};
+  in.baseline["cpu"] = DeviceBaseline{1000 + 100 * b, true};
+  return assemble_trace(std::move(in));
+}
+
+MemoryForecast run_conv(const std::string& target, int64_t workspace = -1, const std::string& wscap = "") {
+  static const std::vector<Trace> t = {conv_probe(2), conv_probe(4), conv_probe(8)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = target;
+  in.conv_workspace_bytes = workspace;
+  in.cudnn_conv_wscap = wscap;
+  return forecast_memory(in);
+}
+
+TEST(MemoryForecast, CpuTargetKeepsTheCpuConvolutionScratch) {
+  MemoryForecast f = run_conv("cpu");
+  // Iteration 2, inside convolution_backward: parameter, input, state, activation, gradient and its scratch.
+  EXPECT_EQ(f.peak_allocated_bytes, 1000 + 6400 + 1024 + 2048 * 64 + 1024 + 3072 * 64);
+  EXPECT_EQ(f.conv_calls, 0);
+  EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, -1);
+}
+
+TEST(MemoryForecast, GpuTargetReplacesCpuConvolutionScratchByTheWorkspaceHeadroom) {
+  MemoryForecast f = run_conv("H100-80GB");
+  // Blocks: parameter 1024, input 6656 (6400 rounded), state 1024, activation 131072, gradient 1024; the CPU
+  // scratch is left out. Iteration 2's backward holds them all at once.
+  EXPECT_EQ(f.peak_allocated_bytes, 1024 + 6656 + 1024 + 131072 + 1024);
+  EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB);  // one small-pool segment
+  EXPECT_EQ(f.peak_op, "aten::convolution_backward");
+  EXPECT_EQ(f.conv_calls, 2);
+  EXPECT_EQ(f.conv_workspace_bytes, -1);
+  // The last backward convolution runs at the allocated peak: any workspace raises it. Under the reserved
+  // peak, a workspace fits in the small segment's free remainder, whose blocks serve requests up to 1 MiB.
+  EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, 0);
+  EXPECT_EQ(f.conv_workspace_headroom_reserved_bytes, kMiB);
+  ASSERT_FALSE(f.notes.empty());
+  EXPECT_EQ(f.notes.back(),
+            "cuDNN: the workspace of each of 2 convolution call(s) per iteration is chosen on the GPU and not "
+            "modelled; the forecast holds while each stays under 0 B (peak allocated) and 1.00 MiB (peak reserved): "
+            "set conv_workspace, or CUDNN_CONV_WSCAP_DBG, to model one; the CPU kernels' scratch inside "
+            "convolutions (2 allocation(s) per iteration) left out");
+}
+
+TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
+  MemoryForecast f = run_conv("H100-80GB", 4096);
+  EXPECT_EQ(f.peak_allocated_bytes, 1024 + 6656 + 1024 + 131072 + 1024 + 4096);
+  EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB);
+  EXPECT_EQ(f.conv_workspace_bytes, 4096);
+  EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, -1);
+  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
+                      "cuDNN: a 4.00 KiB workspace at each of 2 convolution call(s) per iteration (conv_workspace); "
+                      "the CPU kernels' scratch inside convolutions (2 allocation(s) per iteration) left out"),
+            f.notes.end());
+  // CUDNN_CONV_WSCAP_DBG's cap, in MiB, stands for an unknown workspace (an upper bound); 3 MiB needs a
+  // large-pool segment of 20 MiB.
+  MemoryForecast c = run_conv("H100-80GB", -1, "3");
+  EXPECT_EQ(c.peak_allocated_bytes, 1024 + 6656 + 1024 + 131072 + 1024 + 3 * kMiB);
+  EXPECT_EQ(c.peak_reserved_bytes, 2 * kMiB + 20 * kMiB);
+  EXPECT_EQ(c.conv_workspace_bytes, 3 * kMiB);
+  EXPECT_EQ(run_conv("H100-80GB", 4096, "3").conv_workspace_bytes, 4096);  // conv_workspace wins
+}
+
+TEST(MemoryForecast, BadConvolutionWorkspace) {
+  try {
+    run_conv("H100-80GB", -1, "256MB");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "CUDNN_CONV_WSCAP_DBG: expected a whole number of MiB such as '256', got '256MB'");
+  }
+  try {
+    run_conv("H100-80GB", -5);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "forecast: conv_workspace must be a number of bytes of at least 0, got -5");
+  }
+  EXPECT_EQ(cudnn_conv_wscap_bytes(""), -1);
+  EXPECT_EQ(cudnn_conv_wscap_bytes("0"), 0);
 }
 
 }  // namespace

@@ -280,3 +280,32 @@ def test_sequence_scaling_bad_input():
         gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, seq_len=0)
     with pytest.raises(ValueError, match=r"probe_seq_lens must be at least 3 distinct integers >= 1, got \(8, 16\)"):
         gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, seq_len=32, probe_seq_lens=(8, 16))
+
+
+def test_gpu_target_from_cpu_probes_models_cudnn_convolution_workspaces(monkeypatch):
+    case, model, opt, step = fresh("cnn")
+    convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+
+    def mem(**kw):
+        return gpucast.forecast(step, case.make_batch, 32, model=model, optimizer=opt, target="H100-80GB", **kw).memory
+
+    base = mem()
+    assert base.conv_calls == 2 * convs  # each convolution forward and backward
+    assert base.conv_workspace_bytes == -1
+    h = base.conv_workspace_headroom_allocated_bytes
+    assert h >= 0 and base.conv_workspace_headroom_reserved_bytes >= 0
+    assert any(n.startswith(f"cuDNN: the workspace of each of {2 * convs} convolution call(s) per iteration is chosen "
+                            f"on the GPU") for n in base.notes)
+    # A given workspace raises the allocated peak exactly by what exceeds the headroom.
+    w = 64 * 2**20
+    given = mem(conv_workspace=w)
+    assert given.conv_workspace_bytes == w and given.conv_workspace_headroom_allocated_bytes == -1
+    assert given.peak_allocated_bytes == max(base.peak_allocated_bytes, base.peak_allocated_bytes - h + w)
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64")  # cuDNN's cap stands for the unknown workspace
+    assert mem().peak_allocated_bytes == given.peak_allocated_bytes
+    assert gpucast.forecast(step, case.make_batch, 32, model=model, optimizer=opt).memory.conv_calls == 0  # cpu
+    monkeypatch.setenv("CUDNN_CONV_WSCAP_DBG", "64MB")
+    with pytest.raises(ValueError, match=r"CUDNN_CONV_WSCAP_DBG: expected a whole number of MiB such as '256', got '64MB'"):
+        mem()
+    with pytest.raises(ValueError, match=r"forecast: conv_workspace must be a number of bytes of at least 0, got -1"):
+        mem(conv_workspace=-1)

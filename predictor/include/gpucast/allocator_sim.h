@@ -49,6 +49,9 @@ struct AllocatorConfig {
   int64_t divisions_for(int64_t size) const;
   int64_t round_size(int64_t size) const;         // block bytes of a request
   int64_t allocation_size(int64_t size) const;    // segment bytes for a rounded request
+  // The largest request a new segment (or, with expandable segments, newly mapped pages) of at most `bytes`
+  // could serve: what can be allocated while memory_reserved() grows by `bytes` at most.
+  int64_t largest_request_in_segment(int64_t bytes) const;
 };
 
 struct SimOptions {
@@ -93,6 +96,9 @@ class AllocatorSim {
   int64_t block_bytes(int64_t id) const;
   // Address of a live allocation in the simulated address space (segments are laid out in order).
   int64_t address(int64_t id) const;
+  // The largest request a cached free block on `stream` could serve now, without a new segment (small-pool
+  // blocks serve requests up to 1 MiB).
+  int64_t largest_cached_request(int stream = 0) const;
 
  private:
   struct Impl;

@@ -35,6 +35,8 @@ const DeviceSpec& find_device(const std::string& name);
 // cuBLAS workspace per handle and stream, as PyTorch sizes it (CUBLAS_WORKSPACE_CONFIG ":SIZE_KiB:COUNT..."
 // overrides; empty means unset). Throws UserError for a malformed value.
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& cublas_workspace_config);
+// CUDNN_CONV_WSCAP_DBG (a whole number of MiB) in bytes; -1 when empty (unset). Throws UserError otherwise.
+int64_t cudnn_conv_wscap_bytes(const std::string& cudnn_conv_wscap);
 
 
 struct MemoryForecastInput {
@@ -53,6 +55,11 @@ struct MemoryForecastInput {
   double memory_fraction = 0.0;
   ParallelConfig parallel;
   std::string cublas_workspace_config;  // CUBLAS_WORKSPACE_CONFIG, empty if unset
+  // cuDNN's workspace per convolution call (forward, and backward), for a GPU target from CPU probes: >= 0 is
+  // modelled at every convolution; -1 (unknown) models CUDNN_CONV_WSCAP_DBG's cap when that is set (an upper
+  // bound), else none, and the forecast reports how large it may be without changing the peaks.
+  int64_t conv_workspace_bytes = -1;
+  std::string cudnn_conv_wscap;         // CUDNN_CONV_WSCAP_DBG, empty if unset
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
 };
 
@@ -77,6 +84,13 @@ struct MemoryForecast {
   bool scaled = true;                 // false when the probes' structures differ
   int64_t nonlinear_allocations = 0;  // allocations whose size is not linear in the batch size
   int64_t allocations = 0;            // allocations in the forecast stream
+  // GPU targets from CPU probes: convolution calls of one iteration (forward and backward), the cuDNN workspace
+  // modelled at each (-1: not known, none modelled), and the largest workspace per call that would leave
+  // peak_allocated_bytes / peak_reserved_bytes as forecast (-1: not computed, e.g. no convolution).
+  int64_t conv_calls = 0;
+  int64_t conv_workspace_bytes = -1;
+  int64_t conv_workspace_headroom_allocated_bytes = -1;
+  int64_t conv_workspace_headroom_reserved_bytes = -1;
   std::vector<std::string> warnings;
   std::vector<std::string> notes;
   double forecast_ms = 0.0;           // time spent forecasting (probes excluded)
