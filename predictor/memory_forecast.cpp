@@ -869,6 +869,7 @@ class Forecaster {
     // What to do with each entry depends on the stream's structure only, the same at every batch size: worked
     // out once (0 keep, 1 leave out, 2 keep and add the workspace after it).
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
+    if (out_.conv_calls == 0 && conv_scratch_ == 0) return 0;
     constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
     std::vector<Entry> out;
     out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls) * 2);
