@@ -851,10 +851,10 @@ class Forecaster {
     if (!conv_call_of_.empty() || model_.trace->ops.empty()) return conv_call_of_;
     const std::vector<OpRecord>& ops = model_.trace->ops;
     conv_call_of_.assign(ops.size(), kNone);
-    for (size_t i = 0; i < ops.size(); ++i) {  // parents precede their children
-      const int64_t parent = ops[i].parent;
-      if (parent >= 0 && conv_call_of_[parent] != kNone) conv_call_of_[i] = conv_call_of_[parent];
-      else if (op_cost_kind(ops[i].name) == "conv") conv_call_of_[i] = static_cast<int64_t>(i);
+    for (size_t i = 0; i < ops.size(); ++i) {
+      for (int64_t j = static_cast<int64_t>(i); j >= 0 && j < static_cast<int64_t>(ops.size()); j = ops[j].parent) {
+        if (op_cost_kind(ops[j].name) == "conv") conv_call_of_[i] = j;  // the outermost one wins
+      }
     }
     return conv_call_of_;
   }
