@@ -15,7 +15,8 @@ Every method predicts the measured step time of a case:
   gpucast, α=β=1  the in-process forecast from probes at batch 2, 4, 8 (per-layer fits; nothing trained; where
                   the probes' convolutions ran PyTorch's CPU im2col path, timing probes at 16 and 24 join them);
   gpucast + GNN   the same, corrected by the graph network (ScaleDL's α, β), trained on the training split
-                  with build/bin/gpucast-train step-gnn.
+                  with build/bin/gpucast-train step-gnn: an ensemble of 5 networks from seeds 0-4, each stopping
+                  early on its own tenth of the training split (--rotate-val) and trained on the rest.
 
 The network written by --weights-out (the shipped one) is trained only on cases whose measured step is steady
 (interquartile range at most --max-spread of the median, default 10 %: on this shared machine a few cases'
@@ -176,7 +177,8 @@ def graph(r: dict) -> dict:
 
 
 def gnn_predict(train, test, seed: int = 0, threads: int = 1, keep: str | None = None):
-    """Train the graph network on `train` (a tenth held for early stopping) and correct `test`."""
+    """Train the graph network on `train` (its ensemble's members each hold out a tenth for early stopping) and
+    correct `test`."""
     import torch
     import gpucast  # noqa: F401
     if not TRAIN.exists():
@@ -194,7 +196,7 @@ def gnn_predict(train, test, seed: int = 0, threads: int = 1, keep: str | None =
         out = keep or os.path.join(d, "gnn.gcw")
         p = subprocess.run([str(TRAIN), "step-gnn", "--train", os.path.join(d, "train.jsonl"), "--val",
                             os.path.join(d, "val.jsonl"), "--out", out, "--seed", str(seed), "--threads",
-                            str(threads)], capture_output=True, text=True)
+                            str(threads), "--rotate-val"], capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"gpucast-train step-gnn failed: {p.stderr[-2000:]}")
         preds = []

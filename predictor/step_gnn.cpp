@@ -333,6 +333,21 @@ struct NetImpl : nn::Module {
 };
 TORCH_MODULE(Net);
 
+// Networks trained alike from different seeds; the correction is the mean of their log alpha and log beta (an
+// ensemble: on gpucast's step dataset one network's error moves by a point with the seed, the mean's less).
+struct EnsembleImpl : nn::Module {
+  EnsembleImpl(const StepGnnConfig& c, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) members.push_back(register_module(fmt::format("m{}", k), Net(c)));
+  }
+  torch::Tensor forward(const GraphBatch& b) {
+    std::vector<torch::Tensor> outs;
+    for (Net& m : members) outs.push_back(m->forward(b));
+    return torch::stack(outs).mean(0);
+  }
+  std::vector<Net> members;
+};
+TORCH_MODULE(Ensemble);
+
 float lg1p(double x) { return static_cast<float>(std::log1p(std::max(0.0, x))); }
 
 // Unstandardised features of one graph.
@@ -497,10 +512,11 @@ json config_json(const StepGnnConfig& c) {
 
 class StepGnn {
  public:
-  StepGnn(StepGnnConfig c, Normaliser n, json info) : net(c), norm(std::move(n)), info(std::move(info)) {
+  StepGnn(StepGnnConfig c, int64_t members, Normaliser n, json info)
+      : net(c, members), norm(std::move(n)), info(std::move(info)) {
     net->eval();
   }
-  mutable Net net;
+  mutable Ensemble net;
   Normaliser norm;
   json info;
   mutable std::mutex mu;  // one forward at a time per loaded model
@@ -512,7 +528,9 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   auto field = [&](const char* key) -> const json& { return header.field(key); };
   StepGnnConfig c;
   Normaliser n;
+  int64_t members = 0;
   try {
+    members = field("members").get<int64_t>();
     const json& cj = field("config");
     c.d_model = cj.at("d_model").get<int64_t>();
     c.heads = cj.at("heads").get<int64_t>();
@@ -530,6 +548,9 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
       c.head_hidden > 65536) {
     GPUCAST_USER_ERROR("weights file '{}': implausible model configuration {}{}", path, field("config").dump(), kFix);
   }
+  if (members < 1 || members > kMaxStepGnnMembers) {
+    GPUCAST_USER_ERROR("weights file '{}': members is {}, expected 1 to {}{}", path, members, kMaxStepGnnMembers, kFix);
+  }
   auto check_norm = [&](const char* what, const std::vector<float>& mean, const std::vector<float>& sd, int width) {
     if (static_cast<int>(mean.size()) != width || static_cast<int>(sd.size()) != width) {
       GPUCAST_USER_ERROR("weights file '{}': {} normalisation has {}/{} values, expected {}{}", path, what,
@@ -545,7 +566,7 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   check_norm("node", n.node_mean, n.node_std, kNodeFeatures);
   check_norm("edge", n.edge_mean, n.edge_std, kEdgeFeatures);
   check_norm("global", n.global_mean, n.global_std, kGlobalFeatures);
-  auto model = std::make_shared<StepGnn>(c, n, header.json().value("trained", json::object()));
+  auto model = std::make_shared<StepGnn>(c, members, n, header.json().value("trained", json::object()));
   load_parameters(*model->net, w, path, kFix);
   return model;
 }
@@ -612,81 +633,119 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
   };
   const std::vector<GraphFeatures> ftr = featurise(train, "training");
   const std::vector<GraphFeatures> fva = featurise(val, "validation");
-  const Normaliser norm = Normaliser::fit(ftr);
-  std::vector<GraphTensors> ttr, tva;
-  for (const auto& f : ftr) ttr.push_back(tensors_of(f, norm));
-  for (const auto& f : fva) tva.push_back(tensors_of(f, norm));
+  std::vector<GraphFeatures> fall = ftr;
+  fall.insert(fall.end(), fva.begin(), fva.end());
+  // With rotate_val every graph may train a member: the features are standardised over them all.
+  const Normaliser norm = Normaliser::fit(o.rotate_val ? fall : ftr);
+  std::vector<GraphTensors> tall;  // the training graphs, then the validation graphs
+  for (const auto& f : fall) tall.push_back(tensors_of(f, norm));
 
   StepGnnConfig config;
   config.d_model = std::max<int64_t>(1, o.d_model);
   config.heads = std::gcd(config.d_model, int64_t{4});  // 4 heads where the width allows
   config.head_hidden = 2 * config.d_model;
-  Net net(config);
-  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
-  std::mt19937_64 rng(o.seed);
+  if (o.members < 1 || o.members > kMaxStepGnnMembers) {
+    GPUCAST_USER_ERROR("gpucast-train step-gnn: --members expects 1 to {}, got {}", kMaxStepGnnMembers, o.members);
+  }
   const size_t batch_size = static_cast<size_t>(std::max<int64_t>(1, o.batch_size));
-
-  auto batches_of = [&](const std::vector<GraphTensors>& ts, const std::vector<size_t>& idx) {
+  auto batches_of = [&](const std::vector<size_t>& idx) {
     std::vector<GraphBatch> out;
     for (size_t s = 0; s < idx.size(); s += batch_size) {
       std::vector<const GraphTensors*> part;
-      for (size_t k = s; k < std::min(idx.size(), s + batch_size); ++k) part.push_back(&ts[idx[k]]);
+      for (size_t k = s; k < std::min(idx.size(), s + batch_size); ++k) part.push_back(&tall[idx[k]]);
       out.push_back(make_batch(part));
     }
     return out;
   };
-  auto all = [](size_t n) {
-    std::vector<size_t> idx(n);
-    std::iota(idx.begin(), idx.end(), 0);
+  auto range = [](size_t from, size_t to) {
+    std::vector<size_t> idx(to - from);
+    std::iota(idx.begin(), idx.end(), from);
     return idx;
   };
-  const std::vector<GraphBatch> val_batches = batches_of(tva, all(tva.size()));
-  auto mean_loss = [&](const std::vector<GraphBatch>& batches, size_t count) {
+  auto mean_loss = [&](auto& net, const std::vector<GraphBatch>& batches, size_t count) {
     torch::NoGradGuard ng;
     net->eval();
     double se = 0;
-    for (const GraphBatch& b : batches) se += squared_errors(net->forward(b), b).sum().item<double>();
+    for (const GraphBatch& b : batches) se += squared_errors(net->forward(b), b).sum().template item<double>();
     return se / static_cast<double>(count);
   };
+  // The graphs each member trains and stops on: the files' split, or with rotate_val the k-th tenth of all the
+  // graphs (in an order drawn from the seed) for member k's early stopping and the rest for its training.
+  std::vector<size_t> pool = range(0, tall.size());
+  std::shuffle(pool.begin(), pool.end(), std::mt19937_64(o.seed));
+  auto split_of = [&](int64_t k) -> std::pair<std::vector<size_t>, std::vector<size_t>> {
+    if (!o.rotate_val) return {range(0, ftr.size()), range(ftr.size(), tall.size())};
+    const size_t n = pool.size(), part = static_cast<size_t>(k % 10);
+    const size_t lo = n * part / 10, hi = std::max(lo + 1, n * (part + 1) / 10);
+    std::vector<size_t> fit, held;
+    for (size_t i = 0; i < n; ++i) (i >= lo && i < hi ? held : fit).push_back(pool[i]);
+    return {fit, held};
+  };
 
+  // Each member from its own seed (o.seed + k): initial weights and the order of the training graphs.
   StepGnnTrainResult r;
-  r.val_loss = mean_loss(val_batches, tva.size());
-  std::vector<torch::Tensor> best;
-  for (const auto& p : net->parameters()) best.push_back(p.detach().clone());
-  std::vector<size_t> order = all(ttr.size());
-  for (int64_t epoch = 1; epoch <= o.max_epochs; ++epoch) {
-    net->train();
-    std::shuffle(order.begin(), order.end(), rng);
-    double train_se = 0;
-    for (const GraphBatch& b : batches_of(ttr, order)) {
-      opt.zero_grad();
-      torch::Tensor loss = squared_errors(net->forward(b), b).mean();
-      loss.backward();
-      nn::utils::clip_grad_norm_(net->parameters(), 1.0);
-      opt.step();
-      train_se += loss.item<double>() * static_cast<double>(b.graphs);
+  Ensemble ensemble(config, o.members);
+  json members = json::array();
+  double held_out_se = 0;
+  size_t held_out = 0;
+  for (int64_t k = 0; k < o.members; ++k) {
+    const uint64_t seed = o.seed + static_cast<uint64_t>(k);
+    const auto [fit_idx, val_idx] = split_of(k);
+    const std::vector<GraphBatch> val_batches = batches_of(val_idx);
+    torch::manual_seed(seed);
+    Net net(config);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+    std::mt19937_64 rng(seed);
+    double best_val = mean_loss(net, val_batches, val_idx.size());
+    int64_t best_epoch = 0, epochs = 0;
+    std::vector<torch::Tensor> best;
+    for (const auto& p : net->parameters()) best.push_back(p.detach().clone());
+    std::vector<size_t> order = fit_idx;
+    for (int64_t epoch = 1; epoch <= o.max_epochs; ++epoch) {
+      net->train();
+      std::shuffle(order.begin(), order.end(), rng);
+      double train_se = 0;
+      for (const GraphBatch& b : batches_of(order)) {
+        opt.zero_grad();
+        torch::Tensor loss = squared_errors(net->forward(b), b).mean();
+        loss.backward();
+        nn::utils::clip_grad_norm_(net->parameters(), 1.0);
+        opt.step();
+        train_se += loss.item<double>() * static_cast<double>(b.graphs);
+      }
+      const double v = mean_loss(net, val_batches, val_idx.size());
+      epochs = epoch;
+      if (o.verbose) {
+        std::fprintf(stderr, "member %ld epoch %3ld  train mse(log) %.5f  val mse(log) %.5f%s\n", static_cast<long>(k),
+                     static_cast<long>(epoch), train_se / static_cast<double>(order.size()), v,
+                     v < best_val ? "  *" : "");
+      }
+      if (v < best_val) {
+        best_val = v;
+        best_epoch = epoch;
+        size_t i = 0;
+        for (const auto& p : net->parameters()) best[i++].copy_(p.detach());
+      } else if (epoch - best_epoch >= o.patience) {
+        break;
+      }
     }
-    const double v = mean_loss(val_batches, tva.size());
-    r.epochs = epoch;
-    if (o.verbose) {
-      std::fprintf(stderr, "epoch %3ld  train mse(log) %.5f  val mse(log) %.5f%s\n", static_cast<long>(epoch),
-                   train_se / static_cast<double>(ttr.size()), v, v < r.val_loss ? "  *" : "");
-    }
-    if (v < r.val_loss) {
-      r.val_loss = v;
-      r.best_epoch = epoch;
+    {
+      torch::NoGradGuard ng;
       size_t i = 0;
-      for (const auto& p : net->parameters()) best[i++].copy_(p.detach());
-    } else if (epoch - r.best_epoch >= o.patience) {
-      break;
+      for (auto& p : ensemble->members[k]->parameters()) p.copy_(best[i++]);
     }
+    r.epochs = std::max(r.epochs, epochs);
+    r.best_epoch = std::max(r.best_epoch, best_epoch);
+    held_out_se += best_val * static_cast<double>(val_idx.size());
+    held_out += val_idx.size();
+    members.push_back({{"seed", seed}, {"epochs", epochs}, {"best_epoch", best_epoch}, {"val_mse_log", best_val},
+                       {"train_graphs", fit_idx.size()}, {"val_graphs", val_idx.size()}});
   }
-  {
-    torch::NoGradGuard ng;
-    size_t i = 0;
-    for (auto& p : net->parameters()) p.copy_(best[i++]);
-  }
-  r.train_loss = mean_loss(batches_of(ttr, all(ttr.size())), ttr.size());
+  // Without rotate_val: the ensemble on the validation graphs; with it, each member on the graphs it held out
+  // (the ensemble has seen every graph).
+  r.val_loss = o.rotate_val ? held_out_se / static_cast<double>(held_out)
+                            : mean_loss(ensemble, batches_of(range(ftr.size(), tall.size())), fva.size());
+  r.train_loss = mean_loss(ensemble, batches_of(range(0, ftr.size())), ftr.size());
   r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   WeightsFile w;
@@ -696,6 +755,7 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
             {"edge_features", {"log1p_bytes"}},
             {"global_features", global_feature_names()},
             {"config", config_json(config)},
+            {"members", o.members},
             {"node_mean", norm.node_mean},
             {"node_std", norm.node_std},
             {"edge_mean", norm.edge_mean},
@@ -703,10 +763,12 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
             {"global_mean", norm.global_mean},
             {"global_std", norm.global_std},
             {"trained",
-             {{"train_graphs", train.size()}, {"val_graphs", val.size()}, {"seed", o.seed}, {"epochs", r.epochs},
-              {"best_epoch", r.best_epoch}, {"train_mse_log", r.train_loss}, {"val_mse_log", r.val_loss}}}};
+             {{"train_graphs", train.size()}, {"val_graphs", val.size()}, {"rotate_val", o.rotate_val},
+              {"seed", o.seed}, {"epochs", r.epochs},
+              {"best_epoch", r.best_epoch}, {"train_mse_log", r.train_loss}, {"val_mse_log", r.val_loss},
+              {"members", members}}}};
   w.header_json = h.dump();
-  for (const auto& p : net->named_parameters(/*recurse=*/true)) {
+  for (const auto& p : ensemble->named_parameters(/*recurse=*/true)) {
     w.tensors.push_back(weights_tensor(p.key(), p.value()));
   }
   write_weights_file(out_path, w);

@@ -45,6 +45,9 @@ const char* kStepGnnUsage =
     "  --batch N       graphs per step (default 32)\n"
     "  --lr X          AdamW learning rate (default 0.003)\n"
     "  --d-model N     width of the node and graph embeddings (default 32)\n"
+    "  --members N     networks in the ensemble, each from its own seed (default 5, at most 32)\n"
+    "  --rotate-val    member k stops early on the k-th tenth of the training and validation graphs pooled and\n"
+    "                  trains on the rest (default: every member trains on --train and stops on --val)\n"
     "  --threads N     torch CPU threads (default: torch's choice)\n"
     "  --verbose       one line per epoch on stderr\n";
 
@@ -151,8 +154,10 @@ int step_gnn_main(int argc, char** argv) {
   gpucast::StepGnnTrainOptions o;
   const TrainArgs args = parse_train_args(argc, argv, 2, "gpucast-train step-gnn", kStepGnnUsage, o,
                                           [&](const std::string& a, const std::function<const char*()>& value) {
-                                            if (a != "--d-model") return false;
-                                            o.d_model = std::max(1L, number(a, value()));
+                                            if (a == "--d-model") o.d_model = std::max(1L, number(a, value()));
+                                            else if (a == "--members") o.members = number(a, value());
+                                            else if (a == "--rotate-val") o.rotate_val = true;
+                                            else return false;
                                             return true;
                                           });
   if (args.help) return 0;

@@ -97,6 +97,44 @@ def test_training_recovers_the_correction(trained):
     assert c["source"] == "gnn" and 0.2 < c["alpha"] < 4.5 and 0.2 < c["beta"] < 4.5
 
 
+def test_the_ensemble_averages_its_members(tmp_path):
+    """Member k trains exactly as a lone network from seed + k would; the ensemble's log alpha and log beta are
+    their means."""
+    def lone(seed, members):
+        out = tmp_path / f"s{seed}m{members}.gcw"
+        info = train(tmp_path, out, "--seed", str(seed), "--members", str(members), "--epochs", "4", "--patience",
+                     "100", train_graphs=48, val_graphs=16)
+        assert info["epochs"] == 4
+        return out
+    a, b, both = lone(0, 1), lone(1, 1), lone(0, 2)
+    for g in synthetic(6, 5):
+        ca, cb, cab = correction(g, a), correction(g, b), correction(g, both)
+        assert ca["alpha"] != cb["alpha"]
+        assert math.log(cab["alpha"]) == pytest.approx((math.log(ca["alpha"]) + math.log(cb["alpha"])) / 2, abs=1e-6)
+        assert math.log(cab["beta"]) == pytest.approx((math.log(ca["beta"]) + math.log(cb["beta"])) / 2, abs=1e-6)
+
+
+def header(path):
+    b = Path(path).read_bytes()
+    n = int.from_bytes(b[12:16], "little")
+    return json.loads(b[16:16 + n])
+
+
+def test_rotated_validation_holds_out_each_graph_once(tmp_path):
+    out = tmp_path / "r.gcw"
+    info = train(tmp_path, out, "--seed", "3", "--members", "10", "--rotate-val", "--epochs", "2", "--patience", "100",
+                 train_graphs=48, val_graphs=16)
+    h = header(out)
+    assert h["members"] == 10 and h["trained"]["rotate_val"] is True
+    members = h["trained"]["members"]
+    assert [m["seed"] for m in members] == list(range(3, 13))
+    assert [m["val_graphs"] for m in members] == [6, 6, 7, 6, 7, 6, 6, 7, 6, 7]  # tenths of 64 graphs
+    assert all(m["train_graphs"] + m["val_graphs"] == 64 for m in members)
+    # The reported validation loss is each member's on the graphs it held out.
+    assert info["val_mse_log"] == pytest.approx(sum(m["val_mse_log"] * m["val_graphs"] for m in members) / 64)
+    assert correction(GRAPH, out)["source"] == "gnn"
+
+
 def test_training_is_deterministic(tmp_path):
     outs = []
     for k in range(2):
@@ -132,13 +170,19 @@ def test_truncated_weights_fall_back(trained, tmp_path):
 
 
 def test_other_versions_and_models_fall_back(trained, tmp_path):
-    v2 = tmp_path / "v2.gcw"
-    rewrite_weights_header(trained[0], v2, model_version=2)
-    assert fallback_source(v2) == f"none: weights file '{v2}' holds model version 2; this gpucast reads version 1{FIX}"
+    v3 = tmp_path / "v3.gcw"
+    rewrite_weights_header(trained[0], v3, model_version=3)
+    assert fallback_source(v3) == f"none: weights file '{v3}' holds model version 3; this gpucast reads version 2{FIX}"
     other = tmp_path / "other.gcw"
     rewrite_weights_header(trained[0], other, model="bigru-transformer")
     assert fallback_source(other) == (f"none: weights file '{other}' holds model \"bigru-transformer\", expected "
                                       f"\"scaledl-gnn\"{FIX}")
+    none = tmp_path / "none.gcw"
+    rewrite_weights_header(trained[0], none, members=0)
+    assert fallback_source(none) == f"none: weights file '{none}': members is 0, expected 1 to 32{FIX}"
+    fewer = tmp_path / "fewer.gcw"
+    rewrite_weights_header(trained[0], fewer, members=4)  # the file holds 5 networks' tensors
+    assert fallback_source(fewer).startswith(f"none: weights file '{fewer}' has ")
     narrow = tmp_path / "narrow.gcw"
     rewrite_weights_header(trained[0], narrow, node_mean=[0.0] * 3)
     assert fallback_source(narrow) == (f"none: weights file '{narrow}': node normalisation has 3/11 values, expected "
@@ -226,6 +270,10 @@ def test_trainer_bad_input(tmp_path):
     r = run("--train", str(data), "--val", str(data), "--out", str(tmp_path / "w.gcw"))
     assert r.returncode == 2
     assert r.stderr.strip() == f"{data}:3: edges[2]: src 99 is not a node ({len(g[2]['nodes'])} nodes)"
+    assert not (tmp_path / "w.gcw").exists()
+    write_jsonl(data, g)
+    r = run("--train", str(data), "--val", str(data), "--out", str(tmp_path / "w.gcw"), "--members", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "gpucast-train step-gnn: --members expects 1 to 32, got 0"
     assert not (tmp_path / "w.gcw").exists()
     # The job model's command line is unchanged.
     r = subprocess.run([str(TRAIN), "--help"], capture_output=True, text=True, timeout=60)

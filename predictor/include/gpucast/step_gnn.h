@@ -8,7 +8,8 @@
 // incoming edges, self-loop included; residual + LayerNorm) -> mean and max pooling over nodes -> with an MLP of
 // the global features -> MLP -> two outputs squashed to log alpha, log beta = 1.5 tanh(o) (alpha, beta in [0.22,
 // 4.5]; 1 at zero output, where training starts). The forecast is step_ms = alpha * sum_layers_ms + beta * comm_ms;
-// training minimises the squared error of its log. Features are standardised with the training set's mean and
+// training minimises the squared error of its log. A weights file holds an ensemble of such networks trained from
+// different seeds ("members"); the correction is the mean of their log alpha and log beta. Features are standardised with the training set's mean and
 // deviation, stored with the weights. This header hides torch: the plugin and the training program include it.
 #pragma once
 
@@ -20,7 +21,8 @@
 namespace gpucast {
 
 inline constexpr const char* kStepGnnName = "scaledl-gnn";
-inline constexpr int kStepGnnVersion = 1;
+inline constexpr int kStepGnnVersion = 2;  // 2: an ensemble of networks ("members")
+inline constexpr int64_t kMaxStepGnnMembers = 32;
 inline constexpr int64_t kMaxStepGraphNodes = 65536;
 inline constexpr int64_t kMaxStepGraphEdges = 1 << 20;
 
@@ -94,20 +96,24 @@ struct StepGnnTrainOptions {
   double lr = 3e-3;
   double weight_decay = 1e-4;
   int64_t d_model = 32;
+  int64_t members = 5;       // networks of the ensemble, seeds seed .. seed + members - 1
+  // Member k stops early on the k-th tenth of the training and validation graphs pooled (in an order drawn from
+  // the seed) and trains on the rest, instead of all members training on `train` and stopping on `val`.
+  bool rotate_val = false;
   int threads = 0;           // 0: torch's default
   bool verbose = false;      // one line per epoch on stderr
 };
 
 struct StepGnnTrainResult {
-  int64_t epochs = 0;
-  int64_t best_epoch = 0;    // 0: no epoch beat alpha = beta = 1, whose weights are written
-  double train_loss = 0;     // mean squared error of log step time of the written weights, training graphs
-  double val_loss = 0;       // the same on the validation graphs
+  int64_t epochs = 0;        // the most epochs a member ran
+  int64_t best_epoch = 0;    // the latest best epoch of a member; 0: no member beat alpha = beta = 1 (its start)
+  double train_loss = 0;     // mean squared error of log step time of the written ensemble, training graphs
+  double val_loss = 0;       // the same on the validation graphs (rotate_val: each member on the graphs it held out)
   double train_seconds = 0;
 };
 
-// Trains from a fixed seed (deterministic given the seed and the thread count) with early stopping on `val`, and
-// writes the best weights to `out_path`. Every graph needs measured_ms > 0.
+// Trains each member from a fixed seed (deterministic given the seed and the thread count) with early stopping on
+// `val`, and writes the members' best weights to `out_path`. Every graph needs measured_ms > 0.
 StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std::vector<StepGraph>& val,
                                   const StepGnnTrainOptions& options, const std::string& out_path);
 
