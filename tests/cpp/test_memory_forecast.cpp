@@ -14,22 +14,24 @@ namespace {
 // 1000-byte gradient and frees the activation, the first optimizer step creates 1000 bytes of state.
 // Held from the start: a 1000-byte parameter and a 100 b-byte input. `iterations` 1 or 2; `extra`
 // adds an allocation to the forward (a different structure).
-Trace probe(int64_t b, int iterations, bool extra = false) {
-  AssemblyInput in;
+// One CPU thread's record, built in order: ops opened and closed, memory events, tags, each at the next sequence
+// number.
+struct Recorder {
   RawThread th;
-  th.thread = 1;
   uint64_t seq = 1;
-  auto op = [&](const char* name, Scope scope, Phase phase) {
+  Recorder() { th.thread = 1; }
+  int64_t op(const char* name, Scope scope, Phase phase, int64_t parent = -1) {
     OpRecord o;
     o.name = name;
     o.scope = scope;
     o.phase = phase;
+    o.parent = parent;
     o.start_seq = seq++;
     th.ops.push_back(o);
     return static_cast<int64_t>(th.ops.size() - 1);
-  };
-  auto end = [&](int64_t i) { th.ops[i].end_seq = seq++; };
-  auto ev = [&](uint64_t ptr, int64_t bytes, int64_t o, Phase phase) {
+  }
+  void end(int64_t i) { th.ops[i].end_seq = seq++; }
+  void ev(uint64_t ptr, int64_t bytes, int64_t o, Phase phase) {
     MemEvent e;
     e.seq = seq++;
     e.ptr = ptr;
@@ -38,36 +40,45 @@ Trace probe(int64_t b, int iterations, bool extra = false) {
     e.op = o;
     e.phase = phase;
     th.events.push_back(e);
-  };
-  auto tag = [&](uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); };
-  tag(0x10, Category::Parameter);
-  tag(0x20, Category::Input);
+  }
+  void tag(uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); }
+  // The trace, with a parameter of 1000 bytes and an input of `input` bytes held from the start.
+  Trace finish(int64_t input) {
+    AssemblyInput in;
+    in.threads.push_back(th);
+    in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, input, input, "cpu"}};
+    in.baseline["cpu"] = DeviceBaseline{1000 + input, true};
+    return assemble_trace(std::move(in));
+  }
+};
+
+Trace probe(int64_t b, int iterations, bool extra = false) {
+  Recorder r;
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
   for (int it = 0; it < iterations; ++it) {
     const uint64_t act = 0x100 + 0x10 * it, grad = 0x200 + 0x10 * it;
-    int64_t z = op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer);
-    if (it > 0) ev(0x200, -1000, z, Phase::Optimizer);
-    end(z);
-    int64_t mm = op("aten::mm", Scope::Function, Phase::Forward);
-    ev(act, 400 * b, mm, Phase::Forward);
+    int64_t z = r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer);
+    if (it > 0) r.ev(0x200, -1000, z, Phase::Optimizer);
+    r.end(z);
+    int64_t mm = r.op("aten::mm", Scope::Function, Phase::Forward);
+    r.ev(act, 400 * b, mm, Phase::Forward);
     if (extra) {
-      ev(0x900, 64, mm, Phase::Forward);
-      ev(0x900, -64, mm, Phase::Forward);
+      r.ev(0x900, 64, mm, Phase::Forward);
+      r.ev(0x900, -64, mm, Phase::Forward);
     }
-    end(mm);
-    int64_t node = op("MmBackward0", Scope::BackwardFunction, Phase::Backward);
-    ev(grad, 1000, node, Phase::Backward);
-    ev(act, -400 * b, node, Phase::Backward);
-    end(node);
-    tag(grad, Category::Gradient);
-    int64_t st = op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
-    if (it == 0) ev(0x300, 1000, st, Phase::Optimizer);
-    end(st);
-    tag(0x300, Category::OptimizerState);
+    r.end(mm);
+    int64_t node = r.op("MmBackward0", Scope::BackwardFunction, Phase::Backward);
+    r.ev(grad, 1000, node, Phase::Backward);
+    r.ev(act, -400 * b, node, Phase::Backward);
+    r.end(node);
+    r.tag(grad, Category::Gradient);
+    int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+    if (it == 0) r.ev(0x300, 1000, st, Phase::Optimizer);
+    r.end(st);
+    r.tag(0x300, Category::OptimizerState);
   }
-  in.threads.push_back(th);
-  in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, 100 * b, 100 * b, "cpu"}};
-  in.baseline["cpu"] = DeviceBaseline{1000 + 100 * b, true};
-  return assemble_trace(std::move(in));
+  return r.finish(100 * b);
 }
 
 MemoryForecast run(const std::vector<Trace>& traces, std::vector<int64_t> batches, int64_t target_batch,
@@ -259,60 +270,31 @@ namespace {
 // the node then frees the activation; the first SGD step creates 1024 bytes of state. Held from the start:
 // a 1000-byte parameter and a 100 b-byte input.
 Trace conv_probe(int64_t b) {
-  AssemblyInput in;
-  RawThread th;
-  th.thread = 1;
-  uint64_t seq = 1;
-  auto op = [&](const char* name, Scope scope, Phase phase, int64_t parent) {
-    OpRecord o;
-    o.name = name;
-    o.scope = scope;
-    o.phase = phase;
-    o.parent = parent;
-    o.start_seq = seq++;
-    th.ops.push_back(o);
-    return static_cast<int64_t>(th.ops.size() - 1);
-  };
-  auto end = [&](int64_t i) { th.ops[i].end_seq = seq++; };
-  auto ev = [&](uint64_t ptr, int64_t bytes, int64_t o, Phase phase) {
-    MemEvent e;
-    e.seq = seq++;
-    e.ptr = ptr;
-    e.bytes = e.block_bytes = bytes;
-    e.device = "cpu";
-    e.op = o;
-    e.phase = phase;
-    th.events.push_back(e);
-  };
-  auto tag = [&](uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); };
-  tag(0x10, Category::Parameter);
-  tag(0x20, Category::Input);
-  int64_t z = op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer, -1);
-  end(z);
-  int64_t conv = op("aten::conv2d", Scope::Function, Phase::Forward, -1);
-  int64_t mkl = op("aten::mkldnn_convolution", Scope::Function, Phase::Forward, conv);
-  ev(0x100, 2048 * b, mkl, Phase::Forward);
-  ev(0x800, 1024 * b, mkl, Phase::Forward);
-  ev(0x800, -1024 * b, mkl, Phase::Forward);
-  end(mkl);
-  end(conv);
-  int64_t node = op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward, -1);
-  int64_t bwd = op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
-  ev(0x200, 1024, bwd, Phase::Backward);
-  ev(0x900, 3072 * b, bwd, Phase::Backward);
-  ev(0x900, -3072 * b, bwd, Phase::Backward);
-  end(bwd);
-  ev(0x100, -2048 * b, node, Phase::Backward);
-  end(node);
-  tag(0x200, Category::Gradient);
-  int64_t st = op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer, -1);
-  ev(0x300, 1024, st, Phase::Optimizer);
-  end(st);
-  tag(0x300, Category::OptimizerState);
-  in.threads.push_back(th);
-  in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, 100 * b, 100 * b, "cpu"}};
-  in.baseline["cpu"] = DeviceBaseline{1000 + 100 * b, true};
-  return assemble_trace(std::move(in));
+  Recorder r;
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
+  r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
+  const int64_t conv = r.op("aten::conv2d", Scope::Function, Phase::Forward);
+  const int64_t mkl = r.op("aten::mkldnn_convolution", Scope::Function, Phase::Forward, conv);
+  r.ev(0x100, 2048 * b, mkl, Phase::Forward);
+  r.ev(0x800, 1024 * b, mkl, Phase::Forward);
+  r.ev(0x800, -1024 * b, mkl, Phase::Forward);
+  r.end(mkl);
+  r.end(conv);
+  const int64_t node = r.op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward);
+  const int64_t bwd = r.op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
+  r.ev(0x200, 1024, bwd, Phase::Backward);
+  r.ev(0x900, 3072 * b, bwd, Phase::Backward);
+  r.ev(0x900, -3072 * b, bwd, Phase::Backward);
+  r.end(bwd);
+  r.ev(0x100, -2048 * b, node, Phase::Backward);
+  r.end(node);
+  r.tag(0x200, Category::Gradient);
+  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x300, 1024, st, Phase::Optimizer);
+  r.end(st);
+  r.tag(0x300, Category::OptimizerState);
+  return r.finish(100 * b);
 }
 
 MemoryForecast run_conv(const std::string& target, int64_t workspace = -1, const std::string& wscap = "") {
