@@ -483,13 +483,13 @@ class Forecaster {
     out_.fragmentation = r.fragmentation;
     out_.conv_workspace_headroom_allocated_bytes = r.conv_headroom_allocated;
     out_.conv_workspace_headroom_reserved_bytes = r.conv_headroom_reserved;
-    if (conv_headroom_note_ && r.conv_headroom_allocated >= 0) {
+    if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0) {
       out_.notes.push_back(fmt::format(
           "cuDNN: the workspace of each of {} convolution call(s) per iteration is chosen on the GPU and not "
           "modelled; the forecast holds while each stays under {} (peak allocated) and {} (peak reserved): set "
           "conv_workspace, or CUDNN_CONV_WSCAP_DBG, to model one{}",
           out_.conv_calls, format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved),
-          conv_scratch_note_));
+          conv_scratch_text()));
     }
     for (int c = 0; c < kNumCategories; ++c) {
       if (r.breakdown[c] != 0) out_.breakdown[std::string(to_string(static_cast<Category>(c)))] = r.breakdown[c];
@@ -864,12 +864,12 @@ class Forecaster {
   // cuDNN runs each convolution with one workspace from the caching allocator, taken after the outputs and
   // freed when the call returns. Those CPU allocations are left out, and after each call's last remaining
   // allocation comes its workspace (conv_workspace_ bytes) or, when that is unknown, a marker where the replay
-  // measures how large it could be. Returns the CPU allocations left out of the first iteration.
-  int64_t replace_conv_scratch(Planned& p) {
+  // measures how large it could be.
+  void replace_conv_scratch(Planned& p) {
     // What to do with each entry depends on the stream's structure only, the same at every batch size: worked
     // out once (0 keep, 1 leave out, 2 keep and add the workspace after it).
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
-    if (out_.conv_calls == 0 && conv_scratch_ == 0) return 0;
+    if (out_.conv_calls == 0 && conv_scratch_ == 0) return;
     constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
     std::vector<Entry> out;
     out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls) * 2);
@@ -888,7 +888,6 @@ class Forecaster {
       }
     }
     p.entries = std::move(out);
-    return conv_scratch_;
   }
 
   void plan_conv_calls(const Planned& p) {
@@ -940,7 +939,7 @@ class Forecaster {
     }
     adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
     const int64_t sdpa_changed = adjust_attention(p);
-    const int64_t conv_scratch = replace_conv_scratch(p);
+    replace_conv_scratch(p);
     int last_optimizer_iteration = 0;
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
@@ -982,19 +981,20 @@ class Forecaster {
     }
     if (out_.conv_calls > 0) {
       out_.conv_workspace_bytes = conv_workspace_;
-      const std::string cpu = conv_scratch > 0 ? fmt::format("; the CPU kernels' scratch inside convolutions ({} "
-                                                             "allocation(s) per iteration) left out", conv_scratch)
-                                               : "";
-      if (conv_workspace_ >= 0) {
+      if (conv_workspace_ >= 0) {  // else run() notes the headroom the replay found
         out_.notes.push_back(fmt::format(
             "cuDNN: a {} workspace at each of {} convolution call(s) per iteration ({}){}", format_bytes(conv_workspace_),
             out_.conv_calls,
-            in_.conv_workspace_bytes >= 0 ? "conv_workspace" : "CUDNN_CONV_WSCAP_DBG's cap: an upper bound", cpu));
-      } else {
-        conv_headroom_note_ = true;  // completed with the replay's headroom in run()
-        conv_scratch_note_ = cpu;
+            in_.conv_workspace_bytes >= 0 ? "conv_workspace" : "CUDNN_CONV_WSCAP_DBG's cap: an upper bound",
+            conv_scratch_text()));
       }
     }
+  }
+
+  std::string conv_scratch_text() const {
+    if (conv_scratch_ == 0) return "";
+    return fmt::format("; the CPU kernels' scratch inside convolutions ({} allocation(s) per iteration) left out",
+                       conv_scratch_);
   }
 
   int64_t max_batch(bool gpu) {
@@ -1029,8 +1029,6 @@ class Forecaster {
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
   std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
   int64_t conv_scratch_ = 0;              // CPU scratch allocations left out of the first iteration
-  bool conv_headroom_note_ = false;
-  std::string conv_scratch_note_;
 };
 
 }  // namespace

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optimizer_module
 
-from ._forecast import SCHEMA_VERSION, MemoryForecast
+from ._forecast import SCHEMA_VERSION, MemoryForecast, run_forecaster
 from ._trace import _flatten, trace
 
 _ops = torch.ops.gpucast
@@ -178,11 +178,7 @@ def forecast_traced_step(t, batch: int, target: str, capacity_mb: int = 0, safet
     forecaster.add_probe(t.handle, batch)
     # Asked of the C++ trace: no JSON is built on the way from iteration 1 to iteration 2.
     device = "cuda:0" if t.peak_bytes("cuda:0") > 0 else "cpu"
-    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    text = forecaster.run(batch, _resolve_target(target), capacity_mb * 2**20, safety, device, "", alloc_conf,
-                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), [], 0.0, -1,
-                          os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
-    return MemoryForecast(**json.loads(text))
+    return run_forecaster(forecaster, batch, _resolve_target(target), capacity_mb * 2**20, safety, device, "", [])
 
 
 def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str, stacklevel: int = 2) -> bool:

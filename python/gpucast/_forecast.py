@@ -330,6 +330,17 @@ def _device_of(batch: Any) -> str:
     return str(tensors[0].device) if tensors else "cpu"
 
 
+def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safety: float, probe_device: str,
+                   parallel: str, exclude: list, conv_workspace: int = -1) -> MemoryForecast:
+    """MemoryForecaster.run with the settings PyTorch takes from the environment, read as PyTorch reads them:
+    PYTORCH_ALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF), CUBLAS_WORKSPACE_CONFIG and CUDNN_CONV_WSCAP_DBG."""
+    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    text = forecaster.run(batch, target, capacity, safety, probe_device, parallel, alloc_conf,
+                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), exclude, 0.0, conv_workspace,
+                          os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
+    return MemoryForecast(**json.loads(text))
+
+
 def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch_size: int, *,
              model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
              target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
@@ -411,8 +422,6 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             names = ", ".join(d["name"] for d in devices())
             raise ValueError(f"forecast: unknown target '{target}'; known targets: cpu, {names}")
     parallel_text = _format_parallel(parallel)
-    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
@@ -489,10 +498,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
-    text = forecaster.run(batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
-                          alloc_conf, cublas, state.own_ptrs(), 0.0,
-                          -1 if conv_workspace is None else conv_workspace, os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
-    memory = MemoryForecast(**json.loads(text))
+    memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
+                            state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
     for w in memory.warnings:
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
