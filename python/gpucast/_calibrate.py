@@ -15,7 +15,8 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     """Time all-reduces of `sizes` bytes on the initialized process group and fit a ring link to them:
     alpha_us (latency per step) and bytes_per_us; the samples themselves are kept (the forecast interpolates
     between them). Every rank must call it. A collective that does not finish within timeout_s raises instead
-    of hanging.
+    of hanging. On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
+    right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute).
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
@@ -47,19 +48,11 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
             raise TimeoutError(f"gpucast.calibrate: {what} did not complete within {timeout_s:g} s on {ranks} ranks "
                                f"({backend})")
 
-    # In rounds over the sizes (the first round a warm-up), so that a slow spell of the machine spreads over every
-    # size instead of shifting one; each size's median.
     buffers = [torch.ones(int(size) // 4, dtype=torch.float32, device=device) for size in sizes]
-    times = [[] for _ in sizes]
-    for i in range(repeats + 1):
-        for j, (size, t) in enumerate(zip(sizes, buffers)):
-            t0 = time.perf_counter()
-            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times[j].append((time.perf_counter() - t0) * 1e6)
-    samples = [(float(size), statistics.median(ts)) for size, ts in zip(sizes, times)]
+    if device.type == "cuda":
+        samples = _idle_rounds(sizes, buffers, repeats, group, wait)
+    else:
+        samples = _after_compute(sizes, buffers, repeats, group, wait, ranks)
     del buffers
     alpha, bw = torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks)
     out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
@@ -67,6 +60,57 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     if device.type == "cpu":
         out.update(_host_sharing(ranks, group, wait))
     return out
+
+
+def _idle_rounds(sizes, buffers, repeats, group, wait) -> list:
+    """Each size's median time on an otherwise idle process group (GPU collectives: the host only launches
+    them). In rounds over the sizes, the first a warm-up, so that a slow spell of the machine spreads over every
+    size instead of shifting one."""
+    times = [[] for _ in sizes]
+    for i in range(repeats + 1):
+        for j, (size, t) in enumerate(zip(sizes, buffers)):
+            t0 = time.perf_counter()
+            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
+            torch.cuda.synchronize()
+            if i:
+                times[j].append((time.perf_counter() - t0) * 1e6)
+    return [(float(size), statistics.median(ts)) for size, ts in zip(sizes, times)]
+
+
+def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> list:
+    """Each size's mean time the way a training step meets a CPU collective: every rank computes a burst of
+    matmuls first and enters the all-reduce when its own burst ends, so the ranks arrive apart and the early ones
+    sleep in the collective. Waking a sleeping thread on a host whose cores are shared (a virtual machine, other
+    processes) sometimes costs a scheduler tick, milliseconds for a collective of microseconds; a median hides
+    how often that happens, the mean carries it. Each sample is timed from the last rank's arrival where the
+    ranks share this host's monotonic clock (LOCAL_WORLD_SIZE, else the world size, equal to the world size):
+    the wait for the last rank is sync_wait_us's share, counted once. Otherwise from the rank's own arrival.
+    Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
+    sample (by default eight 256 x 256 matmuls)."""
+    a = torch.full((256, 256), 0.5)  # not random: the caller's RNG stays as it was
+    b = torch.full((256, 256), 0.25)
+
+    def matmuls() -> None:
+        for _ in range(8):
+            a @ b
+    burst = burst or matmuls
+    arrive = torch.zeros(repeats, len(sizes), dtype=torch.float64)
+    done = torch.zeros(repeats, len(sizes), dtype=torch.float64)
+    for i in range(repeats + 1):
+        for j, (size, t) in enumerate(zip(sizes, buffers)):
+            burst()
+            t0 = time.monotonic()
+            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
+            t1 = time.monotonic()
+            if i:
+                arrive[i - 1, j], done[i - 1, j] = t0, t1
+    if int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks:
+        last = arrive.clone()
+        wait(dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce of the arrivals")
+        arrive = torch.minimum(last, done)
+    total = (done - arrive).sum(dim=0)
+    wait(dist.all_reduce(total, group=group, async_op=True), "an all-reduce of the samples")
+    return [(float(size), total[j].item() / (ranks * repeats) * 1e6) for j, size in enumerate(sizes)]
 
 
 def _host_sharing(ranks: int, group, wait) -> dict:

@@ -22,6 +22,17 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank,
 if {mode!r} == "hang" and rank == 1:
     time.sleep(8)  # never joins the collective
     sys.exit(0)
+if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longer than rank 0's
+    import datetime
+    from gpucast import _calibrate
+    sizes = (2**16, 2**18, 2**20, 2**22)
+    def wait(work, what):
+        assert work.wait(datetime.timedelta(seconds=60)) is not False, what
+    samples = _calibrate._after_compute(sizes, [torch.ones(s // 4) for s in sizes], 3, None, wait, 2,
+                                        burst=lambda: time.sleep(0.2 if rank == 1 else 0.0))
+    if rank == 0:
+        print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples]}}), flush=True)
+    os._exit(0)
 try:
     r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
     out = r
@@ -44,6 +55,7 @@ def run_pair(tmp_path, mode, timeout):
     script.write_text(WORKER.format(root=str(ROOT), python=str(ROOT / "python"), port=free_port(), mode=mode,
                                     timeout=timeout))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_WORLD_SIZE", None)  # the two ranks are the world, on this host
     procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -68,6 +80,15 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
                          f"compute_contention:{r['compute_contention']},balance:{r['balance']},"
                          f"sync_wait_us:{r['sync_wait_us']}")
     assert text.count(";") == 3
+
+
+def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
+    # The samples are timed from the last rank's arrival (the ranks share this host's clock): rank 1's 200 ms
+    # delay before each all-reduce is the lag sync_wait_us accounts for, not the collective's time. Timed from
+    # rank 0's own arrival, the mean over both ranks would be at least 100 ms.
+    r = run_pair(tmp_path, "late", 60)
+    assert [s["bytes"] for s in r["samples"]] == [2**16, 2**18, 2**20, 2**22]
+    assert all(0 < s["us"] < 100e3 for s in r["samples"]), r["samples"]
 
 
 def test_a_collective_that_hangs_times_out(tmp_path):
