@@ -3,10 +3,12 @@
 CPU, one process: for the zoo and real architectures (torchvision, timm, transformers; random weights, AdamW, one
 thread), gpucast.forecast(target="cpu", time_fraction=0.25) forecasts the step time at a target batch from traced
 probes at batch 2, 4 and 8 with a quarter of the layers timed (D-optimal design; the rest from per-kind roofline
-models) and the shipped graph network's correction; then the real step is measured in the same process (3 warm-up
-iterations, then the median of --iterations, with its interquartile range). The machine is shared and its speed
-drifts: each case is forecast and measured --repeats times (the model built again each time) and the repeat with
-the median error is reported, every repeat's error beside it. Beside it, from the same probes: the
+models) and the shipped graph network's correction; the real step is measured in the same process, the median
+of --iterations with its interquartile range: half of them before the forecast (on the same model built again),
+half after it, each half after 3 warm-up iterations. The machine is shared and its speed drifts over minutes:
+bracketing the forecast centres the reference on the probes' time, and each case is forecast and measured
+--repeats times (the model built again each time) and the repeat with the median error is reported, every
+repeat's error beside it. Beside it, from the same probes: the
 forecast without the graph network (alpha = beta = 1: the ablation) and with every layer timed. These cases'
 families are in the network's training data (in-domain); out-of-domain numbers (families held out of the
 network's training) come from bench/scaledl_compare.py, run here as well unless --skip-scaledl.
@@ -15,8 +17,9 @@ Overhead: the probes' traced iteration over the same step untraced (the forecast
 cases' probes.
 
 Distributed (--ddp N): torchrun-style N processes on this machine, DDP over gloo on loopback, one thread each. Rank
-0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; then
-every rank measures the real DDP step (median of --iterations), the slowest rank's counting. The whole DDP run is
+0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; every
+rank measures the real DDP step (median of --iterations, half before the calibration on the same model built again
+and wrapped the same way, half after the forecast), the slowest rank's counting. The whole DDP run is
 repeated --ddp-repeats times in fresh processes (the machine is shared: calibration, probes and the measured step
 each vary from run to run); per case, the repeat with the median error is reported, with every repeat's error.
 
@@ -53,7 +56,8 @@ def build(name):
     return case, model, opt, zoo.make_step(model, opt, case.loss_fn)
 
 
-def measure(step, batch, iterations):
+def timed(step, batch, iterations):
+    """Milliseconds of `iterations` steps after 3 warm-up steps."""
     for _ in range(3):
         step(batch)
     ts = []
@@ -61,8 +65,12 @@ def measure(step, batch, iterations):
         t0 = time.perf_counter()
         step(batch)
         ts.append((time.perf_counter() - t0) * 1e3)
-    ts.sort()
-    q = statistics.quantiles(ts, n=4)
+    return ts
+
+
+def summary(ts):
+    """Median and interquartile range."""
+    q = statistics.quantiles(sorted(ts), n=4)
     return statistics.median(ts), q[2] - q[0]
 
 
@@ -91,10 +99,15 @@ def cpu_cases(names, iterations, fraction, repeats=1):
 def cpu_case(name, iterations, fraction):
     import gpucast
     batch = CASES[name]
+    # The measured iterations bracket the forecast (half before it, on the same model built again, half after):
+    # the machine's speed drifts over minutes, and the reference is then centred on the probes' time.
+    twin_case, twin, twin_opt, twin_step = build(name)
+    before = timed(twin_step, twin_case.make_batch(batch), iterations // 2)
+    del twin_case, twin, twin_opt, twin_step
     case, model, opt, step = build(name)
     fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
                           time_fraction=fraction)
-    measured, iqr = measure(step, case.make_batch(batch), iterations)
+    measured, iqr = summary(before + timed(step, case.make_batch(batch), iterations - iterations // 2))
     t = fc.time
     plain = fc.step_time(batch, gnn=None).step_ms  # the same timed layers, without the graph network
     every = fc.step_time(batch, time_fraction=1.0, gnn=None).step_ms
@@ -122,6 +135,14 @@ def ddp_worker(args):
     out = {}
     for name in args.ddp_cases.split(","):
         batch = CASES[name] * world  # global batch: the single-process batch per rank
+        from examples import zoo
+        # Half the measured iterations before the calibration and the forecast (the same model built again),
+        # half after: the reference is centred on the time of the calibration and the probes.
+        twin_case, twin, twin_opt, _ = build(name)
+        twin_ddp = torch.nn.parallel.DistributedDataParallel(twin)
+        before = timed(zoo.make_step(twin_ddp, twin_opt, twin_case.loss_fn), twin_case.make_batch(batch // world),
+                       args.iterations // 2)
+        del twin_case, twin, twin_opt, twin_ddp
         case, model, opt, step = build(name)
         link = gpucast.calibrate()
         fc_ms = None
@@ -131,9 +152,9 @@ def ddp_worker(args):
             fc_ms = (fc.time.step_ms, fc.time.compute_ms, fc.time.exposed_comm_ms, fc.time.comm_ms)
         dist.barrier()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        from examples import zoo
         dstep = zoo.make_step(ddp, opt, case.loss_fn)
-        measured, iqr = measure(dstep, case.make_batch(batch // world), args.iterations)
+        measured, iqr = summary(before + timed(dstep, case.make_batch(batch // world),
+                                               args.iterations - args.iterations // 2))
         t = torch.tensor([measured])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
         if rank == 0:
