@@ -83,8 +83,9 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
     sleep in the collective. Waking a sleeping thread on a host whose cores are shared (a virtual machine, other
     processes) sometimes costs a scheduler tick, milliseconds for a collective of microseconds; a median hides
     how often that happens, the mean carries it. Each sample is timed from the last rank's arrival where the
-    ranks share this host's monotonic clock (LOCAL_WORLD_SIZE, else the world size, equal to the world size):
-    the wait for the last rank is sync_wait_us's share, counted once. Otherwise from the rank's own arrival.
+    ranks share this host's monotonic clock (LOCAL_WORLD_SIZE, else the world size, equal to the world size, and
+    that clock finer than a microsecond): the wait for the last rank is sync_wait_us's share, counted once.
+    Otherwise from the rank's own arrival, on the finest clock.
     Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
     sample (by default eight 256 x 256 matmuls)."""
     a = torch.full((256, 256), 0.5)  # not random: the caller's RNG stays as it was
@@ -94,17 +95,22 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
         for _ in range(8):
             a @ b
     burst = burst or matmuls
+    shared = (int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks
+              and time.get_clock_info("monotonic").resolution <= 1e-6)
+    clock = time.monotonic if shared else time.perf_counter
     arrive = torch.zeros(repeats, len(sizes), dtype=torch.float64)
     done = torch.zeros(repeats, len(sizes), dtype=torch.float64)
     for i in range(repeats + 1):
         for j, (size, t) in enumerate(zip(sizes, buffers)):
             burst()
-            t0 = time.monotonic()
+            t0 = clock()
             wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
-            t1 = time.monotonic()
+            t1 = clock()
             if i:
                 arrive[i - 1, j], done[i - 1, j] = t0, t1
-    if int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks:
+    agreed = torch.tensor([1 if shared else 0], dtype=torch.int32)  # every rank takes the same branch
+    wait(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True), "an all-reduce of the clocks")
+    if agreed.item():
         last = arrive.clone()
         wait(dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce of the arrivals")
         arrive = torch.minimum(last, done)
