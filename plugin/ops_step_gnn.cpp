@@ -22,7 +22,8 @@ auto translate_step_gnn(F&& f) -> decltype(f()) {
   throw std::logic_error("unreachable");
 }
 
-// {"alpha", "beta", "source", "step_ms"}: step_ms = alpha * sum_layers_ms + beta * comm_ms.
+// {"alpha", "beta", "source", "step_ms", "distance", "radius"}: step_ms = alpha * sum_layers_ms + beta * comm_ms;
+// distance and radius: where the graph lies against the network's training graphs (-1: not computed, no limit).
 std::string step_correction_json(const std::string& graph_json, const std::string& weights) {
   return translate_step_gnn([&] {
     const StepGraph g = step_graph_from_json(graph_json, "graph");
@@ -30,7 +31,9 @@ std::string step_correction_json(const std::string& graph_json, const std::strin
     const nlohmann::json out = {{"alpha", c.alpha},
                                 {"beta", c.beta},
                                 {"source", c.source},
-                                {"step_ms", c.alpha * g.sum_layers_ms + c.beta * g.comm_ms}};
+                                {"step_ms", c.alpha * g.sum_layers_ms + c.beta * g.comm_ms},
+                                {"distance", c.distance},
+                                {"radius", c.radius}};
     return out.dump();
   });
 }

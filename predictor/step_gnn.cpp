@@ -430,6 +430,70 @@ struct Normaliser {
   }
 };
 
+// Where a graph lies, for the network's applicability: its global features, its nodes' mean features and the log
+// of its node count.
+constexpr int kDescriptor = kGlobalFeatures + kNodeFeatures + 1;
+
+std::vector<float> descriptor_of(const GraphFeatures& f) {
+  std::vector<float> d(f.global);
+  std::vector<double> mean(kNodeFeatures, 0.0);
+  for (int64_t i = 0; i < f.nodes; ++i) {
+    for (int j = 0; j < kNodeFeatures; ++j) mean[j] += f.node[i * kNodeFeatures + j];
+  }
+  for (int j = 0; j < kNodeFeatures; ++j) d.push_back(static_cast<float>(f.nodes ? mean[j] / f.nodes : 0.0));
+  d.push_back(static_cast<float>(std::log(std::max<int64_t>(f.nodes, 1))));
+  return d;
+}
+
+// The training graphs' standardised descriptors and their radius: the largest distance from one of them to its
+// nearest other (-1 with fewer than two graphs: no limit).
+struct Applicability {
+  std::vector<float> mean, sd;
+  std::vector<float> points;  // graphs x kDescriptor, standardised
+  double radius = -1;
+
+  int64_t count() const { return static_cast<int64_t>(points.size()) / kDescriptor; }
+
+  std::vector<float> standardise(const std::vector<float>& d) const {
+    std::vector<float> z(kDescriptor);
+    for (int j = 0; j < kDescriptor; ++j) z[j] = (d[j] - mean[j]) / sd[j];
+    return z;
+  }
+
+  // Distance from z to the nearest stored point other than `skip`.
+  double nearest(const float* z, int64_t skip = -1) const {
+    double best = std::numeric_limits<double>::infinity();
+    for (int64_t i = 0; i < count(); ++i) {
+      if (i == skip) continue;
+      double s = 0;
+      for (int j = 0; j < kDescriptor; ++j) {
+        const double d = double(z[j]) - points[i * kDescriptor + j];
+        s += d * d;
+      }
+      best = std::min(best, s);
+    }
+    return std::sqrt(best);
+  }
+
+  static Applicability fit(const std::vector<GraphFeatures>& fs) {
+    Applicability a;
+    std::vector<std::vector<float>> ds;
+    for (const auto& f : fs) ds.push_back(descriptor_of(f));
+    std::vector<const std::vector<float>*> rows;
+    for (const auto& d : ds) rows.push_back(&d);
+    Normaliser::stats(rows, kDescriptor, a.mean, a.sd);
+    for (const auto& d : ds) {
+      const std::vector<float> z = a.standardise(d);
+      a.points.insert(a.points.end(), z.begin(), z.end());
+    }
+    if (a.count() >= 2) {
+      a.radius = 0;
+      for (int64_t i = 0; i < a.count(); ++i) a.radius = std::max(a.radius, a.nearest(&a.points[i * kDescriptor], i));
+    }
+    return a;
+  }
+};
+
 // One graph's standardised tensors, ready to be concatenated into batches.
 struct GraphTensors {
   torch::Tensor x, e, src, dst, g;
@@ -512,12 +576,13 @@ json config_json(const StepGnnConfig& c) {
 
 class StepGnn {
  public:
-  StepGnn(StepGnnConfig c, int64_t members, Normaliser n, json info)
-      : net(c, members), norm(std::move(n)), info(std::move(info)) {
+  StepGnn(StepGnnConfig c, int64_t members, Normaliser n, Applicability a, json info)
+      : net(c, members), norm(std::move(n)), reach(std::move(a)), info(std::move(info)) {
     net->eval();
   }
   mutable Ensemble net;
   Normaliser norm;
+  Applicability reach;
   json info;
   mutable std::mutex mu;  // one forward at a time per loaded model
 };
@@ -528,6 +593,7 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   auto field = [&](const char* key) -> const json& { return header.field(key); };
   StepGnnConfig c;
   Normaliser n;
+  Applicability a;
   int64_t members = 0;
   try {
     members = field("members").get<int64_t>();
@@ -543,6 +609,16 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
     n.global_std = field("global_std").get<std::vector<float>>();
   } catch (const json::exception& e) {
     GPUCAST_USER_ERROR("weights file '{}': bad header field ({}){}", path, e.what(), kFix);
+  }
+  try {
+    const json& aj = field("applicability");
+    a.mean = aj.at("mean").get<std::vector<float>>();
+    a.sd = aj.at("std").get<std::vector<float>>();
+    a.points = aj.at("points").get<std::vector<float>>();
+    a.radius = aj.at("radius").get<double>();
+  } catch (const json::exception& e) {
+    GPUCAST_USER_ERROR("weights file '{}': applicability: expected an object with number lists \"mean\", \"std\" "
+                       "and \"points\" and a number \"radius\" ({}){}", path, e.what(), kFix);
   }
   if (c.d_model < 1 || c.d_model > 4096 || c.heads < 1 || c.d_model % c.heads != 0 || c.head_hidden < 1 ||
       c.head_hidden > 65536) {
@@ -566,15 +642,34 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
   check_norm("node", n.node_mean, n.node_std, kNodeFeatures);
   check_norm("edge", n.edge_mean, n.edge_std, kEdgeFeatures);
   check_norm("global", n.global_mean, n.global_std, kGlobalFeatures);
-  auto model = std::make_shared<StepGnn>(c, members, n, header.json().value("trained", json::object()));
+  check_norm("applicability", a.mean, a.sd, kDescriptor);
+  if (a.points.empty() || a.points.size() % kDescriptor != 0 ||
+      !std::all_of(a.points.begin(), a.points.end(), [](float v) { return std::isfinite(v); })) {
+    GPUCAST_USER_ERROR("weights file '{}': applicability points hold {} values, expected a positive multiple of {}, "
+                       "all finite{}", path, a.points.size(), kDescriptor, kFix);
+  }
+  if (!std::isfinite(a.radius) || (a.radius < 0 && a.radius != -1)) {
+    GPUCAST_USER_ERROR("weights file '{}': applicability radius is {}, expected at least 0, or -1 for no limit{}", path,
+                       a.radius, kFix);
+  }
+  auto model = std::make_shared<StepGnn>(c, members, n, a, header.json().value("trained", json::object()));
   load_parameters(*model->net, w, path, kFix);
   return model;
 }
 
 StepCorrection step_correction(const StepGnn& model, const StepGraph& graph) {
   validate_step_graph(graph, "step graph");
-  const GraphTensors t = tensors_of(features_of(graph), model.norm);
+  const GraphFeatures f = features_of(graph);
   StepCorrection c;
+  c.distance = model.reach.nearest(model.reach.standardise(descriptor_of(f)).data());
+  c.radius = model.reach.radius;
+  if (c.radius >= 0 && c.distance > c.radius) {
+    c.source = fmt::format("none: the step lies outside the graph network's training data (its descriptor {:.2f} from "
+                           "the nearest training step's; no training step lies farther than {:.2f} from its nearest)",
+                           c.distance, c.radius);
+    return c;
+  }
+  const GraphTensors t = tensors_of(f, model.norm);
   {
     std::lock_guard<std::mutex> lock(model.mu);
     torch::NoGradGuard ng;
@@ -747,6 +842,9 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
                             : mean_loss(ensemble, batches_of(range(ftr.size(), tall.size())), fva.size());
   r.train_loss = mean_loss(ensemble, batches_of(range(0, ftr.size())), ftr.size());
   r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Where the network may answer: around every graph it was trained or validated on.
+  const Applicability reach = Applicability::fit(fall);
+  r.radius = reach.radius;
 
   WeightsFile w;
   json h = {{"model", kStepGnnName},
@@ -762,6 +860,8 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
             {"edge_std", norm.edge_std},
             {"global_mean", norm.global_mean},
             {"global_std", norm.global_std},
+            {"applicability",
+             {{"mean", reach.mean}, {"std", reach.sd}, {"points", reach.points}, {"radius", reach.radius}}},
             {"trained",
              {{"train_graphs", train.size()}, {"val_graphs", val.size()}, {"rotate_val", o.rotate_val},
               {"seed", o.seed}, {"epochs", r.epochs},

@@ -174,6 +174,7 @@ int step_gnn_main(int argc, char** argv) {
                                       {"best_epoch", r.best_epoch},
                                       {"train_mse_log", r.train_loss},
                                       {"val_mse_log", r.val_loss},
+                                      {"applicability_radius", r.radius},
                                       {"seconds", std::round(r.train_seconds * 10) / 10},
                                       {"weights", out_path}})
                           .dump()

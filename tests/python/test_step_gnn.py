@@ -1,5 +1,6 @@
 """The step-time graph network (ScaleDL's GNN): training with `gpucast-train step-gnn` on synthetic graphs, the
 correction it recovers, the fallback to alpha = beta = 1 for missing and bad weights, and graph validation."""
+import gzip
 import json
 import math
 import os
@@ -94,7 +95,11 @@ def test_training_recovers_the_correction(trained):
     lone = dict(synthetic(4, 1)[0], edges=[], measured_ms=None)
     lone["nodes"] = lone["nodes"][:1]
     c = correction(lone, path)
-    assert c["source"] == "gnn" and 0.2 < c["alpha"] < 4.5 and 0.2 < c["beta"] < 4.5
+    assert c["distance"] > c["radius"] > 0  # one node, where the training graphs have 8 to 30: outside them
+    assert c["source"] == (f"none: the step lies outside the graph network's training data (its descriptor "
+                           f"{c['distance']:.2f} from the nearest training step's; no training step lies farther "
+                           f"than {c['radius']:.2f} from its nearest)")
+    assert (c["alpha"], c["beta"]) == (1.0, 1.0)
 
 
 def test_the_ensemble_averages_its_members(tmp_path):
@@ -170,9 +175,9 @@ def test_truncated_weights_fall_back(trained, tmp_path):
 
 
 def test_other_versions_and_models_fall_back(trained, tmp_path):
-    v3 = tmp_path / "v3.gcw"
-    rewrite_weights_header(trained[0], v3, model_version=3)
-    assert fallback_source(v3) == f"none: weights file '{v3}' holds model version 3; this gpucast reads version 2{FIX}"
+    v2 = tmp_path / "v2.gcw"
+    rewrite_weights_header(trained[0], v2, model_version=2)
+    assert fallback_source(v2) == f"none: weights file '{v2}' holds model version 2; this gpucast reads version 3{FIX}"
     other = tmp_path / "other.gcw"
     rewrite_weights_header(trained[0], other, model="bigru-transformer")
     assert fallback_source(other) == (f"none: weights file '{other}' holds model \"bigru-transformer\", expected "
@@ -187,6 +192,55 @@ def test_other_versions_and_models_fall_back(trained, tmp_path):
     rewrite_weights_header(trained[0], narrow, node_mean=[0.0] * 3)
     assert fallback_source(narrow) == (f"none: weights file '{narrow}': node normalisation has 3/11 values, expected "
                                        f"11{FIX}")
+    reach = header(trained[0])["applicability"]
+    odd = tmp_path / "odd.gcw"
+    rewrite_weights_header(trained[0], odd, applicability=dict(reach, points=reach["points"][:-1]))
+    assert fallback_source(odd) == (f"none: weights file '{odd}': applicability points hold {len(reach['points']) - 1} "
+                                    f"values, expected a positive multiple of 28, all finite{FIX}")
+    far = tmp_path / "far.gcw"
+    rewrite_weights_header(trained[0], far, applicability=dict(reach, radius=-2.5))
+    assert fallback_source(far) == (f"none: weights file '{far}': applicability radius is -2.5, expected at least 0, "
+                                    f"or -1 for no limit{FIX}")
+    bare = tmp_path / "bare.gcw"
+    rewrite_weights_header(trained[0], bare, applicability=None)
+    assert fallback_source(bare) == (f"none: weights file '{bare}': applicability: expected an object with number "
+                                     f"lists \"mean\", \"std\" and \"points\" and a number \"radius\" "
+                                     f"([json.exception.type_error.304] cannot use at() with null){FIX}")
+
+
+def two_graphs(batch_a, batch_b):
+    """Two graphs that differ in their batch only: in the network's descriptors, only log batch differs."""
+    g = synthetic(8, 1)[0]
+    g["global"] = dict(g["global"], world=1, strategy="single")
+    g["comm_ms"] = 0.0
+    return [dict(g, **{"global": dict(g["global"], batch=b)}) for b in (batch_a, batch_b)]
+
+
+def test_graphs_outside_the_training_data_get_no_correction(tmp_path):
+    # Trained on two graphs that differ only in batch (8 and 32): standardised over them, log batch is -1 and +1
+    # and every other descriptor 0, so each lies 2 from the other: the radius is 2. A batch of 16 lies 1 from
+    # both; 128 lies at (log 128 - log 16) / log 2 = 3 from the mean, 2 from the nearest (32): inside, at the
+    # radius; 256 lies 3 from 32: outside.
+    a, b = two_graphs(8, 32)
+    t, v = write_jsonl(tmp_path / "t.jsonl", [a]), write_jsonl(tmp_path / "v.jsonl", [b])
+    out = tmp_path / "two.gcw"
+    r = subprocess.run([str(TRAIN), "step-gnn", "--train", str(t), "--val", str(v), "--out", str(out), "--threads",
+                        "1", "--epochs", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["applicability_radius"] == pytest.approx(2.0, abs=1e-5)
+    assert header(out)["applicability"]["radius"] == pytest.approx(2.0, abs=1e-5)
+    for batch, distance, inside in ((8, 0.0, True), (16, 1.0, True), (32, 0.0, True), (128, 2.0, True),
+                                    (256, 3.0, False)):
+        g = dict(a, **{"global": dict(a["global"], batch=batch)})
+        c = correction(g, out)
+        assert c["distance"] == pytest.approx(distance, abs=1e-4) and c["radius"] == pytest.approx(2.0, abs=1e-5)
+        if inside:
+            assert c["source"] == "gnn", (batch, c)
+        else:
+            assert c["source"] == ("none: the step lies outside the graph network's training data (its descriptor "
+                                   "3.00 from the nearest training step's; no training step lies farther than 2.00 "
+                                   "from its nearest)")
+            assert (c["alpha"], c["beta"]) == (1.0, 1.0)
 
 
 def test_fixed_file_is_read_again(trained, tmp_path):
@@ -204,7 +258,14 @@ def test_default_weights():
     assert path.endswith(os.path.join("data", "step_gnn.gcw"))
     c = json.loads(torch.ops.gpucast.step_correction(json.dumps(GRAPH)))
     if os.path.exists(path):
-        assert c["source"] == "gnn"
+        # The shipped network answers for the steps it was trained on (the recorded dataset's steady cases) and
+        # declines a synthetic graph unlike any of them.
+        with gzip.open(ROOT / "bench" / "dataset" / "step_times.jsonl.gz", "rt") as f:
+            steady = next(r for r in map(json.loads, f) if r["measured_iqr_ms"] <= 0.10 * r["measured_ms"])
+        keys = ("family", "model", "global", "nodes", "edges", "sum_layers_ms", "comm_ms", "measured_ms")
+        known = json.loads(torch.ops.gpucast.step_correction(json.dumps({k: steady[k] for k in keys})))
+        assert known["source"] == "gnn" and known["distance"] == pytest.approx(0.0, abs=1e-4)
+        assert c["source"].startswith("none: the step lies outside the graph network's training data")
     else:  # no shipped weights yet: the correction is the identity
         assert c == {"alpha": 1.0, "beta": 1.0, "source": f"none: cannot open weights file '{path}': No such file or "
                      "directory", "step_ms": pytest.approx(GRAPH["sum_layers_ms"] + GRAPH["comm_ms"])}

@@ -10,7 +10,11 @@
 // 4.5]; 1 at zero output, where training starts). The forecast is step_ms = alpha * sum_layers_ms + beta * comm_ms;
 // training minimises the squared error of its log. A weights file holds an ensemble of such networks trained from
 // different seeds ("members"); the correction is the mean of their log alpha and log beta. Features are standardised with the training set's mean and
-// deviation, stored with the weights. This header hides torch: the plugin and the training program include it.
+// deviation, stored with the weights. So is where the training graphs lie: each graph's descriptor (its global
+// features, its nodes' mean features and log node count, standardised over the training graphs); a graph whose
+// nearest training descriptor is farther away than any training graph's nearest neighbour (the radius) lies
+// outside what the network learned, and gets no correction (alpha = beta = 1, with the distance in the source).
+// This header hides torch: the plugin and the training program include it.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +25,7 @@
 namespace gpucast {
 
 inline constexpr const char* kStepGnnName = "scaledl-gnn";
-inline constexpr int kStepGnnVersion = 2;  // 2: an ensemble of networks ("members")
+inline constexpr int kStepGnnVersion = 3;  // 2: an ensemble of networks ("members"); 3: the training graphs' place
 inline constexpr int64_t kMaxStepGnnMembers = 32;
 inline constexpr int64_t kMaxStepGraphNodes = 65536;
 inline constexpr int64_t kMaxStepGraphEdges = 1 << 20;
@@ -72,6 +76,8 @@ struct StepCorrection {
   double alpha = 1;    // scales sum_layers_ms
   double beta = 1;     // scales comm_ms
   std::string source;  // "gnn", or "none: <why the network was not used>"
+  double distance = -1;  // to the nearest training graph (standardised descriptors); -1: not computed
+  double radius = -1;    // the farthest any training graph lies from its nearest neighbour; -1: no limit
 };
 
 class StepGnn;  // the network and its normalisation
@@ -110,6 +116,7 @@ struct StepGnnTrainResult {
   double train_loss = 0;     // mean squared error of log step time of the written ensemble, training graphs
   double val_loss = 0;       // the same on the validation graphs (rotate_val: each member on the graphs it held out)
   double train_seconds = 0;
+  double radius = -1;        // the applicability radius written with the weights (-1: no limit)
 };
 
 // Trains each member from a fixed seed (deterministic given the seed and the thread count) with early stopping on
