@@ -62,6 +62,18 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     return out
 
 
+def _matmuls(count: int):
+    """A function that multiplies two 256 x 256 matrices `count` times (constant ones: the caller's RNG stays as
+    it was)."""
+    a = torch.full((256, 256), 0.5)
+    b = torch.full((256, 256), 0.25)
+
+    def run() -> None:
+        for _ in range(count):
+            a @ b
+    return run
+
+
 def _idle_rounds(sizes, buffers, repeats, group, wait) -> list:
     """Each size's median time on an otherwise idle process group (GPU collectives: the host only launches
     them). In rounds over the sizes, the first a warm-up, so that a slow spell of the machine spreads over every
@@ -88,13 +100,7 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
     Otherwise from the rank's own arrival, on the finest clock.
     Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
     sample (by default eight 256 x 256 matmuls)."""
-    a = torch.full((256, 256), 0.5)  # not random: the caller's RNG stays as it was
-    b = torch.full((256, 256), 0.25)
-
-    def matmuls() -> None:
-        for _ in range(8):
-            a @ b
-    burst = burst or matmuls
+    burst = burst or _matmuls(8)
     shared = (int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks
               and time.get_clock_info("monotonic").resolution <= 1e-6)
     clock = time.monotonic if shared else time.perf_counter
@@ -124,16 +130,11 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     rank = dist.get_rank(group)
     src = torch.full((16 << 20,), 1, dtype=torch.uint8)  # 16 MiB: beyond the caches of most cores
     dst = torch.empty_like(src)
-    a = torch.full((256, 256), 0.5)  # not random: the caller's RNG stays as it was
-    b = torch.full((256, 256), 0.25)
+    matmul = _matmuls(16)
 
     def copy() -> None:
         for _ in range(8):
             dst.copy_(src)
-
-    def matmul() -> None:
-        for _ in range(16):
-            a @ b
 
     def once(fn, active: bool) -> float:
         wait(dist.barrier(group=group, async_op=True), "a barrier")
