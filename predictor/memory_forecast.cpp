@@ -850,10 +850,22 @@ class Forecaster {
   const std::vector<int64_t>& conv_call_of() {
     if (!conv_call_of_.empty() || model_.trace->ops.empty()) return conv_call_of_;
     const std::vector<OpRecord>& ops = model_.trace->ops;
+    const int64_t n = static_cast<int64_t>(ops.size());
     conv_call_of_.assign(ops.size(), kNone);
-    for (size_t i = 0; i < ops.size(); ++i) {
-      for (int64_t j = static_cast<int64_t>(i); j >= 0 && j < static_cast<int64_t>(ops.size()); j = ops[j].parent) {
-        if (op_cost_kind(ops[j].name) == "conv") conv_call_of_[i] = j;  // the outermost one wins
+    // Each op's answer from its parent's (the outermost convolution wins), in whatever order the trace holds
+    // them: walk up to an op already answered, then answer the ops on the way down. Each op's kind is read once.
+    std::vector<char> done(ops.size(), 0);
+    std::vector<int64_t> chain;
+    for (int64_t i = 0; i < n; ++i) {
+      chain.clear();
+      for (int64_t j = i; j >= 0 && j < n && !done[j] && static_cast<int64_t>(chain.size()) <= n; j = ops[j].parent) {
+        chain.push_back(j);
+      }
+      for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+        const int64_t j = *it, parent = ops[j].parent;
+        const int64_t above = parent >= 0 && parent < n && done[parent] ? conv_call_of_[parent] : kNone;
+        conv_call_of_[j] = above != kNone ? above : op_cost_kind(ops[j].name) == "conv" ? j : kNone;
+        done[j] = 1;
       }
     }
     return conv_call_of_;
