@@ -206,8 +206,8 @@ def gnn_predict(train, test, seed: int = 0, threads: int = 1, keep: str | None =
             c = json.loads(torch.ops.gpucast.step_correction(json.dumps(graph(r)), out))
             if c["source"] == "gnn":
                 preds.append(c["alpha"] * r["sum_layers_ms"] + c["beta"] * r["comm_ms"])
-            elif c["source"].startswith("none: the step lies outside the graph network's training data"):
-                OUTSIDE.append(r["model"])  # the forecast's answer: alpha = beta = 1
+            elif c["radius"] >= 0 and c["distance"] > c["radius"]:
+                OUTSIDE.append(r["model"])  # outside its training data: the forecast's answer is alpha = beta = 1
                 preds.append(r["sum_layers_ms"] + r["comm_ms"])
             else:
                 raise SystemExit(f"graph network not applied: {c['source']}")
