@@ -50,6 +50,12 @@ double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
 
 double all_gather_us(double bytes, int64_t ranks, const Link& link) { return reduce_scatter_us(bytes, ranks, link); }
 
+double broadcast_us(double bytes, int64_t ranks, const Link& link) {
+  if (ranks <= 1 || bytes <= 0) return 0.0;
+  const double n = static_cast<double>(ranks);
+  return all_gather_us(bytes * n / (n - 1.0), ranks, link);
+}
+
 Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ranks) {
   if (samples.size() < 2) GPUCAST_USER_ERROR("fit: at least two all-reduce samples are needed, got {}", samples.size());
   if (ranks < 2) GPUCAST_USER_ERROR("fit: an all-reduce needs at least 2 ranks, got {}", ranks);

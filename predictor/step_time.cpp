@@ -736,6 +736,15 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const char* reduce_kind = sharded ? "dp_reduce_scatter" : "dp_allreduce";
   double t_end = 0;  // end of the step's compute and the communication on its critical path
 
+  // DDP's broadcast of the module's buffers from rank 0, before the step's first forward (once per step: the
+  // micro-batches under no_sync skip it); it blocks that forward. Under pipeline parallelism, a stage's share.
+  double bcast_ms = 0;
+  if (P.dp > 1 && dp_link && P.dp_mode != "fsdp" && P.broadcast_buffers && P.buffer_bytes > 0) {
+    const double bytes = static_cast<double>(P.buffer_bytes) / static_cast<double>(P.pp);
+    bcast_ms = add_comm("dp_broadcast_buffers", bytes, 0.0, broadcast_us(bytes, P.dp, *dp_link));
+    f.exposed_comm_ms += bcast_ms;
+  }
+
   if (P.pp > 1) {
     // 1F1B: fill and drain of one micro-batch through every stage, the slowest stage for the other m - 1.
     double slowest = 0, sum = 0, p2p = 0, p2p_max = 0;
@@ -743,7 +752,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       slowest = std::max(slowest, stage_fw[s] + stage_bw[s]);
       sum += stage_fw[s] + stage_bw[s];
     }
-    double t = f.other_ms;
+    double t = bcast_ms + f.other_ms;
     for (int64_t s = 0; s + 1 < P.pp; ++s) {
       if (!pp_link) break;
       const double us = pp_link->alpha_us + static_cast<double>(send_bytes[s]) / pp_link->bytes_per_us;
@@ -756,7 +765,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     f.pp_comm_ms = p2p + (m - 1) * p2p_max;
     const double pipe = sum + (m - 1) * (slowest + p2p_max) + p2p;
     f.bubble_ms = pipe - m * slowest;
-    t_end = f.other_ms + pipe;
+    t_end = bcast_ms + f.other_ms + pipe;
     f.exposed_comm_ms += f.pp_comm_ms + f.tp_comm_ms;
     if (dp_link && rank_grad > 0) {
       const double us = reduce_us(static_cast<double>(rank_grad));
@@ -779,7 +788,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const double tp_fw_total = std::accumulate(tp_fw_ms.begin(), tp_fw_ms.end(), 0.0);
   const double tp_bw_total = std::accumulate(tp_bw_ms.begin(), tp_bw_ms.end(), 0.0);
   f.exposed_comm_ms += f.tp_comm_ms;
-  double t = (m - 1) * (f.other_ms / m + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total) + f.other_ms / m;
+  double t = bcast_ms + (m - 1) * (f.other_ms / m + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total) +
+             f.other_ms / m;
   std::sort(bwd_order.begin(), bwd_order.end());
   if (P.dp > 1 && dp_link && P.dp_mode == "fsdp") {
     // Units: layers with parameters (the probes hold them whole: a unit's gather moves its full size). Each pass

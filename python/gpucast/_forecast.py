@@ -80,7 +80,9 @@ def _format_link(link: dict | str | None) -> str:
     return ",".join(f"{k}:{text(k, link[k])}" for k in keys)
 
 
-def _format_parallel(parallel: dict | None) -> str:
+def _format_parallel(parallel: dict | None, buffer_bytes: int = 0) -> str:
+    """The parallel configuration text; buffer_bytes (the model's buffers, which DDP broadcasts every step) is
+    added where the caller did not give it."""
     if not parallel:
         return ""
     if not isinstance(parallel, dict):
@@ -90,7 +92,17 @@ def _format_parallel(parallel: dict | None) -> str:
         if isinstance(v, bool):
             v = "True" if v else "False"
         out.append(f"{k}:{v}")
+    if buffer_bytes > 0 and "buffer_bytes" not in parallel:
+        out.append(f"buffer_bytes:{buffer_bytes}")
     return ",".join(out)
+
+
+def _buffer_bytes(model) -> int:
+    """Bytes of the module's buffers (BatchNorm's running statistics, ...): what DDP broadcasts before every
+    forward (broadcast_buffers=True)."""
+    if model is None or not hasattr(model, "buffers"):
+        return 0
+    return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 @dataclass
@@ -174,6 +186,7 @@ class Forecast:
     target: str = "cpu"
     optimizer_name: str = "other"
     seq_len: int | None = None  # the forecast's sequence length (probes at several lengths), or None
+    buffer_bytes: int = 0  # the model's buffers (what DDP broadcasts every step)
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",
@@ -197,7 +210,8 @@ class Forecast:
         budget = 1.0 if time_budget is None else float(time_budget)
         every = time_fraction is not None or time_budget is not None
         prior = _prior(self.target, min(fraction, budget), self.timings, every)
-        text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size, _format_parallel(parallel),
+        text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size,
+                                                    _format_parallel(parallel, self.buffer_bytes),
                                                     _format_link(link), float(time_scale), fraction,
                                                     str(design), 0, *prior,
                                                     **_gpu_pricing(self.target, self.probe_device),
@@ -226,7 +240,8 @@ class Forecast:
         def add(name, start_ms, dur_ms, tid, cat):
             events.append({"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": start_ms * 1e3,
                            "dur": max(dur_ms, 0.0) * 1e3})
-        t = 0.0
+        # The compute starts after DDP's broadcast of the buffers, where there is one.
+        t = max([c["end_ms"] for c in tm.comm if c["kind"] == "dp_broadcast_buffers"] + [0.0])
         add("other (loss, zero_grad, Python)", t, tm.other_ms, 0, "other")
         t += tm.other_ms
         for layer in tm.per_layer:
@@ -504,9 +519,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
+    buffer_bytes = _buffer_bytes(model)
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
                              time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn,
-                             seq_len=seq_len)
+                             seq_len=seq_len, buffer_bytes=buffer_bytes)
     if time_fc is not None and kernel_probes:
         time_fc.notes.insert(0, f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on "
                                 f"one thread below batch 16), the target batch runs them through mkldnn: timing "
@@ -518,7 +534,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                 f"that the fits extrapolate 4 times at most")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
-                  optimizer_name=_optimizer_name(optimizer), seq_len=seq_len)
+                  optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes)
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -742,14 +758,14 @@ def _with_seq(timing: str, length: int) -> str:
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
                    link: dict | str | None, time_scale: float = 1.0, time_fraction: float = 1.0,
                    optimizer_name: str = "other", gnn: str | None = "",
-                   seq_len: int | None = None) -> TimeForecast | None:
+                   seq_len: int | None = None, buffer_bytes: int = 0) -> TimeForecast | None:
     """The step time from the probes' timings where the probes ran on the target; for a GPU target from CPU
     probes, priced from the GPU rates table (None, with a warning, where the table has no such GPU)."""
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
     try:
-        text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel),
+        text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel, buffer_bytes),
                                                     _format_link(link), float(time_scale), float(time_fraction),
                                                     "d-optimal", 0, *_prior(target, time_fraction, timings), **pricing,
                                                     seq_len=int(seq_len or 0))

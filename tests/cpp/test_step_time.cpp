@@ -195,6 +195,47 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.topology.intra) / 1e3, 1e-9);
 }
 
+TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel = ParallelConfig::parse("dp:2,buffer_bytes:4096");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  // A pipelined broadcast of 4096 B over 2 ranks: the message once over the link and one latency step.
+  const double bc = (4096.0 / 1000.0 + 10.0) / 1e3;
+  EXPECT_NEAR(broadcast_us(4096, 2, o.topology.intra) / 1e3, bc, 1e-12);
+  ASSERT_EQ(f.comm.size(), 2u);
+  EXPECT_EQ(f.comm[0].kind, "dp_broadcast_buffers");
+  EXPECT_EQ(f.comm[0].bytes, 4096);
+  EXPECT_NEAR(f.comm[0].start_ms, 0.0, 1e-12);
+  EXPECT_NEAR(f.comm[0].end_ms, bc, 1e-12);
+  // Everything after it starts that much later: the bucket, its all-reduce, the step.
+  const double ar = allreduce_us(1200 << 10, 2, o.topology.intra) / 1e3;
+  ASSERT_EQ(f.buckets.size(), 1u);
+  EXPECT_NEAR(f.buckets[0].ready_ms, bc + 40 / 1e6 + 6.0 + 14.0, 1e-9);
+  EXPECT_NEAR(f.exposed_comm_ms, bc + ar, 1e-9);
+  EXPECT_NEAR(f.step_ms, f.compute_ms + bc + ar, 1e-9);
+  // Not with broadcast_buffers=False, nor under FSDP (buffers are synced once, at wrapping), nor on one rank.
+  for (const char* text : {"dp:2,buffer_bytes:4096,broadcast_buffers:False", "dp:2,buffer_bytes:4096,dp_mode:fsdp"}) {
+    o.parallel = ParallelConfig::parse(text);
+    for (const CommForecast& c : forecast_step_time(probes, o).comm) EXPECT_NE(c.kind, "dp_broadcast_buffers") << text;
+  }
+  o.parallel = ParallelConfig::parse("buffer_bytes:4096");
+  o.batch_size = 8;
+  EXPECT_TRUE(forecast_step_time(probes, o).comm.empty());
+  // Gradient accumulation: once per step, before the first micro-batch.
+  o.parallel = ParallelConfig::parse("dp:2,buffer_bytes:4096,micro_batches:2");
+  o.batch_size = 32;
+  int broadcasts = 0;
+  for (const CommForecast& c : forecast_step_time(probes, o).comm) broadcasts += c.kind == "dp_broadcast_buffers";
+  EXPECT_EQ(broadcasts, 1);
+  // buffer_bytes is a byte count of at least 1 (leave it out for none).
+  EXPECT_EQ(err([] { ParallelConfig::parse("dp:2,buffer_bytes:0"); }),
+            "parallel: option 'buffer_bytes' expects a positive integer, got '0'");
+}
+
 TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
   std::vector<IterationTiming> probes;
   for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));

@@ -68,6 +68,33 @@ def test_ddp_buckets_over_a_link():
                                  "communication is not counted"]
 
 
+def test_ddp_broadcasts_the_models_buffers(tmp_path):
+    case = zoo.CASES["cnn"]  # BatchNorm: running statistics and batch counts
+    model, opt, step, _ = build(case, "adamw")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffers == 1816
+    link = {"alpha_us": 20.0, "bytes_per_us": 500.0}
+    fc = gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt, parallel=dict(dp=2), link=link,
+                          gnn=None)
+    t = fc.time
+    # Before the forward, rank 0's buffers to the other rank: the bytes once over the link, one latency step.
+    bc = t.comm[0]
+    assert bc["kind"] == "dp_broadcast_buffers" and bc["bytes"] == buffers and bc["start_ms"] == 0
+    assert bc["end_ms"] == pytest.approx((buffers / 500.0 + 20.0) / 1e3)
+    assert [c["kind"] for c in t.comm[1:]] == ["dp_allreduce"] * len(t.buckets)
+    assert t.step_ms == pytest.approx(t.compute_ms + t.exposed_comm_ms)
+    off = fc.step_time(16, parallel=dict(dp=2, broadcast_buffers=False), link=link, gnn=None)
+    assert [c["kind"] for c in off.comm] == ["dp_allreduce"] * len(off.buckets)
+    assert t.step_ms - off.step_ms == pytest.approx(bc["end_ms"])
+    # Given explicitly, buffer_bytes wins over the model's.
+    given = fc.step_time(16, parallel=dict(dp=2, buffer_bytes=10**6), link=link, gnn=None)
+    assert given.comm[0]["bytes"] == 10**6
+    path = tmp_path / "ddp.json"
+    fc.save_timeline(str(path))
+    spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert spans[0]["name"] == "other (loss, zero_grad, Python)" and spans[0]["ts"] == pytest.approx(bc["end_ms"] * 1e3)
+
+
 def test_other_strategies_over_a_topology(tmp_path):
     link = "intra:pcie4,gpus_per_node:2,inter:eth-100g"
     fc = forecast(batch=32, parallel=dict(dp=2, dp_mode="fsdp"), link=link, gnn=None)

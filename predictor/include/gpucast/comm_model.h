@@ -37,6 +37,9 @@ double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm alg
 // Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
 double all_gather_us(double bytes, int64_t ranks, const Link& link);
+// Broadcast of `bytes` from one rank (pipelined along the ring): the message once over each link and N-1
+// latency steps, an all-gather of bytes * N / (N-1).
+double broadcast_us(double bytes, int64_t ranks, const Link& link);
 
 // Least-squares fit of a ring all-reduce link to measured times (weighted by 1/time, so that small and large
 // messages count alike). Throws UserError for fewer than two samples or a non-positive fit.

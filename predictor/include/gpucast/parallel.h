@@ -11,6 +11,10 @@ struct ParallelConfig {
   std::string dp_mode = "ddp";  // ddp | zero1 | zero2 | fsdp
   int64_t micro_batches = 1;    // gradient accumulation steps (and pipeline micro-batches)
   bool gradient_as_bucket_view = false;
+  // DDP (and ZeRO-1/2 over it) broadcasts the module's buffers (BatchNorm's running statistics, ...) from rank 0
+  // before the forward of every step (broadcast_buffers=True, DDP's default): buffer_bytes of them.
+  bool broadcast_buffers = true;
+  int64_t buffer_bytes = 0;
   // "dp:8,dp_mode:fsdp,micro_batches:4" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };

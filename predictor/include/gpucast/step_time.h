@@ -167,8 +167,8 @@ struct LayerForecast {
 
 // One collective or send of the forecast step, on its stream, in ms from the step's start.
 struct CommForecast {
-  std::string kind;           // dp_allreduce, dp_reduce_scatter, dp_all_gather, fsdp_all_gather,
-                              // fsdp_reduce_scatter, tp_allreduce, pp_send
+  std::string kind;           // dp_allreduce, dp_reduce_scatter, dp_all_gather, dp_broadcast_buffers,
+                              // fsdp_all_gather, fsdp_reduce_scatter, tp_allreduce, pp_send
   int64_t bytes = 0;
   double start_ms = 0;
   double end_ms = 0;
