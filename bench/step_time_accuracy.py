@@ -19,7 +19,8 @@ cases' probes.
 Distributed (--ddp N): torchrun-style N processes on this machine, DDP over gloo on loopback, one thread each. Rank
 0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; every
 rank measures the real DDP step (median of --iterations, half before the calibration on the same model built again
-and wrapped the same way, half after the forecast), the slowest rank's counting. The whole DDP run is
+and wrapped the same way, half after the forecast), the slowest rank's counting; the error against the mean of the
+steps is printed beside it, and every rank's step times are in the JSON (steps_ms). The whole DDP run is
 repeated --ddp-repeats times in fresh processes (the machine is shared: calibration, probes and the measured step
 each vary from run to run); per case, the repeat with the median error is reported, with every repeat's error.
 
@@ -153,16 +154,21 @@ def ddp_worker(args):
         dist.barrier()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         dstep = zoo.make_step(ddp, opt, case.loss_fn)
-        measured, iqr = summary(before + timed(dstep, case.make_batch(batch // world),
-                                               args.iterations - args.iterations // 2))
-        t = torch.tensor([measured])
+        steps = before + timed(dstep, case.make_batch(batch // world), args.iterations - args.iterations // 2)
+        measured, iqr = summary(steps)
+        t = torch.tensor([measured, statistics.mean(steps)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
+        every = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor(steps, dtype=torch.float64))
         if rank == 0:
-            out[name] = {"case": name, "world": world, "global_batch": batch, "measured_ms": round(t.item(), 3),
-                         "iqr_ms": round(iqr, 3), "forecast_ms": round(fc_ms[0], 3),
+            med, mean = t.tolist()
+            out[name] = {"case": name, "world": world, "global_batch": batch, "measured_ms": round(med, 3),
+                         "iqr_ms": round(iqr, 3), "measured_mean_ms": round(mean, 3), "forecast_ms": round(fc_ms[0], 3),
                          "compute_ms": round(fc_ms[1], 3), "exposed_comm_ms": round(fc_ms[2], 3),
                          "comm_ms": round(fc_ms[3], 3), "link": link,
-                         "err_pct": round(100.0 * (fc_ms[0] - t.item()) / t.item(), 2)}
+                         "err_pct": round(100.0 * (fc_ms[0] - med) / med, 2),
+                         "mean_err_pct": round(100.0 * (fc_ms[0] - mean) / mean, 2),
+                         "steps_ms": [[round(x, 3) for x in e.tolist()] for e in every]}
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps(out))
@@ -183,7 +189,10 @@ def ddp_cases(names, world, iterations, fraction, repeats=1):
               f"(IQR {r['iqr_ms']:.2f}), forecast {r['forecast_ms']:.2f} ms (compute {r['compute_ms']:.2f}, exposed "
               f"comm {r['exposed_comm_ms']:.2f} of {r['comm_ms']:.2f}; calibrated lag of the last rank "
               f"{r['link'].get('sync_wait_us', 0) / 1e3:.2f} ms), error {r['err_pct']:+.2f} % (median of "
-              f"{len(r['repeat_err_pct'])} runs: {', '.join(f'{e:+.2f}' for e in r['repeat_err_pct'])})")
+              f"{len(r['repeat_err_pct'])} runs: {', '.join(f'{e:+.2f}' for e in r['repeat_err_pct'])}); against "
+              f"the mean of the measured steps ({r['measured_mean_ms']:.2f} ms) {r['mean_err_pct']:+.2f} %; host "
+              f"contention compute x{r['link'].get('compute_contention', 1):.2f}, memory "
+              f"x{r['link'].get('memory_contention', 1):.2f}")
     return rows
 
 
