@@ -142,6 +142,8 @@ Topology Topology::parse(const std::string& text) {
                       {"ranks", F::PositiveInt, int64_t{0}, {}, "the rank count the samples were measured on"},
                       {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
                       {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
+                      {"memory_contention_samples", F::String, std::string(), {},
+                       "memory-bound slowdown by working set: BYTES/FACTOR;BYTES/FACTOR;..."},
                       {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
                       {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
                       {"sync_wait_us", F::String, std::string("0"), {},
@@ -181,36 +183,45 @@ Topology Topology::parse(const std::string& text) {
   if (cfg.was_set("samples") != cfg.was_set("ranks")) {
     GPUCAST_USER_ERROR("link: 'samples' and 'ranks' go together; got only '{}'", cfg.was_set("samples") ? "samples" : "ranks");
   }
-  if (cfg.was_set("samples")) {
-    if (!t.have_intra) GPUCAST_USER_ERROR("link: 'samples' refine an intra-node link: give alpha_us and bytes_per_us too");
-    const std::string& text = cfg.get_string("samples");
-    std::vector<CollectiveSample> samples;
+  // "A/B;A/B;...": positive number pairs, sorted by A.
+  auto pairs = [&](const char* key, const char* form) {
+    const std::string& text = cfg.get_string(key);
+    std::vector<std::pair<double, double>> out;
     size_t start = 0;
     while (start <= text.size()) {
       const size_t end = std::min(text.find(';', start), text.size());
       const std::string item = text.substr(start, end - start);
       const size_t slash = item.find('/');
-      CollectiveSample s{-1, -1};
+      double a = -1, b = -1;
       try {
         size_t u1 = 0, u2 = 0;
         if (slash != std::string::npos) {
-          s.bytes = std::stod(item.substr(0, slash), &u1);
-          s.us = std::stod(item.substr(slash + 1), &u2);
+          a = std::stod(item.substr(0, slash), &u1);
+          b = std::stod(item.substr(slash + 1), &u2);
         }
-        if (u1 != slash || u2 != item.size() - slash - 1) s.bytes = -1;
+        if (u1 != slash || u2 != item.size() - slash - 1) a = -1;
       } catch (const std::exception&) {
-        s.bytes = -1;
+        a = -1;
       }
-      if (!(s.bytes > 0) || !(s.us > 0) || !std::isfinite(s.bytes) || !std::isfinite(s.us)) {
-        GPUCAST_USER_ERROR("link: 'samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got "
-                           "'{}' in '{}'", item, text);
+      if (!(a > 0) || !(b > 0) || !std::isfinite(a) || !std::isfinite(b)) {
+        GPUCAST_USER_ERROR("link: '{}' should be {} pairs joined by ';' (positive numbers), got '{}' in '{}'", key, form,
+                           item, text);
       }
-      samples.push_back(s);
+      out.emplace_back(a, b);
       start = end + 1;
     }
-    std::sort(samples.begin(), samples.end(), [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
-    t.intra.samples = std::move(samples);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  if (cfg.was_set("samples")) {
+    if (!t.have_intra) GPUCAST_USER_ERROR("link: 'samples' refine an intra-node link: give alpha_us and bytes_per_us too");
+    for (auto [bytes, us] : pairs("samples", "BYTES/MICROSECONDS")) t.intra.samples.push_back({bytes, us});
     t.intra.sample_ranks = cfg.get_int("ranks");
+  }
+  if (cfg.was_set("memory_contention_samples")) {
+    for (auto [bytes, factor] : pairs("memory_contention_samples", "BYTES/FACTOR")) {
+      t.memory_contention_samples.push_back({bytes, factor});
+    }
   }
   t.overlap = cfg.get_bool("overlap");
   t.memory_contention = number("memory_contention", true);
@@ -218,6 +229,18 @@ Topology Topology::parse(const std::string& text) {
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
   return t;
+}
+
+double Topology::memory_contention_for(double bytes) const {
+  const auto& s = memory_contention_samples;
+  if (s.empty()) return memory_contention;
+  if (bytes <= s.front().bytes) return s.front().factor;
+  if (bytes >= s.back().bytes) return s.back().factor;
+  const auto hi = std::upper_bound(s.begin(), s.end(), bytes,
+                                   [](double b, const ContentionSample& x) { return b < x.bytes; });
+  const auto lo = hi - 1;
+  const double w = std::log(bytes / lo->bytes) / std::log(hi->bytes / lo->bytes);
+  return lo->factor + (hi->factor - lo->factor) * w;
 }
 
 const Link* Topology::link_for(int64_t ranks, int64_t stride) const {

@@ -602,21 +602,34 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
 
   // Ranks sharing one host's memory and cores run slower together than the probe ran alone: each layer by its
   // memory-bound share (bytes against FLOPs at the host's balance), the optimizer as memory-bound, the rest of
-  // the step as compute-bound.
+  // the step as compute-bound. With contention measured by working set, a layer's memory-bound share at its
+  // bytes at the target batch, the optimizer's at its bytes.
   const Topology& T = o.topology;
-  const bool contended = P.dp * P.tp * P.pp > 1 && (T.memory_contention != 1.0 || T.compute_contention != 1.0);
+  const bool by_size = !T.memory_contention_samples.empty();
+  const bool contended =
+      P.dp * P.tp * P.pp > 1 && (T.memory_contention != 1.0 || T.compute_contention != 1.0 || by_size);
+  const double bytes_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
   auto contention = [&](double flops, double bytes) {
     if (!contended) return 1.0;
     const double mem = bytes, cmp = flops / T.balance;
     const double share = mem + cmp > 0 ? mem / (mem + cmp) : 0.5;
-    return share * T.memory_contention + (1.0 - share) * T.compute_contention;
+    return share * T.memory_contention_for(bytes * bytes_scale) + (1.0 - share) * T.compute_contention;
   };
   if (contended) {
     f.other_ms *= T.compute_contention;
-    optimizer_ns *= T.memory_contention;
-    f.notes.push_back(fmt::format("ranks share the host: memory-bound work x{:.3f}, compute-bound x{:.3f} when all "
-                                  "run at once (measured by gpucast.calibrate())",
-                                  T.memory_contention, T.compute_contention));
+    optimizer_ns *= ref.optimizer_bytes > 0 ? T.memory_contention_for(ref.optimizer_bytes) : T.memory_contention;
+    if (by_size) {
+      const auto& s = T.memory_contention_samples;
+      f.notes.push_back(fmt::format(
+          "ranks share the host: memory-bound work x{:.3f} for working sets of {:.3g} MiB up to x{:.3f} from "
+          "{:.3g} MiB, compute-bound x{:.3f} when all run at once (measured by gpucast.calibrate())",
+          s.front().factor, s.front().bytes / (1 << 20), s.back().factor, s.back().bytes / (1 << 20),
+          T.compute_contention));
+    } else {
+      f.notes.push_back(fmt::format("ranks share the host: memory-bound work x{:.3f}, compute-bound x{:.3f} when all "
+                                    "run at once (measured by gpucast.calibrate())",
+                                    T.memory_contention, T.compute_contention));
+    }
   }
   if (!T.overlap && P.dp * P.tp * P.pp > 1) {
     f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "

@@ -20,7 +20,8 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
-    rank at once: slowdown factors), balance (this host's FLOP per byte from those two, which splits a layer's
+    rank at once: slowdown factors; memory_contention_samples: the copy's factor by working set, copies of
+    1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly slows down), balance (this host's FLOP per byte from those two, which splits a layer's
     time into memory- and compute-bound shares) and overlap: False where the ranks' threads fill every core
     (LOCAL_WORLD_SIZE, else the world size, times torch.get_num_threads(), against the cores this process may
     run on), so that a collective takes its cores from the compute instead of running beside it. More threads
@@ -125,16 +126,27 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
     return [(float(size), total[j].item() / (ranks * repeats) * 1e6) for j, size in enumerate(sizes)]
 
 
+_COPY_MIB = (1, 4, 16, 64)
+
+
 def _host_sharing(ranks: int, group, wait) -> dict:
     """Contention between the ranks on this host's memory and cores, and whether collectives can overlap."""
     rank = dist.get_rank(group)
-    src = torch.full((16 << 20,), 1, dtype=torch.uint8)  # 16 MiB: beyond the caches of most cores
-    dst = torch.empty_like(src)
     matmul = _matmuls(16)
 
-    def copy() -> None:
-        for _ in range(8):
-            dst.copy_(src)
+    def copier(mib: int):
+        """Copies of `mib` MiB, 128 MiB in all: a working set of 2 x mib MiB (source and destination)."""
+        src = torch.full((mib << 20,), 1, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+
+        def run() -> None:
+            for _ in range(128 // mib):
+                dst.copy_(src)
+        return run
+    # 16 MiB (memory_contention): beyond the caches of most cores. The others: what fits a core's or the shared
+    # caches beside the other ranks' hardly slows down; what spills shares the memory's bandwidth.
+    copies = {mib: copier(mib) for mib in _COPY_MIB}
+    copy = copies[16]
 
     def once(fn, active: bool) -> float:
         wait(dist.barrier(group=group, async_op=True), "a barrier")
@@ -143,16 +155,18 @@ def _host_sharing(ranks: int, group, wait) -> dict:
             fn()
         return time.perf_counter() - t0
 
-    copy(), matmul()  # warm-up
+    for fn in (*copies.values(), matmul):  # warm-up
+        fn()
     # Alone and all at once in alternation, so that a slow spell of the machine falls on both; medians.
-    runs = {k: [] for k in ("alone_copy", "all_copy", "alone_mm", "all_mm")}
+    runs = {k: [] for k in ("alone_mm", "all_mm", *(f"{m}_{w}" for m in copies for w in ("alone", "all")))}
     for _ in range(9):
-        runs["alone_copy"].append(once(copy, rank == 0))
-        runs["all_copy"].append(once(copy, True))
+        for mib, fn in copies.items():
+            runs[f"{mib}_alone"].append(once(fn, rank == 0))
+            runs[f"{mib}_all"].append(once(fn, True))
         runs["alone_mm"].append(once(matmul, rank == 0))
         runs["all_mm"].append(once(matmul, True))
-    alone_copy, all_copy, alone_mm, all_mm = (statistics.median(runs[k]) for k in
-                                              ("alone_copy", "all_copy", "alone_mm", "all_mm"))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    alone_copy, all_copy, alone_mm, all_mm = med["16_alone"], med["16_all"], med["alone_mm"], med["all_mm"]
     # How far apart the ranks finish the same work started together (a barrier, two matmul rounds each, every
     # rank at once): the last one's lag behind the average, each round's from the vector of every rank's time,
     # which all ranks hold; its median. Ranks that share cores drift apart by the scheduler's time slices; a
@@ -168,8 +182,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
         lags.append((mine.max() - mine.mean()).item())
     # Rank 0's factors, shared with every rank so that all return the same result.
-    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm,
-                      (16 * 2 * 256 ** 3 / alone_mm) / (8 * 2 * src.numel() / alone_copy)], dtype=torch.float64)
+    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)]
+                     + [med[f"{m}_all"] / med[f"{m}_alone"] for m in copies], dtype=torch.float64)
     wait(dist.broadcast(f, 0, group=group, async_op=True), "a broadcast")
     try:
         cores = len(os.sched_getaffinity(0))
@@ -179,6 +193,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     # More threads than cores share them in time: at least that factor, however the short measurement fell.
     share = local * torch.get_num_threads() / cores
     return {"memory_contention": round(max(f[0].item(), share, 1.0), 4),
+            "memory_contention_samples": [{"bytes": 2 * (m << 20), "factor": round(max(f[3 + i].item(), share, 1.0), 4)}
+                                          for i, m in enumerate(copies)],
             "compute_contention": round(max(f[1].item(), share, 1.0), 4),
             "balance": round(f[2].item(), 4), "overlap": local * torch.get_num_threads() < cores,
             "sync_wait_us": round(statistics.median(lags) * 1e6, 1),

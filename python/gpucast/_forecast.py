@@ -46,7 +46,8 @@ def devices() -> list[dict]:
 
 
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
-              "samples", "ranks", "overlap", "memory_contention", "compute_contention", "balance", "sync_wait_us")
+              "samples", "ranks", "overlap", "memory_contention", "memory_contention_samples", "compute_contention",
+              "balance", "sync_wait_us")
 
 
 def _format_link(link: dict | str | None) -> str:
@@ -69,6 +70,12 @@ def _format_link(link: dict | str | None) -> str:
             except (TypeError, KeyError, ValueError) as e:
                 raise ValueError(f"link: 'samples' should be a list of {{'bytes': ..., 'us': ...}} as "
                                  f"gpucast.calibrate() returns, got {v!r}") from e
+        if k == "memory_contention_samples" and isinstance(v, (list, tuple)):  # [{"bytes":, "factor":}, ...]
+            try:
+                return ";".join(f"{float(x['bytes']):.17g}/{float(x['factor']):.17g}" for x in v)
+            except (TypeError, KeyError, ValueError) as e:
+                raise ValueError(f"link: 'memory_contention_samples' should be a list of {{'bytes': ..., "
+                                 f"'factor': ...}} as gpucast.calibrate() returns, got {v!r}") from e
         if isinstance(v, bool):
             return "True" if v else "False"
         return v

@@ -72,6 +72,25 @@ TEST(CommModel, BadSamplesAreNamed) {
             "link: 'memory_contention' should be a positive number, got '0'");
   EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,sync_wait_us:-2"),
             "link: 'sync_wait_us' should be a non-negative number, got '-2'");
+  EXPECT_EQ(message("memory_contention_samples:2097152/1;33554432"),
+            "link: 'memory_contention_samples' should be BYTES/FACTOR pairs joined by ';' (positive numbers), got "
+            "'33554432' in '2097152/1;33554432'");
+}
+
+TEST(CommModel, MemoryContentionByWorkingSet) {
+  // Without samples: the one factor for every working set.
+  Topology t = Topology::parse("memory_contention:1.4");
+  EXPECT_EQ(t.memory_contention_for(1e3), 1.4);
+  EXPECT_EQ(t.memory_contention_for(1e12), 1.4);
+  // Samples in any order, sorted; log-linear between them, the nearest outside.
+  t = Topology::parse("memory_contention:1.4,memory_contention_samples:33554432/1.4;2097152/1;8388608/1.1");
+  ASSERT_EQ(t.memory_contention_samples.size(), 3u);
+  EXPECT_EQ(t.memory_contention_samples[0].bytes, 2097152.0);
+  EXPECT_EQ(t.memory_contention_for(1024), 1.0);
+  EXPECT_EQ(t.memory_contention_for(2097152), 1.0);
+  EXPECT_NEAR(t.memory_contention_for(4194304), 1.05, 1e-12);   // halfway in log between 2 and 8 MiB
+  EXPECT_NEAR(t.memory_contention_for(16777216), 1.25, 1e-12);  // halfway between 8 and 32 MiB
+  EXPECT_EQ(t.memory_contention_for(1e12), 1.4);
 }
 
 TEST(CommModel, FitRecoversAKnownLink) {

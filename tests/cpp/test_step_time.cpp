@@ -1,6 +1,7 @@
 // Step-time forecast over hand-built traces: per-layer times, fits over probe batches, DDP buckets.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 
 #include "gpucast/error.h"
@@ -255,6 +256,25 @@ TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
   EXPECT_NEAR(f.other_ms, 40 / 1e6 * 1.1, 1e-12);
   EXPECT_EQ(f.notes[0], "ranks share the host: memory-bound work x1.500, compute-bound x1.100 when all run at once "
                         "(measured by gpucast.calibrate())");
+  {
+    // By working set: Net.a's 100 bytes at the reference batch 8 are 200 at 16 per rank: x1.0 below 256 bytes;
+    // Net.b's memory-bound half too. The optimizer's bytes (none recorded here): memory_contention.
+    StepTimeOptions s = o;
+    s.batch_size = 32;
+    s.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,memory_contention:1.5,compute_contention:1.1,"
+                                 "balance:4,memory_contention_samples:256/1;4096/1.5");
+    const StepTimeForecast g = forecast_step_time(probes, s);
+    EXPECT_NEAR(g.per_layer[0].forward_ms, 4.0, 1e-9);             // k = 4 ms at 16 per rank
+    EXPECT_NEAR(g.per_layer[1].backward_ms, 12.0 * 1.05, 1e-9);    // half x1.0, half x1.1
+    EXPECT_NEAR(g.optimizer_ms, 500 / 1e6 * 1.5, 1e-12);
+    EXPECT_EQ(g.notes[0], "ranks share the host: memory-bound work x1.000 for working sets of 0.000244 MiB up to "
+                          "x1.500 from 0.00391 MiB, compute-bound x1.100 when all run at once (measured by "
+                          "gpucast.calibrate())");
+    // At 128 per rank the 100 bytes are 1600: x(1 + 0.5 * log(1600/256) / log(16)).
+    s.batch_size = 256;
+    const double x = 1.0 + 0.5 * std::log(1600.0 / 256.0) / std::log(16.0);
+    EXPECT_NEAR(forecast_step_time(probes, s).per_layer[0].forward_ms, 32.0 * x, 1e-9);
+  }
   // One process: nothing to contend with.
   o.parallel.dp = 1;
   o.batch_size = 8;

@@ -76,10 +76,14 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     from gpucast._forecast import _format_link
     text = _format_link(r)
     assert text.startswith(f"alpha_us:{r['alpha_us']},bytes_per_us:{r['bytes_per_us']},samples:65536/")
+    samples = ";".join(f"{s['bytes']}/{s['factor']:.17g}" for s in r["memory_contention_samples"])
+    assert [s["bytes"] for s in r["memory_contention_samples"]] == [2 << 20, 8 << 20, 32 << 20, 128 << 20]
+    assert all(s["factor"] >= 1.0 for s in r["memory_contention_samples"])
     assert text.endswith(f",ranks:2,overlap:{r['overlap']},memory_contention:{r['memory_contention']},"
+                         f"memory_contention_samples:{samples},"
                          f"compute_contention:{r['compute_contention']},balance:{r['balance']},"
                          f"sync_wait_us:{r['sync_wait_us']}")
-    assert text.count(";") == 3
+    assert text.count(";") == 3 + 3  # four all-reduce samples, four contention samples
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):

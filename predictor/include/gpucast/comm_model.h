@@ -56,6 +56,14 @@ const std::vector<Interconnect>& interconnect_table();
 // Case-insensitive; throws UserError listing the known names.
 const Interconnect& find_interconnect(const std::string& name);
 
+// How much slower memory-bound work runs with every rank at work than alone, for a working set of `bytes` per
+// rank (gpucast.calibrate(): copies of several sizes; what fits the shared caches with every rank's beside it
+// hardly slows down, what spills to memory shares its bandwidth).
+struct ContentionSample {
+  double bytes = 0.0;
+  double factor = 1.0;
+};
+
 // Where the ranks sit and what joins them. Ranks are laid out tensor-parallel innermost, then data-parallel,
 // then pipeline stages (Megatron's order); a group whose ranks span more than gpus_per_node GPUs crosses
 // nodes and runs at the inter-node link (a ring across nodes is bound by the NIC of each GPU).
@@ -73,15 +81,20 @@ struct Topology {
   double memory_contention = 1.0;
   double compute_contention = 1.0;
   double balance = 5.0;
+  // Memory-bound slowdown by working set, sorted by bytes; empty: memory_contention for every working set.
+  std::vector<ContentionSample> memory_contention_samples;
   // How much later than the average rank the last one reaches a step's first collective when the ranks share the
   // host's cores (the scheduler's time slices drift them apart while they compute): the data-parallel reductions
   // start that much later. Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double sync_wait_us = 0.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
-  // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850".
-  // Errors name the key.
+  // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850",
+  // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR). Errors name the key.
   static Topology parse(const std::string& text);
+  // The memory-bound slowdown of a working set of `bytes` per rank: between two samples linear in log(bytes),
+  // outside them the nearest; memory_contention without samples.
+  double memory_contention_for(double bytes) const;
   // The link of a group of `ranks` ranks whose members are `stride` ranks apart; nullptr when unknown.
   const Link* link_for(int64_t ranks, int64_t stride) const;
 };
