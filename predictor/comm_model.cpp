@@ -147,7 +147,9 @@ Topology Topology::parse(const std::string& text) {
                       {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
                       {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
                       {"sync_wait_us", F::String, std::string("0"), {},
-                       "the last rank's lag at a step's first collective, ranks sharing cores"}});
+                       "the last rank's lag at a step's first collective, ranks sharing cores"},
+                      {"ddp_overhead_us", F::String, std::string("0"), {},
+                       "a DDP step's cost outside backward beyond the plain module's, per step"}});
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
@@ -228,6 +230,7 @@ Topology Topology::parse(const std::string& text) {
   t.compute_contention = number("compute_contention", true);
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
+  t.ddp_overhead_us = number("ddp_overhead_us", false);
   return t;
 }
 

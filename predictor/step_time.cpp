@@ -635,6 +635,13 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "
                       "their time adds to the step");
   }
+  const bool ddp_overhead = T.ddp_overhead_us > 0 && P.dp > 1 && P.dp_mode != "fsdp";
+  if (ddp_overhead) {
+    f.notes.push_back(fmt::format("DDP costs {:.3f} ms per step outside backward beyond the plain module (its "
+                                  "wrapper, and the collectives' threads on the shared cores; measured by "
+                                  "gpucast.calibrate())",
+                                  T.ddp_overhead_us / 1e3));
+  }
   if (T.sync_wait_us > 0 && P.dp > 1 && P.dp_mode != "fsdp") {
     f.notes.push_back(fmt::format("the last rank reaches the first data-parallel reduction {:.3f} ms after the "
                                   "average one (ranks sharing cores drift apart; measured by gpucast.calibrate()): "
@@ -740,6 +747,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const bool sharded = P.dp_mode != "ddp";
   f.optimizer_ms = optimizer_ns / 1e6 * share / (sharded ? static_cast<double>(P.dp) : 1.0);
   f.other_ms *= m;
+  if (ddp_overhead) f.other_ms += T.ddp_overhead_us / 1e3;  // once per step (the reduction's aftermath)
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;
 
   // Data-parallel gradient reduction of `bytes` (all-reduce, or reduce-scatter when sharded).

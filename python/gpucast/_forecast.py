@@ -47,7 +47,7 @@ def devices() -> list[dict]:
 
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "overlap", "memory_contention", "memory_contention_samples", "compute_contention",
-              "balance", "sync_wait_us")
+              "balance", "sync_wait_us", "ddp_overhead_us")
 
 
 def _format_link(link: dict | str | None) -> str:

@@ -237,6 +237,37 @@ TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
             "parallel: option 'buffer_bytes' expects a positive integer, got '0'");
 }
 
+TEST(StepTime, DdpOverheadOutsideBackwardOncePerStep) {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel.dp = 2;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast plain = forecast_step_time(probes, o);
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,ddp_overhead_us:600");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_NEAR(f.other_ms, plain.other_ms + 0.6, 1e-12);
+  EXPECT_NEAR(f.step_ms, plain.step_ms + 0.6, 1e-9);
+  EXPECT_EQ(f.notes.back(), "DDP costs 0.600 ms per step outside backward beyond the plain module (its wrapper, and "
+                            "the collectives' threads on the shared cores; measured by gpucast.calibrate())");
+  // Once per step with gradient accumulation; not under FSDP; not on one rank.
+  o.parallel = ParallelConfig::parse("dp:2,micro_batches:2");
+  o.batch_size = 32;
+  const double with = forecast_step_time(probes, o).step_ms;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  EXPECT_NEAR(with, forecast_step_time(probes, o).step_ms + 0.6, 1e-9);
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,ddp_overhead_us:600");
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp");
+  o.batch_size = 16;
+  EXPECT_NEAR(forecast_step_time(probes, o).other_ms, plain.other_ms, 1e-12);
+  o.parallel = ParallelConfig::parse("dp:1");
+  o.batch_size = 8;
+  EXPECT_NEAR(forecast_step_time(probes, o).other_ms, 40 / 1e6, 1e-12);
+  EXPECT_EQ(test_util::user_error([] { Topology::parse("ddp_overhead_us:-1"); }),
+            "link: 'ddp_overhead_us' should be a non-negative number, got '-1'");
+}
+
 TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
   std::vector<IterationTiming> probes;
   for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));

@@ -71,7 +71,7 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert r["local_ranks"] == 2 and r["threads"] == 1 and r["cores"] == len(os.sched_getaffinity(0))
     assert r["overlap"] is (2 < r["cores"])
     assert r["memory_contention"] >= 1.0 and r["compute_contention"] >= 1.0 and r["balance"] > 0
-    assert r["sync_wait_us"] >= 0
+    assert r["sync_wait_us"] >= 0 and r["ddp_overhead_us"] >= 0
     # What the forecast reads from it: the samples, their rank count and the host keys.
     from gpucast._forecast import _format_link
     text = _format_link(r)
@@ -82,7 +82,7 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert text.endswith(f",ranks:2,overlap:{r['overlap']},memory_contention:{r['memory_contention']},"
                          f"memory_contention_samples:{samples},"
                          f"compute_contention:{r['compute_contention']},balance:{r['balance']},"
-                         f"sync_wait_us:{r['sync_wait_us']}")
+                         f"sync_wait_us:{r['sync_wait_us']},ddp_overhead_us:{r['ddp_overhead_us']}")
     assert text.count(";") == 3 + 3  # four all-reduce samples, four contention samples
 
 

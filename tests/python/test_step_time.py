@@ -196,8 +196,8 @@ def test_gpu_rates_table():
     (dict(link={"alpha": 1}), "forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() "
                               "returns) or topology keys (intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
                               "inter_alpha_us, inter_bytes_per_us, samples, ranks, overlap, memory_contention, "
-                              "memory_contention_samples, compute_contention, balance, sync_wait_us), got "
-                              "{'alpha': 1}"),
+                              "memory_contention_samples, compute_contention, balance, sync_wait_us, "
+                              "ddp_overhead_us), got {'alpha': 1}"),
     (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])

@@ -87,10 +87,15 @@ struct Topology {
   // host's cores (the scheduler's time slices drift them apart while they compute): the data-parallel reductions
   // start that much later. Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double sync_wait_us = 0.0;
+  // What a DDP step costs the ranks outside backward beyond the plain module's forward and optimizer step (the
+  // wrapper, and the collective threads' work competing for the shared cores after each reduction), per step.
+  // Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
+  double ddp_overhead_us = 0.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
   // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850",
-  // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR). Errors name the key.
+  // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR) and "ddp_overhead_us:600". Errors
+  // name the key.
   static Topology parse(const std::string& text);
   // The memory-bound slowdown of a working set of `bytes` per rank: between two samples linear in log(bytes),
   // outside them the nearest; memory_contention without samples.
