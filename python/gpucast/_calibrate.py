@@ -21,8 +21,9 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
     rank at once: slowdown factors; memory_contention_samples: the copy's factor by working set, copies of
-    1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly slows down), balance (this host's FLOP per byte from those two, which splits a layer's
-    time into memory- and compute-bound shares) and overlap: False where the ranks' threads fill every core
+    1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly slows down),
+    balance (this host's FLOP per byte from those two, which splits a layer's time into memory- and compute-bound
+    shares) and overlap: False where the ranks' threads fill every core
     (LOCAL_WORLD_SIZE, else the world size, times torch.get_num_threads(), against the cores this process may
     run on), so that a collective takes its cores from the compute instead of running beside it. More threads
     than cores set both factors to at least threads / cores (time sharing). sync_wait_us: how much later than
@@ -149,7 +150,6 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     # 16 MiB (memory_contention): beyond the caches of most cores. The others: what fits a core's or the shared
     # caches beside the other ranks' hardly slows down; what spills shares the memory's bandwidth.
     copies = {mib: copier(mib) for mib in _COPY_MIB}
-    copy = copies[16]
 
     def once(fn, active: bool) -> float:
         wait(dist.barrier(group=group, async_op=True), "a barrier")
@@ -185,7 +185,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
         lags.append((mine.max() - mine.mean()).item())
     # Rank 0's factors, shared with every rank so that all return the same result.
-    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)]
+    balance = (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)  # FLOP/s over bytes/s
+    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, balance]
                      + [med[f"{m}_all"] / med[f"{m}_alone"] for m in copies], dtype=torch.float64)
     wait(dist.broadcast(f, 0, group=group, async_op=True), "a broadcast")
     try:
@@ -196,7 +197,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     # More threads than cores share them in time: at least that factor, however the short measurement fell.
     share = local * torch.get_num_threads() / cores
     return {"memory_contention": round(max(f[0].item(), share, 1.0), 4),
-            "memory_contention_samples": [{"bytes": 2 * (m << 20), "factor": round(max(f[3 + i].item(), share, 1.0), 4)}
+            "memory_contention_samples": [{"bytes": 2 * (m << 20),
+                                           "factor": round(max(f[3 + i].item(), share, 1.0), 4)}
                                           for i, m in enumerate(copies)],
             "compute_contention": round(max(f[1].item(), share, 1.0), 4),
             "balance": round(f[2].item(), 4), "overlap": local * torch.get_num_threads() < cores,

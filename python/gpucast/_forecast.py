@@ -64,18 +64,14 @@ def _format_link(link: dict | str | None) -> str:
         raise ValueError("forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() returns) "
                          f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
     def text(k, v):
-        if k == "samples" and isinstance(v, (list, tuple)):  # what calibrate() returns: [{"bytes":, "us":}, ...]
+        # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
+        second = {"samples": "us", "memory_contention_samples": "factor"}.get(k)
+        if second and isinstance(v, (list, tuple)):
             try:
-                return ";".join(f"{float(x['bytes']):.17g}/{float(x['us']):.17g}" for x in v)
+                return ";".join(f"{float(x['bytes']):.17g}/{float(x[second]):.17g}" for x in v)
             except (TypeError, KeyError, ValueError) as e:
-                raise ValueError(f"link: 'samples' should be a list of {{'bytes': ..., 'us': ...}} as "
+                raise ValueError(f"link: '{k}' should be a list of {{'bytes': ..., '{second}': ...}} as "
                                  f"gpucast.calibrate() returns, got {v!r}") from e
-        if k == "memory_contention_samples" and isinstance(v, (list, tuple)):  # [{"bytes":, "factor":}, ...]
-            try:
-                return ";".join(f"{float(x['bytes']):.17g}/{float(x['factor']):.17g}" for x in v)
-            except (TypeError, KeyError, ValueError) as e:
-                raise ValueError(f"link: 'memory_contention_samples' should be a list of {{'bytes': ..., "
-                                 f"'factor': ...}} as gpucast.calibrate() returns, got {v!r}") from e
         if isinstance(v, bool):
             return "True" if v else "False"
         return v

@@ -207,6 +207,18 @@ def test_bad_step_time_input(kw, message):
     assert str(e.value).splitlines()[0] == message
 
 
+def test_link_sample_lists_name_their_key():
+    from gpucast._forecast import _format_link
+    assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "memory_contention_samples": [
+        {"bytes": 2097152, "factor": 1.0}, {"bytes": 33554432, "factor": 1.36}]}) == (
+        "alpha_us:1,bytes_per_us:2,memory_contention_samples:2097152/1;33554432/1.3600000000000001")
+    for key, second in (("samples", "us"), ("memory_contention_samples", "factor")):
+        with pytest.raises(ValueError) as e:
+            _format_link({"alpha_us": 1, "bytes_per_us": 2, "ranks": 2, key: [{"bytes": 1}]})
+        assert str(e.value) == (f"link: '{key}' should be a list of {{'bytes': ..., '{second}': ...}} as "
+                                "gpucast.calibrate() returns, got [{'bytes': 1}]")
+
+
 def test_more_stages_than_layers():
     layers = len(forecast(batch=32).time.per_layer)
     with pytest.raises(ValueError) as e:
