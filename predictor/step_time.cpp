@@ -608,12 +608,13 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const bool by_size = !T.memory_contention_samples.empty();
   const bool contended =
       P.dp * P.tp * P.pp > 1 && (T.memory_contention != 1.0 || T.compute_contention != 1.0 || by_size);
-  const double bytes_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
+  // Activations (and a layer's bytes) at the target micro-batch over the reference probe's.
+  const double act_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
   auto contention = [&](double flops, double bytes) {
     if (!contended) return 1.0;
     const double mem = bytes, cmp = flops / T.balance;
     const double share = mem + cmp > 0 ? mem / (mem + cmp) : 0.5;
-    return share * T.memory_contention_for(bytes * bytes_scale) + (1.0 - share) * T.compute_contention;
+    return share * T.memory_contention_for(bytes * act_scale) + (1.0 - share) * T.compute_contention;
   };
   if (contended) {
     f.other_ms *= T.compute_contention;
@@ -668,7 +669,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   };
 
   // Per layer at the micro-batch; tensor parallelism splits matmuls and embeddings and adds its all-reduces.
-  const double act_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
   int64_t total_grad = 0, split_grad = 0, matmul_with_params = 0;
   bool inside_pair = false;
   std::vector<std::pair<int64_t, size_t>> bwd_order;

@@ -169,9 +169,15 @@ TEST(StepTime, IterationTimingCountsIm2colConvolutions) {
   EXPECT_EQ(iteration_timing(make_trace(1000), 4).im2col_conv_ops, 0);
 }
 
-TEST(StepTime, DdpBucketsOverlapBackward) {
+// Probes at batch 2, 4 and 8 of make_trace with k = 250 us per sample (k = 2 ms at 8).
+std::vector<IterationTiming> linear_probes() {
   std::vector<IterationTiming> probes;
   for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  return probes;
+}
+
+TEST(StepTime, DdpBucketsOverlapBackward) {
+  std::vector<IterationTiming> probes = linear_probes();
   StepTimeOptions o;
   o.batch_size = 16;  // 8 per rank: k = 2 ms
   o.parallel.dp = 2;
@@ -197,8 +203,7 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
 }
 
 TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
-  std::vector<IterationTiming> probes;
-  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  std::vector<IterationTiming> probes = linear_probes();
   StepTimeOptions o;
   o.batch_size = 16;
   o.parallel = ParallelConfig::parse("dp:2,buffer_bytes:4096");
@@ -238,8 +243,7 @@ TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
 }
 
 TEST(StepTime, DdpOverheadOutsideBackwardOncePerStep) {
-  std::vector<IterationTiming> probes;
-  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  std::vector<IterationTiming> probes = linear_probes();
   StepTimeOptions o;
   o.batch_size = 16;
   o.parallel.dp = 2;
@@ -269,8 +273,7 @@ TEST(StepTime, DdpOverheadOutsideBackwardOncePerStep) {
 }
 
 TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
-  std::vector<IterationTiming> probes;
-  for (int64_t b : {2, 4, 8}) probes.push_back(iteration_timing(make_trace(250000 * b), b));
+  std::vector<IterationTiming> probes = linear_probes();
   for (IterationTiming& p : probes) {
     p.layers[0].flops = 0, p.layers[0].bytes = 100;   // Net.a memory-bound
     p.layers[1].flops = 400, p.layers[1].bytes = 100;  // Net.b: half and half at 4 FLOP per byte
