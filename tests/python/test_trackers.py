@@ -1,6 +1,7 @@
 """Trackers and framework callbacks, with the real libraries, read back with their own readers."""
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -107,10 +108,17 @@ def test_wandb_offline_run(tmp_path, monkeypatch):
     from wandb.proto import wandb_internal_pb2 as pb
     files = list(tmp_path.rglob("run-*.wandb"))
     assert len(files) == 1
+    # wandb's service may still be writing the file when finish() returns (now and then it holds only its
+    # header): read it once its exit record is there.
+    deadline = time.monotonic() + 30
+    while True:
+        records = [pb.Record.FromString(data) for data in wandb_log_records(files[0])]
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert any(r.WhichOneof("record_type") == "exit" for r in records), "the offline run's file has no exit record"
     config, summary, history = {}, {}, []
-    for data in wandb_log_records(files[0]):
-        rec = pb.Record()
-        rec.ParseFromString(data)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         def items(seq):
             return {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in seq}
