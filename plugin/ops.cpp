@@ -294,6 +294,20 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
           });
         });
+  m.def("median_timing(str[] runs) -> str", [](const std::vector<std::string>& runs) {
+    return gpucast::translate([&] {
+      std::vector<gpucast::IterationTiming> its;
+      its.reserve(runs.size());
+      for (size_t i = 0; i < runs.size(); ++i) {
+        try {
+          its.push_back(gpucast::iteration_timing_from_json(runs[i]));
+        } catch (const gpucast::UserError& e) {
+          GPUCAST_USER_ERROR("median_timing: run {}: {}", i, e.what());
+        }
+      }
+      return gpucast::iteration_timing_to_json(gpucast::median_timing(its));
+    });
+  });
   m.def("choose_timed_layers(str timing, float fraction, str design=\"d-optimal\", int seed=0, "
         "float time_budget=1.0) -> str[]",
         [](const std::string& timing, double fraction, const std::string& design, int64_t seed, double budget) {

@@ -307,6 +307,39 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
   return timing;
 }
 
+IterationTiming median_timing(const std::vector<IterationTiming>& runs) {
+  if (runs.empty()) GPUCAST_USER_ERROR("median timing: no runs");
+  const IterationTiming& first = runs.front();
+  for (size_t r = 1; r < runs.size(); ++r) {
+    const auto& ls = runs[r].layers;
+    for (size_t i = 0; i < std::max(ls.size(), first.layers.size()); ++i) {
+      const std::string a = i < first.layers.size() ? "'" + first.layers[i].layer + "'" : "none";
+      const std::string b = i < ls.size() ? "'" + ls[i].layer + "'" : "none";
+      if (a != b) {
+        GPUCAST_USER_ERROR("median timing: run {} is not the same step as run 0: its layer {} is {}, run 0's {} "
+                           "({} against {} layers)", r, i, b, a, ls.size(), first.layers.size());
+      }
+    }
+  }
+  auto median = [&](auto field) {
+    std::vector<double> v;
+    v.reserve(runs.size());
+    for (const IterationTiming& t : runs) v.push_back(field(t));
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  };
+  IterationTiming out = first;
+  out.wall_ns = median([](const IterationTiming& t) { return t.wall_ns; });
+  out.optimizer_ns = median([](const IterationTiming& t) { return t.optimizer_ns; });
+  out.other_ns = median([](const IterationTiming& t) { return t.other_ns; });
+  for (size_t i = 0; i < out.layers.size(); ++i) {
+    out.layers[i].forward_ns = median([i](const IterationTiming& t) { return t.layers[i].forward_ns; });
+    out.layers[i].backward_ns = median([i](const IterationTiming& t) { return t.layers[i].backward_ns; });
+  }
+  return out;
+}
+
 namespace {
 
 // Contiguous split of `cost` into `parts` stages minimizing the slowest stage (binary search on the bound).

@@ -386,9 +386,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     the batch with the communication of `parallel` as below; per_layer[i]["source"] is "gpu-table".
     Step time is measured when the probes ran on the target itself (target "cpu" with CPU batches):
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
-    one warm-up and three timed iterations untraced, then the faster of two in light traces: no shapes, no
-    memory events; FLOPs, bytes and the layer graph from the probe's full trace), evaluated at each
-    rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
+    one warm-up and three timed iterations untraced, then the element-wise median of 3 to 9 light traces, as
+    many as take about 0.1 s: no shapes, no memory events; FLOPs, bytes and the layer graph from the probe's
+    full trace), evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
     convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
     are added so that those layers are timed on the kernels the target runs; where the per-rank target is more
     than 8 times the largest probe, a timing-only probe at a quarter of it is added when the probes forecast
@@ -598,15 +598,18 @@ def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target:
 
 
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,
-                   timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: int = 2) -> str:
+                   timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: tuple = (3, 9),
+                   budget_s: float = 0.1) -> str:
     """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
     created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
     untraced iterations, `runs` timed untraced ones (their median: the untraced wall, which lets the forecast
-    take the tracer's own cost out of the traced times by op count), then `traced` iterations, each in its own
-    light trace (no shapes, no memory events: about half the tracer's cost per op), of which the one with the
-    shortest wall is kept (a pause of the machine only ever adds time). What needs shapes and allocations
-    (FLOPs, bytes, gradient and output bytes, the layer graph) comes from `structure`: the iteration timing of
-    the full trace of the same step. timed_layers: sparse timing (gpucast.trace's timed_layers)."""
+    take the tracer's own cost out of the traced times by op count), then light traces, each iteration in its own
+    (no shapes, no memory events: about half the tracer's cost per op): as many as take about budget_s at the
+    untraced wall, from traced[0] to traced[1], and of those the element-wise median (each layer's time, the
+    optimizer's, the rest of the step's and the wall: a pause of the machine in one run or two does not move it).
+    What needs shapes and allocations (FLOPs, bytes, gradient and output bytes, the layer graph) comes from
+    `structure`: the iteration timing of the full trace of the same step. timed_layers: sparse timing
+    (gpucast.trace's timed_layers)."""
     cuda = any(t.is_cuda for t in _flatten(batch, []))
 
     def once() -> int:
@@ -621,15 +624,16 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
     for _ in range(warm):
         once()
     times = sorted(once() for _ in range(runs))
-    d = None
-    for _ in range(traced):
+    untraced = times[len(times) // 2]
+    count = max(traced[0], min(traced[1], int(budget_s * 1e9 // max(untraced, 1))))
+    light = []
+    for _ in range(count):
         with trace(timed_layers=timed_layers, record_shapes=False, memory=False) as t:
             step(batch)
-        x = json.loads(t.result.handle.iteration_timing(b))
-        if d is None or x["wall_ns"] < d["wall_ns"]:
-            d = x
+        light.append(t.result.handle.iteration_timing(b))
         del t
-    d["untraced_wall_ns"] = float(times[len(times) // 2])
+    d = json.loads(torch.ops.gpucast.median_timing(light))
+    d["untraced_wall_ns"] = float(untraced)
     return torch.ops.gpucast.timing_with_structure(json.dumps(d), structure)
 
 

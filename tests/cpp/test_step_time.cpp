@@ -732,5 +732,54 @@ TEST(StepTime, ScalesBySequenceLengthFromProbesAtSeveralLengths) {
             "length recorded (forecast(..., seq_len=) records it)");
 }
 
+TEST(StepTime, TheMedianOfLightTracesTakesEachTimeApart) {
+  IterationTiming a;
+  a.batch = 8;
+  a.wall_ns = 100;
+  a.optimizer_ns = 10;
+  a.other_ns = 20;
+  a.ops_total = 7;
+  a.layers = {LayerTiming{"Net.a", 30, 40}, LayerTiming{"Net.b", 1, 2}};
+  IterationTiming b = a, c = a, d = a;
+  b.wall_ns = 500;  // a pause in this run
+  b.layers[0].forward_ns = 400;
+  b.ops_total = 9;  // not a time: the first run's
+  c.wall_ns = 90;
+  c.optimizer_ns = 12;
+  c.layers[1].backward_ns = 5;
+  d.other_ns = 26;
+  d.layers[0].backward_ns = 44;
+  const IterationTiming m3 = median_timing({a, b, c});
+  EXPECT_EQ(m3.wall_ns, 100);
+  EXPECT_EQ(m3.optimizer_ns, 10);
+  EXPECT_EQ(m3.other_ns, 20);
+  EXPECT_EQ(m3.layers[0].forward_ns, 30);
+  EXPECT_EQ(m3.layers[1].backward_ns, 2);
+  EXPECT_EQ(m3.ops_total, 7);
+  EXPECT_EQ(m3.batch, 8);
+  // An even count: the mean of the middle two.
+  const IterationTiming m4 = median_timing({a, b, c, d});
+  EXPECT_EQ(m4.wall_ns, 100);          // 90, 100, 100, 500
+  EXPECT_EQ(m4.optimizer_ns, 10);      // 10, 10, 10, 12
+  EXPECT_EQ(m4.other_ns, 20);          // 20, 20, 20, 26
+  EXPECT_EQ(m4.layers[0].forward_ns, 30);
+  EXPECT_EQ(m4.layers[0].backward_ns, 40);  // 40, 40, 40, 44
+  const IterationTiming m2 = median_timing({a, d});
+  EXPECT_EQ(m2.other_ns, 23);
+  EXPECT_EQ(m2.layers[0].backward_ns, 42);
+  EXPECT_EQ(median_timing({b}).wall_ns, 500);
+
+  EXPECT_EQ(err([] { median_timing({}); }), "median timing: no runs");
+  IterationTiming other = a;
+  other.layers[1].layer = "Net.c";
+  EXPECT_EQ(err([&] { median_timing({a, b, other}); }),
+            "median timing: run 2 is not the same step as run 0: its layer 1 is 'Net.c', run 0's 'Net.b' "
+            "(2 against 2 layers)");
+  other.layers.pop_back();
+  EXPECT_EQ(err([&] { median_timing({a, other}); }),
+            "median timing: run 1 is not the same step as run 0: its layer 1 is none, run 0's 'Net.b' "
+            "(1 against 2 layers)");
+}
+
 }  // namespace
 }  // namespace gpucast

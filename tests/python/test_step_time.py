@@ -415,6 +415,40 @@ def test_a_timing_probe_nearer_a_far_target():
     assert len(per_rank_32.timings) == 3  # 32 per rank: 4 times the largest probe
 
 
+def test_median_timing_over_light_traces():
+    def run(wall, fw):
+        return json.dumps({"batch": 4, "wall_ns": wall, "optimizer_ns": 5.0, "other_ns": 1.0, "clock": "cpu",
+                           "layers": [{"layer": "Net.fc", "forward_ns": fw, "backward_ns": 2.0, "grad_bytes": 0,
+                                       "backward_order": 0}]})
+    m = json.loads(torch.ops.gpucast.median_timing([run(10.0, 3.0), run(900.0, 700.0), run(12.0, 4.0)]))
+    assert (m["wall_ns"], m["layers"][0]["forward_ns"], m["layers"][0]["backward_ns"]) == (12.0, 4.0, 2.0)
+    with pytest.raises(ValueError) as e:
+        torch.ops.gpucast.median_timing([run(1.0, 1.0), "{}"])
+    assert str(e.value) == ("median_timing: run 1: iteration timing: not a gpucast iteration timing "
+                            "([json.exception.out_of_range.403] key 'batch' not found)")
+
+
+def test_steady_timing_takes_the_median_of_its_light_traces(monkeypatch):
+    # A probe step of about 0.1 s / 9 or less gets the most light traces; each is an iteration of its own.
+    from gpucast import _forecast
+    case = zoo.CASES["mlp"]
+    torch.manual_seed(0)
+    model = case.make_model()
+    opt = zoo.make_optimizer("sgd", model.parameters())
+    step = zoo.make_step(model, opt, case.loss_fn)
+    batch = case.make_batch(2)
+    with gpucast.trace() as t:
+        step(batch)
+    structure = t.result.handle.iteration_timing(2)
+    seen = []
+    real = torch.ops.gpucast.median_timing
+    monkeypatch.setattr(_forecast.torch.ops.gpucast, "median_timing", lambda runs: seen.append(len(runs)) or real(runs),
+                        raising=False)
+    _forecast._steady_timing(step, batch, 2, structure, budget_s=1e-9)
+    _forecast._steady_timing(step, batch, 2, structure, budget_s=1e3)
+    assert seen == [3, 9]
+
+
 def test_timing_with_structure_names_the_bad_argument():
     good = json.dumps({"batch": 1, "wall_ns": 1.0, "optimizer_ns": 0.0, "other_ns": 0.0, "clock": "cpu",
                        "layers": []})

@@ -119,6 +119,13 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch);
 // stay `timing`'s. A layer `structure` lacks keeps zero costs (the layer models then price it by its op count).
 IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
 
+// Several light traces of the same step as one: each layer's forward and backward time, the optimizer's, the rest
+// of the step's and the wall each the median over the runs (of an even count, the mean of the middle two), which
+// a pause of the machine in one run or another does not move; everything else from the first run. The runs must
+// have the same layers in the same order (the same step traced again); otherwise a UserError names the run and
+// the first layer that differs.
+IterationTiming median_timing(const std::vector<IterationTiming>& runs);
+
 // The layers of `t` to time (sparse timing): the `fraction` of them (at least one) chosen by a "d-optimal" design
 // over their cost features (layer_model.h: choose_layers_to_time) or a "random" one; in `t`'s forward order.
 // time_budget < 1 also bounds the chosen layers' share of the iteration's layer time (their forward and backward
