@@ -207,6 +207,15 @@ const bool g_cpu_hook_installed = [] {
   return install_cpu_allocator_hook(&why);
 }();
 
+// An iteration timing from an op's argument; a bad one names the op and the argument.
+IterationTiming timing_argument(const std::string& text, const std::string& op, const std::string& which) {
+  try {
+    return iteration_timing_from_json(text);
+  } catch (const UserError& e) {
+    GPUCAST_USER_ERROR("{}: {}: {}", op, which, e.what());
+  }
+}
+
 }  // namespace
 }  // namespace gpucast
 
@@ -283,15 +292,9 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("timing_with_structure(str timing, str structure) -> str",
         [](const std::string& timing, const std::string& structure) {
           return gpucast::translate([&] {
-            auto parse = [](const std::string& text, const char* which) {
-              try {
-                return gpucast::iteration_timing_from_json(text);
-              } catch (const gpucast::UserError& e) {
-                GPUCAST_USER_ERROR("timing_with_structure: {}: {}", which, e.what());
-              }
-            };
-            return gpucast::iteration_timing_to_json(
-                gpucast::with_structure(parse(timing, "timing"), parse(structure, "structure")));
+            const char* op = "timing_with_structure";
+            return gpucast::iteration_timing_to_json(gpucast::with_structure(
+                gpucast::timing_argument(timing, op, "timing"), gpucast::timing_argument(structure, op, "structure")));
           });
         });
   m.def("median_timing(str[] runs) -> str", [](const std::vector<std::string>& runs) {
@@ -299,11 +302,7 @@ TORCH_LIBRARY(gpucast, m) {
       std::vector<gpucast::IterationTiming> its;
       its.reserve(runs.size());
       for (size_t i = 0; i < runs.size(); ++i) {
-        try {
-          its.push_back(gpucast::iteration_timing_from_json(runs[i]));
-        } catch (const gpucast::UserError& e) {
-          GPUCAST_USER_ERROR("median_timing: run {}: {}", i, e.what());
-        }
+        its.push_back(gpucast::timing_argument(runs[i], "median_timing", fmt::format("run {}", i)));
       }
       return gpucast::iteration_timing_to_json(gpucast::median_timing(its));
     });

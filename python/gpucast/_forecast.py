@@ -388,8 +388,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
     one warm-up and three timed iterations untraced, then the element-wise median of 3 to 9 light traces, as
     many as take about 0.1 s: no shapes, no memory events; FLOPs, bytes and the layer graph from the probe's
-    full trace), evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's kernels; where the probes'
-    convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
+    full trace), evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's
+    kernels; where the probes' convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
     are added so that those layers are timed on the kernels the target runs; where the per-rank target is more
     than 8 times the largest probe, a timing-only probe at a quarter of it is added when the probes forecast
     its step under 1 s), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
