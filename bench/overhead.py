@@ -3,8 +3,8 @@
 For each model (GPT-style example and the CNN, AdamW, one thread):
   gpucast_ratio   traced iteration / untraced iteration; the traced time is the whole
                   `with gpucast.trace()` block: hooks, start, the iteration, stop and assembly
-  timing_ratio    the same with the light trace the forecast times its probes with
-                  (record_shapes=False, memory=False: ops, modules and clocks only)
+  timing_ratio    the same with the light trace the forecast times its probes with (record_shapes=False,
+                  memory=False, nested_ops=False: outermost ops, modules and clocks only)
   profiler_ratio  torch.profiler(record_shapes=True, profile_memory=True) block / untraced
   after_ratio     untraced iteration in a process that has imported gpucast and traced once /
                   untraced iteration in a process that never imported gpucast
@@ -71,7 +71,7 @@ def in_process(name, iters):
             step(batch)
 
     def timing():
-        with gpucast.trace(record_shapes=False, memory=False):
+        with gpucast.trace(record_shapes=False, memory=False, nested_ops=False):
             step(batch)
 
     def profiled():

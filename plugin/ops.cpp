@@ -149,6 +149,7 @@ void start(const std::string& options, const std::vector<std::string>& timed_lay
     TraceOptions o;
     o.record_shapes = cfg.get_bool("record_shapes");
     o.memory = cfg.get_bool("memory");
+    o.nested_ops = cfg.get_bool("nested_ops");
     o.max_ops = cfg.get_int("max_ops");
     o.max_events = cfg.get_int("max_events");
     o.device_timing = cfg.get_bool("device_timing");
@@ -424,6 +425,8 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("cpu_allocator_hooked() -> bool", [] { return gpucast::cpu_allocator_hook_installed(); });
   m.def("push_module(str path) -> ()", [](const std::string& p) { gpucast::push_module(p); });
   m.def("pop_module() -> ()", [] { gpucast::pop_module(); });
+  m.def("module_code(str path) -> int", [](const std::string& p) { return gpucast::module_code(p); });
+  m.def("push_module_code(int code) -> ()", [](int64_t c) { gpucast::push_module_code(c); });
   m.def("tag(int[] ptrs, str device, str category) -> ()", &gpucast::tag);
   m.def("tag_tensors(Tensor?[] tensors, str category) -> ()", &gpucast::tag_tensors);
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
@@ -449,4 +452,29 @@ TORCH_LIBRARY(gpucast, m) {
     return std::vector<std::string>{c.gpucast_version, c.torch_version, c.device, c.build_type,
                                     c.cuda_build ? "True" : "False"};
   });
+}
+
+// C entry points for the Python module hooks, which run around every module call of a traced step: a ctypes call
+// costs about a third of a dispatcher call. They never throw (a failure leaves the op unattributed, not the
+// training job stopped) and never touch Python objects.
+extern "C" {
+__attribute__((visibility("default"))) int64_t gpucast_module_code(const char* path) noexcept {
+  try {
+    return path == nullptr ? -1 : gpucast::module_code(path);
+  } catch (...) {
+    return -1;
+  }
+}
+__attribute__((visibility("default"))) void gpucast_push_module_code(int64_t code) noexcept {
+  try {
+    gpucast::push_module_code(code);
+  } catch (...) {
+  }
+}
+__attribute__((visibility("default"))) void gpucast_pop_module() noexcept {
+  try {
+    gpucast::pop_module();
+  } catch (...) {
+  }
+}
 }

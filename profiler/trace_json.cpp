@@ -155,6 +155,7 @@ std::string trace_to_json(const Trace& trace, int indent) {
                    {"fwd_thread", op.fwd_thread},
                    {"parent", op.parent},
                    {"depth", op.depth},
+                   {"nested", op.nested},
                    {"start_ns", op.start_ns},
                    {"end_ns", op.end_ns},
                    {"start_seq", op.start_seq},
@@ -271,6 +272,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     op.fwd_thread = r.get_or<uint64_t>(o, "fwd_thread", w, 0);
     op.parent = r.get_or<int64_t>(o, "parent", w, -1);
     op.depth = r.get_or<int32_t>(o, "depth", w, 0);
+    op.nested = r.get_or<int64_t>(o, "nested", w, 0);
     op.start_ns = r.get<int64_t>(o, "start_ns", w);
     op.end_ns = r.get<int64_t>(o, "end_ns", w);
     op.start_seq = r.get_or<uint64_t>(o, "start_seq", w, 0);

@@ -60,6 +60,7 @@ struct RawOp {
   uint64_t start_seq = 0, end_seq = 0;
   uint32_t inputs = 0, n_inputs = 0;    // range in ThreadState::values
   uint32_t outputs = 0, n_outputs = 0;
+  int64_t nested = 0;  // ops inside it counted, not recorded (TraceOptions::nested_ops false)
 };
 struct RawEvent {
   uint64_t seq;
@@ -105,6 +106,7 @@ struct OpenOp {
   uint64_t handle;
   bool backward;   // opened a backward region
   bool optimizer;  // opened an optimizer region
+  bool encloses;   // an op call, backward node or optimizer step: without nested_ops, ops inside it are counted
 };
 
 // A thread's buffer lock: taken by its own thread around each record (uncontended: one exchange and one store),
@@ -338,6 +340,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     ThreadState* ts = thread_state();
     Locked lock(ts);
     if (!lock) return nullptr;
+    if (!s.options.nested_ops && !ts->stack.empty() && ts->stack.back().encloses && fn.seqNr() < 0) {
+      ++ts->rec.ops[ts->stack.back().index].nested;
+      return nullptr;
+    }
     if (s.op_count.fetch_add(1, std::memory_order_relaxed) >= s.options.max_ops) {
       s.dropped_ops.fetch_add(1, std::memory_order_relaxed);
       return nullptr;
@@ -372,7 +378,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, op.device_timed);
       if (op.device_timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
     }
-    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer});
+    // What encloses the ops inside it: an op call (but not the autograd engine's record around a backward node,
+    // which holds the node), a backward node, an optimizer step.
+    const bool encloses = (op.scope == Scope::Function && !backward) || op.scope == Scope::BackwardFunction || optimizer;
+    ts->stack.push_back(OpenOp{index, fn.handle(), backward, optimizer, encloses});
     op.start_ns = now_ns();
     op.start_seq = s.seq.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
@@ -385,15 +394,15 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   TracerState& s = state();
   if (!s.active.load(std::memory_order_acquire) || tls_state == nullptr) return;
   try {
-    const int64_t t = now_ns();
-    const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
     ThreadState* ts = tls_state;
     Locked lock(ts);
     if (!lock) return;
     auto& stack = ts->stack;
     size_t pos = stack.size();
     while (pos > 0 && stack[pos - 1].handle != fn.handle()) --pos;
-    if (pos == 0) return;  // not ours (skipped, dropped, or started before this trace)
+    if (pos == 0) return;  // not ours (counted in an enclosing op, skipped, dropped, or started before this trace)
+    const int64_t t = now_ns();
+    const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
     // Close it and anything left open above it.
     while (stack.size() >= pos) {
       const OpenOp open = stack.back();
@@ -608,6 +617,7 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
     op.parent = r.parent;
     op.depth = r.depth;
     op.bwd_node = r.bwd_node;
+    op.nested = r.nested;
     op.start_ns = r.start_ns;
     op.start_seq = r.start_seq;
     op.complete = r.complete;
@@ -702,30 +712,34 @@ Trace stop_trace() { return stop_recording().trace(); }
 bool trace_active() { return state().active.load(); }
 int installed_callbacks() { return state().installed.load(); }
 
-void push_module(const std::string& path) {
+int64_t module_code(const std::string& path) {
   TracerState& s = state();
-  if (!s.active.load(std::memory_order_acquire)) return;
+  if (!s.active.load(std::memory_order_acquire)) return -1;
+  std::lock_guard<std::mutex> g(s.mu);
+  const bool timed = s.timed.layer_timed(path);
+  auto it = s.module_ids.find(path);
   int32_t id;
-  bool timed;
-  {
-    std::lock_guard<std::mutex> g(s.mu);
-    timed = s.timed.layer_timed(path);
-    auto it = s.module_ids.find(path);
-    if (it == s.module_ids.end()) {
-      id = static_cast<int32_t>(s.module_names.size());
-      s.module_names.push_back(path);
-      s.module_ids.emplace(path, id);
-    } else {
-      id = it->second;
-    }
+  if (it == s.module_ids.end()) {
+    id = static_cast<int32_t>(s.module_names.size());
+    s.module_names.push_back(path);
+    s.module_ids.emplace(path, id);
+  } else {
+    id = it->second;
   }
+  return int64_t{id} * 2 + (timed ? 1 : 0);
+}
+
+void push_module_code(int64_t code) {
+  if (code < 0 || !state().active.load(std::memory_order_acquire)) return;
   ThreadState* ts = thread_state();
   Locked lock(ts);
   if (lock) {
-    ts->modules.push_back(id);
-    ts->module_timed.push_back(timed ? 1 : 0);
+    ts->modules.push_back(static_cast<int32_t>(code / 2));
+    ts->module_timed.push_back(static_cast<char>(code % 2));
   }
 }
+
+void push_module(const std::string& path) { push_module_code(module_code(path)); }
 
 void pop_module() {
   if (!state().active.load(std::memory_order_acquire)) return;

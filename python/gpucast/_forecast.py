@@ -9,6 +9,7 @@ import copy
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -602,11 +603,14 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
                    budget_s: float = 0.1) -> str:
     """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
     created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
-    untraced iterations, `runs` timed untraced ones (their median: the untraced wall, which lets the forecast
-    take the tracer's own cost out of the traced times by op count), then light traces, each iteration in its own
-    (no shapes, no memory events: about half the tracer's cost per op): as many as take about budget_s at the
-    untraced wall, from traced[0] to traced[1], and of those the element-wise median (each layer's time, the
-    optimizer's, the rest of the step's and the wall: a pause of the machine in one run or two does not move it).
+    untraced iterations (the last one's time sizes what follows), then untraced and traced iterations in
+    alternation, as many of each, so that a slow spell of the machine falls on both: the untraced ones' median is
+    the untraced wall, which lets the forecast take the tracer's own cost out of the traced times by op count
+    (at least `runs` of them). The traced ones are light traces, each iteration in its own (no shapes, no memory
+    events, and ops nested in another op counted in it instead of recorded: a fraction of the tracer's cost per
+    op): as many as take about budget_s at the untraced wall, from traced[0] to traced[1], and of those the
+    element-wise median (each layer's time, the optimizer's, the rest of the step's and the wall: a pause of the
+    machine in one run or two does not move it).
     What needs shapes and allocations (FLOPs, bytes, gradient and output bytes, the layer graph) comes from
     `structure`: the iteration timing of the full trace of the same step. timed_layers: sparse timing
     (gpucast.trace's timed_layers)."""
@@ -621,19 +625,20 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
             torch.cuda.synchronize()
         return time.perf_counter_ns() - t0
 
-    for _ in range(warm):
-        once()
-    times = sorted(once() for _ in range(runs))
-    untraced = times[len(times) // 2]
-    count = max(traced[0], min(traced[1], int(budget_s * 1e9 // max(untraced, 1))))
-    light = []
-    for _ in range(count):
-        with trace(timed_layers=timed_layers, record_shapes=False, memory=False) as t:
-            step(batch)
-        light.append(t.result.handle.iteration_timing(b))
-        del t
+    first = 0
+    for _ in range(max(1, warm)):  # the last warm-up's time sizes the number of traces
+        first = once()
+    count = max(traced[0], min(traced[1], int(budget_s * 1e9 // max(first, 1))))
+    times, light = [], []
+    for _ in range(max(count, runs)):
+        times.append(once())
+        if len(light) < count:
+            with trace(timed_layers=timed_layers, record_shapes=False, memory=False, nested_ops=False) as t:
+                step(batch)
+            light.append(t.result.handle.iteration_timing(b))
+            del t
     d = json.loads(torch.ops.gpucast.median_timing(light))
-    d["untraced_wall_ns"] = float(untraced)
+    d["untraced_wall_ns"] = float(statistics.median(times))
     return torch.ops.gpucast.timing_with_structure(json.dumps(d), structure)
 
 

@@ -6,6 +6,7 @@ state and inputs (module and optimizer hooks), handed to C++ as tags.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from types import SimpleNamespace
@@ -57,10 +58,35 @@ def _flatten(obj: Any, out: list) -> list:
     return out
 
 
+_MODULE_CALLS: tuple | None = None
+
+
+def _module_calls(use_c: bool = True) -> tuple:
+    """(module_code, push_module_code, pop_module): the module hooks' calls into the running trace. The library's
+    C entry points through ctypes (PyDLL: the GIL stays held, the calls touch no Python object), about a third of
+    a dispatcher call's cost, which the hooks pay around every module call; the dispatcher ops where the library's
+    symbols cannot be reached (use_c False: the same)."""
+    global _MODULE_CALLS
+    if not use_c:
+        return _ops.module_code, _ops.push_module_code, _ops.pop_module
+    if _MODULE_CALLS is None:
+        try:
+            from ._loader import load
+            lib = ctypes.PyDLL(load())
+            code, push, pop = lib.gpucast_module_code, lib.gpucast_push_module_code, lib.gpucast_pop_module
+            code.argtypes, code.restype = [ctypes.c_char_p], ctypes.c_int64
+            push.argtypes, push.restype = [ctypes.c_int64], None
+            pop.argtypes, pop.restype = [], None
+            _MODULE_CALLS = (lambda path: code(path.encode()), push, pop)
+        except (OSError, AttributeError):
+            _MODULE_CALLS = _module_calls(use_c=False)
+    return _MODULE_CALLS
+
+
 class _Hooks:
     """Global module and optimizer hooks installed for the duration of one trace."""
 
-    def __init__(self, module_paths: bool, tags: bool = True):
+    def __init__(self, module_paths: bool, tags: bool = True, calls: tuple | None = None):
         self._local = threading.local()
         self._tags = tags  # tags categorize memory events: without them (memory off), no tagging at all
         self._paths: dict[int, dict[int, str]] = {}
@@ -68,6 +94,8 @@ class _Hooks:
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._handles: list = []
         self._module_paths = module_paths
+        self._code, self._push, self._pop = calls or _module_calls()
+        self._codes: dict[str, int] = {}  # module path -> its code in this trace
 
     def _stack(self) -> list:
         st = getattr(self._local, "stack", None)
@@ -93,22 +121,42 @@ class _Hooks:
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         st = self._stack()
+        if st and st[0][0] is module:
+            # The outermost module called again while its entries are still open: an exception left its last
+            # forward (the post hooks run on a normal return only).
+            self._unwind(st, 0)
         if not st and self._tags:
             _tag(_flatten(args, []), "input")
         path = self._path_of(module)
-        st.append((module, path))
+        code = -1
+        if self._module_paths:
+            code = self._codes.get(path, -2)
+            if code == -2:
+                code = self._codes[path] = self._code(path)
+            if code >= 0:
+                self._push(code)
+        st.append((module, path, code))
         if self._tags and id(module) not in self._seen:
             self._seen[id(module)] = module
             _tag(module._parameters.values(), "parameter")
-        if self._module_paths:
-            _ops.push_module(path)
+
+    def _unwind(self, st: list, i: int) -> None:
+        """Close the entries from position i up (in the trace too while it runs)."""
+        while len(st) > i:
+            if st.pop()[2] >= 0 and self._module_paths:
+                self._pop()
+
+    def close(self) -> None:
+        """The trace has stopped: hooks left installed (inert) push and pop nothing in later traces, whose
+        module codes differ."""
+        self._module_paths = False
 
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         st = self._stack()
-        if st and st[-1][0] is module:
-            st.pop()
-            if self._module_paths:
-                _ops.pop_module()
+        for i in range(len(st) - 1, -1, -1):
+            if st[i][0] is module:  # above it: modules an exception left, caught inside this one's forward
+                self._unwind(st, i)
+                return
 
     def optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizers[id(optimizer)] = optimizer
@@ -126,7 +174,9 @@ class _Hooks:
         m = torch.nn.modules.module
         self._handles = [
             m.register_module_forward_pre_hook(self.pre),
-            m.register_module_forward_hook(self.post, always_call=True),
+            # Not always_call: the post hook then costs a tenth as much; an exception's open entries are closed
+            # by the next post hook of an enclosing module, or the next call of the outermost one (pre).
+            m.register_module_forward_hook(self.post),
         ]
         if self._tags:  # these hooks run inside the optimizer step's record: only where they are needed
             self._handles += [
@@ -339,6 +389,7 @@ class trace:
         try:
             self._hooks.tag_final()
         finally:
+            self._hooks.close()
             if unhook:
                 self._hooks.remove()
             self._trace = Trace(_ops.stop_trace())

@@ -431,6 +431,28 @@ TEST(StepTime, LayerGraphEdgesCarryTheBytesPassed) {
             "iteration timing: edge 0 -> 1 names a layer that is not there (0 layers)");
 }
 
+TEST(StepTime, OpsCountedInAnEnclosingOpCountInItsUnit) {
+  Trace t = make_trace(1000);
+  const IterationTiming every = iteration_timing(t, 8);
+  int64_t outermost = -1;  // the last iteration's first layer op
+  for (const OpRecord& op : t.ops) {
+    if (op.parent < 0 && op.phase == Phase::Forward && op.scope == Scope::Function && !op.module.empty() &&
+        (outermost < 0 || t.ops[static_cast<size_t>(outermost)].module == op.module)) {
+      outermost = op.id;
+    }
+  }
+  ASSERT_GE(outermost, 0);
+  t.ops[static_cast<size_t>(outermost)].nested = 5;  // a trace without nested ops counted five inside it
+  const IterationTiming counted = iteration_timing(t, 8);
+  EXPECT_EQ(counted.ops_total, every.ops_total + 5);
+  int64_t fwd_every = 0, fwd_counted = 0;
+  for (const LayerTiming& l : every.layers) fwd_every += l.forward_ops_all;
+  for (const LayerTiming& l : counted.layers) fwd_counted += l.forward_ops_all;
+  EXPECT_EQ(fwd_counted, fwd_every + 5);
+  EXPECT_EQ(counted.optimizer_ops, every.optimizer_ops);
+  EXPECT_EQ(counted.other_ops, every.other_ops);
+}
+
 TEST(StepTime, TimesFromALightTraceTakeTheStructureOfTheFullOne) {
   const IterationTiming full = iteration_timing(make_trace(1000, 1 << 20), 8);
   Trace light_trace = make_trace(3000);  // no shapes, no memory events
@@ -449,8 +471,10 @@ TEST(StepTime, TimesFromALightTraceTakeTheStructureOfTheFullOne) {
   structure.layers[0].bytes = 456;
   structure.layers[0].ops = 3;
   structure.layers[0].cost_kind = "matmul";
+  structure.im2col_conv_ops = 2;  // seen in the full trace's nested ops, which a light trace may only count
 
   const IterationTiming m = with_structure(light, structure);
+  EXPECT_EQ(m.im2col_conv_ops, 2);
   ASSERT_EQ(m.layers.size(), 3u);
   EXPECT_EQ(m.layers[0].layer, "Net.a");
   EXPECT_EQ(m.layers[1].layer, "Net.b");

@@ -100,3 +100,92 @@ def test_a_light_trace_keeps_paths_and_links_without_tags_or_optimizer_hooks():
     assert paths == sorted({o.module for o in full.ops if o.module}) and "MLP.net.0" in paths
     bwd = [o for o in t.ops if o.scope == "backward_function"]
     assert bwd and all(o.fwd_op >= 0 for o in bwd if o.name == "AddmmBackward0")
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_a_trace_without_nested_ops_counts_them_in_the_enclosing_op(name):
+    """nested_ops=False (the forecast's timing traces): only the outermost ops of each call, backward node and
+    optimizer step are recorded, plus the ops autograd links backward nodes to; the others are counted in the
+    op that encloses them. The iteration's op counts, per layer and phase, equal those of a trace of every op, and
+    every backward node links to the same layer."""
+    from gpucast._trace import trace as Trace
+    model, opt, step, batch = build(CASES[name], "adamw")
+    step(batch)
+    with Trace(memory=False, record_shapes=False) as every:
+        step(batch)
+    with Trace(memory=False, record_shapes=False, nested_ops=False) as outer:
+        step(batch)
+    e, o = every.result.handle, outer.result.handle
+    assert o.num_ops() < e.num_ops() / 2
+    assert sum(1 + x.nested for x in outer.ops) == e.num_ops() and all(x.nested == 0 for x in every.ops)
+    recorded = {(x.name, x.module, x.phase) for x in outer.ops}
+    for x in every.ops:
+        if x.parent < 0 or x.seq_nr >= 0:  # outermost, or linked to by a backward node: recorded
+            assert (x.name, x.module, x.phase) in recorded, (x.id, x.name)
+    import json
+    te, to = json.loads(e.iteration_timing(8)), json.loads(o.iteration_timing(8))
+    for key in ("ops_total", "optimizer_ops", "other_ops"):
+        assert te[key] == to[key], key
+    assert [(l["layer"], l["forward_ops_all"], l["backward_ops_all"]) for l in te["layers"]] == \
+           [(l["layer"], l["forward_ops_all"], l["backward_ops_all"]) for l in to["layers"]]
+    nodes = lambda t: sorted((x.name, x.module) for x in t.ops if x.scope == "backward_function")
+    assert nodes(outer) == nodes(every)
+    assert "nested_ops" in gpucast.trace_options()
+
+
+class _Catches(torch.nn.Module):
+    """A forward that calls a child which raises, catches the error, then runs another child."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad = _Raises()
+        self.good = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        try:
+            self.bad(x)
+        except ValueError:
+            pass
+        return self.good(x)
+
+
+class _Raises(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.fail = True
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.fail:
+            raise ValueError("raised inside a module's forward")
+        return y
+
+
+@pytest.mark.parametrize("use_c", [True, False], ids=["ctypes", "dispatcher"])
+def test_module_scopes_close_after_an_exception(use_c):
+    """The post hooks run on a normal return only: an exception's open module entries are closed by the next
+    post hook of an enclosing module, or by the next call of the outermost module (a training loop that catches
+    the error and runs the model again). Both ways of calling the library (its C entry points through ctypes,
+    the dispatcher ops as the fallback) attribute the same."""
+    from gpucast import _trace
+    old = _trace._module_calls
+    _trace._module_calls = lambda: old(use_c)
+    try:
+        m = _Catches()
+        r = _Raises()
+        x = torch.ones(2, 4)
+        with gpucast.trace(memory=False) as t:
+            m(x)
+            with pytest.raises(ValueError):
+                r(x)  # the outermost module raises: its entry stays open until it is called again
+            r.fail = False
+            r(x)
+            m(x)
+            torch.relu(x)  # outside every module
+    finally:
+        _trace._module_calls = old
+    linears = [(o.module) for o in t.ops if o.name == "aten::linear"]
+    assert linears == ["_Catches.bad.inner", "_Catches.good", "_Raises.inner", "_Raises.inner",
+                       "_Catches.bad.inner", "_Catches.good"]
+    assert [o.module for o in t.ops if o.name == "aten::relu"] == [""]

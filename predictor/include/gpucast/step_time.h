@@ -79,7 +79,7 @@ struct IterationTiming {
   std::vector<LayerTiming> layers;  // in forward order
   std::vector<LayerEdge> edges;     // the layer graph, sorted by (src, dst)
   std::string clock;          // "device" when device times were recorded, else "cpu"
-  int64_t ops_total = 0;      // recorded ops in the iteration
+  int64_t ops_total = 0;      // ops in the iteration (recorded, and counted in them: OpRecord::nested)
   int64_t optimizer_ops = 0;
   int64_t other_ops = 0;
   // The same step run without the tracer (wall time, measured by the caller; -1: not measured). The tracer's

@@ -76,6 +76,7 @@ struct OpRecord {
   int64_t fwd_op = -1;     // backward: the linked forward op (node's own link, inherited inside it)
   int64_t bwd_node = -1;   // ops inside a backward node: that node
   int64_t device_ns = -1;  // device time of the work it launched (CUPTI or CUDA events); -1 if not timed
+  int64_t nested = 0;      // ops inside it that were counted, not recorded (a trace without nested_ops)
   std::vector<Value> inputs;
   std::vector<Value> outputs;
 };

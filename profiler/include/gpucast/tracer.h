@@ -18,6 +18,10 @@ namespace gpucast {
 struct TraceOptions {
   bool record_shapes = true;
   bool memory = true;
+  // false: ops nested in another op are counted in it (OpRecord::nested), not recorded, unless autograd may link
+  // a backward node to them (a sequence number); the outermost ops of each call, backward node and optimizer step
+  // are. For timing traces, whose cost is then about that of the outermost ops.
+  bool nested_ops = true;
   int64_t max_ops = 2000000;
   int64_t max_events = 4000000;
   bool device_timing = true;       // time device work where a CUDA device is present
@@ -59,6 +63,10 @@ int installed_callbacks();
 // Module scopes, pushed and popped by the Python layer's global module hooks on the calling thread.
 void push_module(const std::string& path);
 void pop_module();
+// The same in two halves, for hooks that call once per module and trace: the module's code in the running trace
+// (its id times two, plus one where it is a timed layer), -1 when no trace runs; then pushes of that code.
+int64_t module_code(const std::string& path);
+void push_module_code(int64_t code);
 // Record that the blocks at `ptrs` on `device` belong to `category` now (resolved when the trace stops).
 void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Category category);
 
