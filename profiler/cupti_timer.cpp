@@ -114,6 +114,7 @@ class CuptiTimer final : public DeviceTimer {
     return {};
   }
 
+  bool per_launch() const override { return true; }
   void op_begin(uint64_t key) noexcept override { api_->push(CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, key); }
   void op_end(uint64_t) noexcept override {
     uint64_t last = 0;

@@ -87,6 +87,16 @@ TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::uniqu
   return c;
 }
 
+std::vector<int64_t> inclusive_device_times(const std::vector<int32_t>& parent, std::vector<int64_t> own) {
+  for (size_t i = own.size(); i-- > 0;) {
+    const int32_t p = i < parent.size() ? parent[i] : -1;
+    if (p >= 0 && static_cast<size_t>(p) < i && own[i] > 0 && own[static_cast<size_t>(p)] >= 0) {
+      own[static_cast<size_t>(p)] += own[i];
+    }
+  }
+  return own;
+}
+
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans) {
   std::unordered_map<uint64_t, int64_t> out;
   for (const DeviceSpan& s : spans) out[s.op_key] += std::max<int64_t>(0, s.end_ns - s.start_ns);

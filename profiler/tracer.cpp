@@ -554,6 +554,7 @@ struct RecordedTrace::Raw {
   Trace trace;
   std::vector<RawThreadRecords> threads;
   std::unordered_map<uint64_t, int64_t> device_ns;  // op key -> device time
+  bool per_launch = false;  // device_ns holds what each op launched itself (DeviceTimer::per_launch)
   std::vector<std::string> module_names;
   AssemblyInput in;  // everything but the threads
 };
@@ -596,7 +597,7 @@ std::vector<Value> convert_values(const RawThreadRecords& ts, uint32_t first, ui
 }
 
 RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::string>& module_names, int64_t end,
-                         const std::unordered_map<uint64_t, int64_t>& device_ns) {
+                         const std::unordered_map<uint64_t, int64_t>& device_ns, bool per_launch) {
   RawThread rt;
   rt.thread = ts.tid;
   rt.ops.reserve(ts.rec.ops.size());
@@ -628,6 +629,16 @@ RawThread convert_thread(const RawThreadRecords& ts, const std::vector<std::stri
     op.outputs = convert_values(ts, r.outputs, r.n_outputs);
     rt.ops.push_back(std::move(op));
   }
+  if (per_launch && !device_ns.empty()) {  // an op's device time with the work of the ops inside it
+    std::vector<int32_t> parent(rt.ops.size());
+    std::vector<int64_t> own(rt.ops.size());
+    for (size_t i = 0; i < rt.ops.size(); ++i) {
+      parent[i] = ts.rec.ops[i].parent;
+      own[i] = rt.ops[i].device_ns;
+    }
+    const std::vector<int64_t> total = inclusive_device_times(parent, std::move(own));
+    for (size_t i = 0; i < rt.ops.size(); ++i) rt.ops[i].device_ns = total[i];
+  }
   rt.events.reserve(ts.rec.events.size());
   for (const RawEvent& r : ts.rec.events) {
     MemEvent e;
@@ -653,7 +664,7 @@ const Trace& RecordedTrace::trace() {
   if (!raw_->assembled) {
     AssemblyInput in = std::move(raw_->in);
     for (const RawThreadRecords& t : raw_->threads) {
-      in.threads.push_back(convert_thread(t, raw_->module_names, in.end_ns, raw_->device_ns));
+      in.threads.push_back(convert_thread(t, raw_->module_names, in.end_ns, raw_->device_ns, raw_->per_launch));
     }
     raw_->threads.clear();
     raw_->trace = assemble_trace(std::move(in));
@@ -676,7 +687,10 @@ RecordedTrace stop_recording() {
   RecordedTrace out;
   RecordedTrace::Raw& raw = *out.raw_;
   s.active_timer.store(nullptr, std::memory_order_release);
-  if (s.timer) raw.device_ns = device_time_by_op(s.timer->stop());
+  if (s.timer) {
+    raw.device_ns = device_time_by_op(s.timer->stop());
+    raw.per_launch = s.timer->per_launch();
+  }
   raw.in.timing_source = s.timing_source;
   raw.in.timed_layers = s.timed.layers();
   raw.in.start_ns = s.start_ns;

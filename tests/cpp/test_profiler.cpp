@@ -309,6 +309,17 @@ TEST_F(TimerChoiceTest, SpansAddUpPerOp) {
   EXPECT_EQ(by_op.at(9), 10);
 }
 
+TEST(DeviceTimes, PerLaunchTimesAddUpTheOpTree) {
+  // linear (0) > addmm (1) > a kernel; linear's backward node (2) > mm (3), mm (4); an untimed op (5) > a timed
+  // one (6): what each op launched itself, then each op with the ops inside it.
+  const std::vector<int32_t> parent = {-1, 0, -1, 2, 2, -1, 5};
+  const std::vector<int64_t> own = {0, 500, 10, 200, 300, -1, 40};
+  EXPECT_EQ(inclusive_device_times(parent, own), (std::vector<int64_t>{500, 500, 510, 200, 300, -1, 40}));
+  EXPECT_TRUE(inclusive_device_times({}, {}).empty());
+  // Only CUPTI's spans are per launch; CUDA events and the stand-in span the op with what runs inside it.
+  EXPECT_FALSE(make_cpu_span_timer()->per_launch());
+}
+
 TEST(SparseTiming, NoChoiceTimesEveryLayer) {
   const TimedLayers all;
   EXPECT_TRUE(all.all());

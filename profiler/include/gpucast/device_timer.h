@@ -37,6 +37,10 @@ class DeviceTimer {
   virtual void op_end(uint64_t op_key) noexcept = 0;
   // Releases the resource; returns what was measured.
   virtual std::vector<DeviceSpan> stop() = 0;
+  // True where a span is device work the op launched itself (CUPTI: a kernel counts for the innermost op open
+  // at its launch), false where it spans the op's whole time, the ops inside it included (CUDA events, the
+  // stand-in). An op's device time is the latter: per-launch times are summed up the op tree.
+  virtual bool per_launch() const { return false; }
 };
 
 struct TimerChoice {
@@ -52,6 +56,10 @@ TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::uniqu
 
 // Device nanoseconds per op key (sum of its spans).
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans);
+
+// One thread's ops in start order: parent[i] < i the enclosing op (-1: none), own[i] its per-launch device time
+// (-1: no timer around it). Returns each op's time with that of the ops inside it.
+std::vector<int64_t> inclusive_device_times(const std::vector<int32_t>& parent, std::vector<int64_t> own);
 
 // A stand-in with the device timers' interface that takes CPU clock spans (steady_clock) from op_begin to op_end:
 // lets tests and rehearsals run the tracer's device-timing path (which ops get timers, how spans come back to
