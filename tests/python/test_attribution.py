@@ -169,6 +169,12 @@ def test_module_scopes_close_after_an_exception(use_c):
     the error and runs the model again). Both ways of calling the library (its C entry points through ctypes,
     the dispatcher ops as the fallback) attribute the same."""
     from gpucast import _trace
+    code, push, pop = _trace._module_calls(use_c)
+    import ctypes
+    assert isinstance(push, ctypes._CFuncPtr) == use_c  # the library's symbols are reachable here
+    assert code("_Catches.good") == -1  # no trace running: no code, and pushes and pops do nothing
+    push(4)
+    pop()
     old = _trace._module_calls
     _trace._module_calls = lambda: old(use_c)
     try:
