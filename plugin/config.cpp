@@ -183,8 +183,8 @@ std::vector<ConfigKey> trace_config_keys() {
       {"memory", F::Bool, true, {}, "record allocations and frees (CPU allocator wrapper, CUDA caching allocator)"},
       {"module_paths", F::Bool, true, {}, "attribute ops to module paths through global module forward hooks"},
       {"nested_ops", F::Bool, true, {},
-       "record ops nested in another op; False: count them in the enclosing op (timing traces: about a third of "
-       "the cost), except those a backward node links to"},
+       "record ops nested in another op; False: count them in the enclosing op instead (the forecast's timing "
+       "traces), except those a backward node links to"},
       {"max_ops", F::PositiveInt, int64_t{2000000}, {}, "bound on recorded ops; more are counted as dropped"},
       {"max_events", F::PositiveInt, int64_t{4000000}, {}, "bound on recorded memory events; more are counted as dropped"},
       {"device_timing", F::Bool, true, {}, "time device work (CUPTI, else CUDA events) where a CUDA device is present"},
