@@ -86,7 +86,7 @@ def _module_calls(use_c: bool = True) -> tuple:
 class _Hooks:
     """Global module and optimizer hooks installed for the duration of one trace."""
 
-    def __init__(self, module_paths: bool, tags: bool = True, calls: tuple | None = None):
+    def __init__(self, module_paths: bool, tags: bool = True):
         self._local = threading.local()
         self._tags = tags  # tags categorize memory events: without them (memory off), no tagging at all
         self._paths: dict[int, dict[int, str]] = {}
@@ -94,7 +94,7 @@ class _Hooks:
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._handles: list = []
         self._module_paths = module_paths
-        self._code, self._push, self._pop = calls or _module_calls()
+        self._code, self._push, self._pop = _module_calls()
         self._codes: dict[str, int] = {}  # module path -> its code in this trace
 
     def _stack(self) -> list:
