@@ -144,28 +144,47 @@ def ddp_worker(args):
         before = timed(zoo.make_step(twin_ddp, twin_opt, twin_case.loss_fn), twin_case.make_batch(batch // world),
                        args.iterations // 2)
         del twin_case, twin, twin_opt, twin_ddp
+        # The plain module's step on every rank at once (no DDP): what the forecast's compute stands for, measured
+        # beside the DDP step (half before the calibration, half after the DDP steps), so that the error splits
+        # into compute and communication.
+        plain_case, _, _, plain_step = build(name)
+        dist.barrier()
+        plain = timed(plain_step, plain_case.make_batch(batch // world), args.iterations // 2)
         case, model, opt, step = build(name)
         link = gpucast.calibrate()
         fc_ms = None
         if rank == 0:
             fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
                                   parallel=dict(dp=world), link=link, time_fraction=args.fraction)
-            fc_ms = (fc.time.step_ms, fc.time.compute_ms, fc.time.exposed_comm_ms, fc.time.comm_ms)
+            # Ablations from the same probes: without the all-reduces after a long idle spell, without the drift
+            # rates (the constant lag instead), without either.
+            def without(*keys):
+                return fc.step_time(batch, parallel=dict(dp=world),
+                                    link={k: v for k, v in link.items() if k not in keys}).step_ms
+            late, drift = ("late_samples", "late_gap_us"), ("drift_compute", "drift_memory")
+            fc_ms = (fc.time.step_ms, fc.time.compute_ms, fc.time.exposed_comm_ms, fc.time.comm_ms,
+                     {"no_late": without(*late), "no_drift": without(*drift), "neither": without(*late, *drift)})
         dist.barrier()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         dstep = zoo.make_step(ddp, opt, case.loss_fn)
         steps = before + timed(dstep, case.make_batch(batch // world), args.iterations - args.iterations // 2)
+        dist.barrier()
+        plain += timed(plain_step, plain_case.make_batch(batch // world), args.iterations - args.iterations // 2)
+        del plain_case, plain_step
         measured, iqr = summary(steps)
-        t = torch.tensor([measured, statistics.mean(steps)])
+        t = torch.tensor([measured, statistics.mean(steps), statistics.median(plain)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
         every = [torch.zeros(len(steps), dtype=torch.float64) for _ in range(world)]
         dist.all_gather(every, torch.tensor(steps, dtype=torch.float64))
         if rank == 0:
-            med, mean = t.tolist()
+            med, mean, plain_med = t.tolist()
             out[name] = {"case": name, "world": world, "global_batch": batch, "measured_ms": round(med, 3),
                          "iqr_ms": round(iqr, 3), "measured_mean_ms": round(mean, 3), "forecast_ms": round(fc_ms[0], 3),
                          "compute_ms": round(fc_ms[1], 3), "exposed_comm_ms": round(fc_ms[2], 3),
                          "comm_ms": round(fc_ms[3], 3), "link": link,
+                         "plain_ms": round(plain_med, 3), "ddp_extra_ms": round(med - plain_med, 3),
+                         "compute_err_pct": round(100.0 * (fc_ms[1] - plain_med) / plain_med, 2),
+                         "ablation_err_pct": {k: round(100.0 * (v - med) / med, 2) for k, v in fc_ms[4].items()},
                          "err_pct": round(100.0 * (fc_ms[0] - med) / med, 2),
                          "mean_err_pct": round(100.0 * (fc_ms[0] - mean) / mean, 2),
                          "steps_ms": [[round(x, 3) for x in e.tolist()] for e in every]}
@@ -192,7 +211,11 @@ def ddp_cases(names, world, iterations, fraction, repeats=1):
               f"{len(r['repeat_err_pct'])} runs: {', '.join(f'{e:+.2f}' for e in r['repeat_err_pct'])}); against "
               f"the mean of the measured steps ({r['measured_mean_ms']:.2f} ms) {r['mean_err_pct']:+.2f} %; host "
               f"contention compute x{r['link'].get('compute_contention', 1):.2f}, memory "
-              f"x{r['link'].get('memory_contention', 1):.2f}")
+              f"x{r['link'].get('memory_contention', 1):.2f}; the plain module's step on every rank at once "
+              f"{r['plain_ms']:.2f} ms (forecast compute {r['compute_err_pct']:+.2f} % from it; DDP adds "
+              f"{r['ddp_extra_ms']:.2f} ms, the forecast {r['forecast_ms'] - r['compute_ms']:.2f}); error without "
+              f"the late all-reduce samples {r['ablation_err_pct']['no_late']:+.2f} %, without the drift rates "
+              f"{r['ablation_err_pct']['no_drift']:+.2f} %, without either {r['ablation_err_pct']['neither']:+.2f} %")
     return rows
 
 

@@ -17,8 +17,7 @@ double ring_model_us(double bytes, double n, const Link& link) {
 }
 
 // The measured samples where they apply (ring, the rank count they were measured on); < 0 otherwise.
-double from_samples_us(double bytes, int64_t ranks, const Link& link) {
-  const auto& s = link.samples;
+double from_samples_us(double bytes, int64_t ranks, const Link& link, const std::vector<CollectiveSample>& s) {
   if (s.empty() || ranks != link.sample_ranks) return -1.0;
   const double n = static_cast<double>(ranks);
   if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + ring_model_us(bytes, n, link) - ring_model_us(s.front().bytes, n, link));
@@ -28,16 +27,25 @@ double from_samples_us(double bytes, int64_t ranks, const Link& link) {
   return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
 }
 
+double from_samples_us(double bytes, int64_t ranks, const Link& link) {
+  return from_samples_us(bytes, ranks, link, link.samples);
+}
+
 }  // namespace
 
-double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo) {
+double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo, double idle_us) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
   if (algo == Algorithm::Tree) {
     return bytes / link.bytes_per_us + 2.0 * std::log2(n) * link.alpha_us;
   }
   const double measured = from_samples_us(bytes, ranks, link);
-  return measured >= 0 ? measured : ring_model_us(bytes, n, link);
+  if (measured < 0) return ring_model_us(bytes, n, link);
+  const double g0 = link.samples_gap_us, g1 = link.late_gap_us;
+  if (idle_us <= g0 || link.late_samples.empty() || !(g0 > 0) || !(g1 > g0)) return measured;
+  const double late = from_samples_us(bytes, ranks, link, link.late_samples);
+  const double w = idle_us >= g1 ? 1.0 : std::log(idle_us / g0) / std::log(g1 / g0);
+  return measured + w * (late - measured);
 }
 
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
@@ -140,6 +148,11 @@ Topology Topology::parse(const std::string& text) {
                       {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"},
                       {"samples", F::String, std::string(), {}, "measured intra-node all-reduces: BYTES/US;BYTES/US;..."},
                       {"ranks", F::PositiveInt, int64_t{0}, {}, "the rank count the samples were measured on"},
+                      {"samples_gap_us", F::String, std::string("0"), {},
+                       "the compute before each of the samples, microseconds (the group's idle spell)"},
+                      {"late_samples", F::String, std::string(), {},
+                       "all-reduces after a longer idle spell, same ranks: BYTES/US;BYTES/US;..."},
+                      {"late_gap_us", F::String, std::string("0"), {}, "the idle spell before late_samples"},
                       {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
                       {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
                       {"memory_contention_samples", F::String, std::string(), {},
@@ -148,6 +161,10 @@ Topology Topology::parse(const std::string& text) {
                       {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
                       {"sync_wait_us", F::String, std::string("0"), {},
                        "the last rank's lag at a step's first collective, ranks sharing cores"},
+                      {"drift_compute", F::String, std::string("0"), {},
+                       "the last rank's lag per unit of compute-bound work since the ranks last met"},
+                      {"drift_memory", F::String, std::string("0"), {},
+                       "the last rank's lag per unit of memory-bound work since the ranks last met"},
                       {"ddp_overhead_us", F::String, std::string("0"), {},
                        "a DDP step's cost outside backward beyond the plain module's, per step"}});
   cfg.parse(text);
@@ -220,6 +237,21 @@ Topology Topology::parse(const std::string& text) {
     for (auto [bytes, us] : pairs("samples", "BYTES/MICROSECONDS")) t.intra.samples.push_back({bytes, us});
     t.intra.sample_ranks = cfg.get_int("ranks");
   }
+  t.intra.samples_gap_us = number("samples_gap_us", false);
+  if (cfg.was_set("late_samples")) {
+    if (!cfg.was_set("samples")) GPUCAST_USER_ERROR("link: 'late_samples' refine 'samples': give samples and ranks too");
+    if (!cfg.was_set("late_gap_us") || !cfg.was_set("samples_gap_us")) {
+      GPUCAST_USER_ERROR("link: 'late_samples' need 'samples_gap_us' and 'late_gap_us' (the idle spells before each)");
+    }
+    for (auto [bytes, us] : pairs("late_samples", "BYTES/MICROSECONDS")) t.intra.late_samples.push_back({bytes, us});
+    t.intra.late_gap_us = number("late_gap_us", true);
+    if (!(t.intra.late_gap_us > t.intra.samples_gap_us)) {
+      GPUCAST_USER_ERROR("link: 'late_gap_us' ({}) should be longer than 'samples_gap_us' ({})",
+                         cfg.get_string("late_gap_us"), cfg.get_string("samples_gap_us"));
+    }
+  } else if (cfg.was_set("late_gap_us")) {
+    GPUCAST_USER_ERROR("link: 'late_gap_us' goes with 'late_samples'; got only 'late_gap_us'");
+  }
   if (cfg.was_set("memory_contention_samples")) {
     for (auto [bytes, factor] : pairs("memory_contention_samples", "BYTES/FACTOR")) {
       t.memory_contention_samples.push_back({bytes, factor});
@@ -231,6 +263,8 @@ Topology Topology::parse(const std::string& text) {
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
   t.ddp_overhead_us = number("ddp_overhead_us", false);
+  t.drift_compute = number("drift_compute", false);
+  t.drift_memory = number("drift_memory", false);
   return t;
 }
 

@@ -647,10 +647,13 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       P.dp * P.tp * P.pp > 1 && (T.memory_contention != 1.0 || T.compute_contention != 1.0 || by_size);
   // Activations (and a layer's bytes) at the target micro-batch over the reference probe's.
   const double act_scale = tokens(ref) > 0 ? b * (o.seq_len > 0 ? seq : 1.0) / tokens(ref) : 1.0;
+  auto memory_share = [&](double flops, double bytes) {
+    const double mem = bytes, cmp = flops / T.balance;
+    return mem + cmp > 0 ? mem / (mem + cmp) : 0.5;
+  };
   auto contention = [&](double flops, double bytes) {
     if (!contended) return 1.0;
-    const double mem = bytes, cmp = flops / T.balance;
-    const double share = mem + cmp > 0 ? mem / (mem + cmp) : 0.5;
+    const double share = memory_share(flops, bytes);
     return share * T.memory_contention_for(bytes * act_scale) + (1.0 - share) * T.compute_contention;
   };
   if (contended) {
@@ -680,7 +683,14 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                                   "gpucast.calibrate())",
                                   T.ddp_overhead_us / 1e3));
   }
-  if (T.sync_wait_us > 0 && P.dp > 1 && P.dp_mode != "fsdp") {
+  const bool drifts = (T.drift_compute > 0 || T.drift_memory > 0) && P.dp > 1 && P.dp_mode != "fsdp";
+  if (drifts) {
+    f.notes.push_back(fmt::format("the last rank falls behind the average one by {:.2f} % of the compute-bound and "
+                                  "{:.2f} % of the memory-bound time since the ranks last met (ranks sharing cores "
+                                  "drift apart; measured by gpucast.calibrate()): the step's first data-parallel "
+                                  "collective starts that much later",
+                                  100.0 * T.drift_compute, 100.0 * T.drift_memory));
+  } else if (T.sync_wait_us > 0 && P.dp > 1 && P.dp_mode != "fsdp") {
     f.notes.push_back(fmt::format("the last rank reaches the first data-parallel reduction {:.3f} ms after the "
                                   "average one (ranks sharing cores drift apart; measured by gpucast.calibrate()): "
                                   "it starts that much later",
@@ -710,7 +720,10 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   bool inside_pair = false;
   std::vector<std::pair<int64_t, size_t>> bwd_order;
   std::vector<double> tp_fw_ms(ref.layers.size(), 0.0), tp_bw_ms(ref.layers.size(), 0.0);
+  std::vector<double> drift_of(ref.layers.size(), 0.0);  // each layer's drift per ms (Topology::drift_*)
   for (const LayerTiming& l : ref.layers) {
+    const double mshare = memory_share(l.flops, l.bytes);
+    drift_of[f.per_layer.size()] = mshare * T.drift_memory + (1.0 - mshare) * T.drift_compute;
     auto& [fw, bw] = pts[l.layer];
     LayerForecast lf{l.layer, fit_size(fw, b, seq) / 1e6, fit_size(bw, b, seq) / 1e6, l.grad_bytes};
     if (auto it = modelled.find(l.layer); it != modelled.end()) {
@@ -786,10 +799,26 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   f.other_ms *= m;
   if (ddp_overhead) f.other_ms += T.ddp_overhead_us / 1e3;  // once per step (the reduction's aftermath)
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;
+  // The ranks' drift per ms of this step's compute: its layers by their memory-bound shares, the optimizer as
+  // memory-bound, the rest as compute-bound.
+  double drift_rate = 0;
+  if (drifts) {
+    double lagged = f.optimizer_ms * T.drift_memory + f.other_ms * T.drift_compute;
+    double spent = f.optimizer_ms + f.other_ms;
+    for (size_t i = 0; i < f.per_layer.size(); ++i) {
+      const double ms = m * (f.per_layer[i].forward_ms + f.per_layer[i].backward_ms);
+      lagged += ms * drift_of[i];
+      spent += ms;
+    }
+    drift_rate = spent > 0 ? lagged / spent : 0.0;
+  }
 
   // Data-parallel gradient reduction of `bytes` (all-reduce, or reduce-scatter when sharded).
-  auto reduce_us = [&](double bytes) {
-    return sharded ? reduce_scatter_us(bytes, P.dp, *dp_link) : allreduce_us(bytes, P.dp, *dp_link);
+  // idle_ms: the compute since the group's previous collective (< 0: unknown), which slows a collective on a host
+  // whose ranks share the cores (Link::late_samples).
+  auto reduce_us = [&](double bytes, double idle_ms = -1.0) {
+    return sharded ? reduce_scatter_us(bytes, P.dp, *dp_link)
+                   : allreduce_us(bytes, P.dp, *dp_link, Algorithm::Ring, idle_ms < 0 ? -1.0 : idle_ms * 1e3);
   };
   const char* reduce_kind = sharded ? "dp_reduce_scatter" : "dp_allreduce";
   double t_end = 0;  // end of the step's compute and the communication on its critical path
@@ -799,7 +828,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   double bcast_ms = 0;
   if (P.dp > 1 && dp_link && P.dp_mode != "fsdp" && P.broadcast_buffers && P.buffer_bytes > 0) {
     const double bytes = static_cast<double>(P.buffer_bytes) / static_cast<double>(P.pp);
-    bcast_ms = add_comm("dp_broadcast_buffers", bytes, 0.0, broadcast_us(bytes, P.dp, *dp_link));
+    // It waits for the last rank, which fell behind over the optimizer step since the previous step's reduction.
+    bcast_ms = add_comm("dp_broadcast_buffers", bytes, f.optimizer_ms * T.drift_memory * (drifts ? 1.0 : 0.0),
+                        broadcast_us(bytes, P.dp, *dp_link));
     f.exposed_comm_ms += bcast_ms;
   }
 
@@ -903,13 +934,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     auto flush = [&](double ready) {
       if (cur.bytes == 0) return;
       cur.ready_ms = ready;
-      // Without overlap (the ranks' threads fill every core) the reductions run after backward, one by one. The
-      // first waits for the last rank (ranks sharing cores drift apart); it aligns them for the rest.
-      const double lag = f.buckets.empty() ? T.sync_wait_us / 1e3 : 0.0;
-      cur.start_ms = std::max((T.overlap ? ready : backward_end) + lag, prev_end);
-      cur.end_ms = add_comm(reduce_kind, static_cast<double>(cur.bytes), cur.start_ms,
-                            reduce_us(static_cast<double>(cur.bytes)));
-      prev_end = cur.end_ms;
       f.buckets.push_back(cur);
       cur = BucketForecast{};
     };
@@ -922,6 +946,21 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       if (cur.bytes >= cap) flush(t);
     }
     flush(t);
+    for (size_t k = 0; k < f.buckets.size(); ++k) {
+      BucketForecast& b = f.buckets[k];
+      // The compute since the group's previous collective: the previous bucket's readiness; for the first, the
+      // buffers' broadcast at the forward's start, else the previous step's last bucket (its optimizer step).
+      b.idle_ms = std::max(0.0, k > 0 ? b.ready_ms - f.buckets[k - 1].ready_ms
+                                      : b.ready_ms + (bcast_ms > 0 ? -bcast_ms : f.optimizer_ms));
+      // Without overlap (the ranks' threads fill every core) the reductions run after backward, one by one. The
+      // first waits for the last rank (ranks sharing cores drift apart over the compute since they last met); it
+      // aligns them for the rest.
+      const double lag = k > 0 ? 0.0 : drifts ? drift_rate * b.idle_ms : T.sync_wait_us / 1e3;
+      b.start_ms = std::max((T.overlap ? b.ready_ms : backward_end) + lag, prev_end);
+      b.end_ms = add_comm(reduce_kind, static_cast<double>(b.bytes), b.start_ms,
+                          reduce_us(static_cast<double>(b.bytes), b.idle_ms));
+      prev_end = b.end_ms;
+    }
   }
   const double exposed = std::max(0.0, prev_end - backward_end);
   f.exposed_comm_ms += exposed;
@@ -943,7 +982,8 @@ std::string step_time_to_json(const StepTimeForecast& f) {
                       {"source", l.source}});
   }
   for (const auto& b : f.buckets) {
-    buckets.push_back({{"bytes", b.bytes}, {"ready_ms", b.ready_ms}, {"start_ms", b.start_ms}, {"end_ms", b.end_ms}});
+    buckets.push_back({{"bytes", b.bytes}, {"ready_ms", b.ready_ms}, {"start_ms", b.start_ms}, {"end_ms", b.end_ms},
+                       {"idle_ms", b.idle_ms}});
   }
   for (const auto& c : f.comm) {
     comm.push_back({{"kind", c.kind}, {"bytes", c.bytes}, {"start_ms", c.start_ms}, {"end_ms", c.end_ms}});

@@ -16,7 +16,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     alpha_us (latency per step) and bytes_per_us; the samples themselves are kept (the forecast interpolates
     between them). Every rank must call it. A collective that does not finish within timeout_s raises instead
     of hanging. On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
-    right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute).
+    right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute);
+    samples_gap_us: that burst's mean duration. A CPU collective is slower the longer the group sat idle before
+    it, so a second sweep over the sizes up to 4 MiB follows a burst five times longer: late_samples, after
+    late_gap_us (left out where that burst was not the longer one).
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
@@ -28,7 +31,9 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     run on), so that a collective takes its cores from the compute instead of running beside it. More threads
     than cores set both factors to at least threads / cores (time sharing). sync_wait_us: how much later than
     the average rank the last one finishes the same work started together (ranks sharing cores drift apart);
-    a step's first data-parallel reduction waits that long. ddp_overhead_us: what a DDP step costs outside
+    a step's first data-parallel reduction waits that long. drift_compute and drift_memory: that lag's mean per
+    unit of time, for matmuls and for copies; where given, a step's first reduction waits the compute since the
+    ranks last met times these rates (by the compute's memory-bound share) instead. ddp_overhead_us: what a DDP step costs outside
     backward beyond the plain module's forward and optimizer step (a small model, plain and wrapped, every rank at
     once): the wrapper, and the collective's threads finishing on the shared cores while the next work runs."""
     if not dist.is_available() or not dist.is_initialized():
@@ -53,18 +58,34 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
                                f"({backend})")
 
     buffers = [torch.ones(int(size) // 4, dtype=torch.float32, device=device) for size in sizes]
+    late = []
     if device.type == "cuda":
         samples = _idle_rounds(sizes, buffers, repeats, group, wait)
     else:
-        samples = _after_compute(sizes, buffers, repeats, group, wait, ranks)
+        samples, gap = _after_compute(sizes, buffers, repeats, group, wait, ranks)
+        small = [i for i, s in enumerate(sizes) if int(s) <= _LATE_MAX_BYTES]
+        if small:
+            late, late_gap = _after_compute([sizes[i] for i in small], [buffers[i] for i in small], repeats, group,
+                                            wait, ranks, burst=_matmuls(_LATE_MATMULS))
     del buffers
     alpha, bw = torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks)
     out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
            "samples": [{"bytes": s, "us": u} for s, u in samples]}
     if device.type == "cpu":
+        out["samples_gap_us"] = round(gap, 1)
+        if late and late_gap > gap:
+            out["late_samples"] = [{"bytes": s, "us": u} for s, u in late]
+            out["late_gap_us"] = round(late_gap, 1)
         out.update(_host_sharing(ranks, group, wait))
         out["ddp_overhead_us"] = _ddp_overhead(ranks, group, wait)
     return out
+
+
+# The second CPU sweep (late_samples): sizes up to 4 MiB after a burst five times the first's. What the longer
+# idle spell adds to a collective is latency (waking the sleeping collective threads and connections), which the
+# larger messages hardly show.
+_LATE_MAX_BYTES = 4 << 20
+_LATE_MATMULS = 40
 
 
 def _matmuls(count: int):
@@ -94,7 +115,7 @@ def _idle_rounds(sizes, buffers, repeats, group, wait) -> list:
     return [(float(size), statistics.median(ts)) for size, ts in zip(sizes, times)]
 
 
-def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> list:
+def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> tuple:
     """Each size's mean time the way a training step meets a CPU collective: every rank computes a burst of
     matmuls first and enters the all-reduce when its own burst ends, so the ranks arrive apart and the early ones
     sleep in the collective. Waking a sleeping thread on a host whose cores are shared (a virtual machine, other
@@ -104,16 +125,21 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
     that clock finer than a microsecond): the wait for the last rank is sync_wait_us's share, counted once.
     Otherwise from the rank's own arrival, on the finest clock.
     Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
-    sample (by default eight 256 x 256 matmuls)."""
+    sample (by default eight 256 x 256 matmuls). Returns the samples and the bursts' mean duration in microseconds
+    over every rank (how long the group sat idle before each collective)."""
     burst = burst or _matmuls(8)
     shared = (int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks
               and time.get_clock_info("monotonic").resolution <= 1e-6)
     clock = time.monotonic if shared else time.perf_counter
     arrive = torch.zeros(repeats, len(sizes), dtype=torch.float64)
     done = torch.zeros(repeats, len(sizes), dtype=torch.float64)
+    busy = torch.zeros(1, dtype=torch.float64)
     for i in range(repeats + 1):
         for j, (size, t) in enumerate(zip(sizes, buffers)):
+            b0 = time.perf_counter()
             burst()
+            if i:
+                busy += time.perf_counter() - b0
             t0 = clock()
             wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
             t1 = clock()
@@ -125,9 +151,11 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> l
         last = arrive.clone()
         wait(dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce of the arrivals")
         arrive = torch.minimum(last, done)
-    total = (done - arrive).sum(dim=0)
+    total = torch.cat([(done - arrive).sum(dim=0), busy])
     wait(dist.all_reduce(total, group=group, async_op=True), "an all-reduce of the samples")
-    return [(float(size), total[j].item() / (ranks * repeats) * 1e6) for j, size in enumerate(sizes)]
+    scale = 1e6 / (ranks * repeats)
+    return ([(float(size), total[j].item() * scale) for j, size in enumerate(sizes)],
+            total[-1].item() * scale / len(sizes))
 
 
 _COPY_MIB = (1, 4, 16, 64)
@@ -174,16 +202,25 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     # rank at once): the last one's lag behind the average, each round's from the vector of every rank's time,
     # which all ranks hold; its median. Ranks that share cores drift apart by the scheduler's time slices; a
     # step's first collective waits for the last one.
+    # The same with copies (16 MiB, 256 MiB in all): memory-bound work drifts further apart. drift_*: the mean lag
+    # per unit of the mean time, for each kind of work (a step's lag grows with its compute since the ranks last
+    # met, by that compute's kind).
     lags = []
-    for _ in range(9):
-        wait(dist.barrier(group=group, async_op=True), "a barrier")
-        t0 = time.perf_counter()
-        matmul()
-        matmul()
-        mine = torch.zeros(ranks, dtype=torch.float64)
-        mine[rank] = time.perf_counter() - t0
-        wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
-        lags.append((mine.max() - mine.mean()).item())
+    drift = {"compute": [0.0, 0.0], "memory": [0.0, 0.0]}
+    for _ in range(12):
+        for kind, work in (("compute", matmul), ("memory", copies[16])):
+            wait(dist.barrier(group=group, async_op=True), "a barrier")
+            t0 = time.perf_counter()
+            work()
+            work()
+            mine = torch.zeros(ranks, dtype=torch.float64)
+            mine[rank] = time.perf_counter() - t0
+            wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
+            lag = (mine.max() - mine.mean()).item()
+            drift[kind][0] += lag
+            drift[kind][1] += mine.mean().item()
+            if kind == "compute":
+                lags.append(lag)
     # Rank 0's factors, shared with every rank so that all return the same result.
     balance = (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)  # FLOP/s over bytes/s
     f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, balance]
@@ -203,6 +240,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
             "compute_contention": round(max(f[1].item(), share, 1.0), 4),
             "balance": round(f[2].item(), 4), "overlap": local * torch.get_num_threads() < cores,
             "sync_wait_us": round(statistics.median(lags) * 1e6, 1),
+            "drift_compute": round(drift["compute"][0] / drift["compute"][1], 5),
+            "drift_memory": round(drift["memory"][0] / drift["memory"][1], 5),
             "cores": cores, "local_ranks": local, "threads": torch.get_num_threads()}
 
 

@@ -47,8 +47,9 @@ def devices() -> list[dict]:
 
 
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
-              "samples", "ranks", "overlap", "memory_contention", "memory_contention_samples", "compute_contention",
-              "balance", "sync_wait_us", "ddp_overhead_us")
+              "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
+              "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
+              "drift_memory", "ddp_overhead_us")
 
 
 def _format_link(link: dict | str | None) -> str:
@@ -66,7 +67,7 @@ def _format_link(link: dict | str | None) -> str:
                          f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
-        second = {"samples": "us", "memory_contention_samples": "factor"}.get(k)
+        second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor"}.get(k)
         if second and isinstance(v, (list, tuple)):
             try:
                 return ";".join(f"{float(x['bytes']):.17g}/{float(x[second]):.17g}" for x in v)
@@ -79,8 +80,8 @@ def _format_link(link: dict | str | None) -> str:
     keys = [k for k in _LINK_KEYS if k in link]
     if "samples" in keys and "alpha_us" not in keys and "intra" not in keys:
         keys.remove("samples")  # samples refine an intra-node link; alone they are not one
-    if "samples" not in keys and "ranks" in keys:
-        keys.remove("ranks")
+    if "samples" not in keys:  # the rank count and the idle spells describe the samples
+        keys = [k for k in keys if k not in ("ranks", "samples_gap_us", "late_samples", "late_gap_us")]
     return ",".join(f"{k}:{text(k, link[k])}" for k in keys)
 
 

@@ -1,6 +1,7 @@
 // Collective cost models: formulas by hand, and a fit to nccl-tests measurements of A100 all-reduce (vTrain).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -49,6 +50,31 @@ TEST(CommModel, MeasuredSamplesAreInterpolatedForTheirRankCount) {
   EXPECT_EQ(t.sync_wait_us, 850.0);
 }
 
+TEST(CommModel, ALongerIdleSpellTakesTheLateSamples) {
+  // samples after 5 ms of compute, late_samples after 40 ms (8 times longer).
+  const Topology t = Topology::parse("alpha_us:5,bytes_per_us:100,samples:1000/100;4000/300,ranks:2,"
+                                     "samples_gap_us:5000,late_samples:4000/330;1000/160,late_gap_us:40000");
+  const Link& l = t.intra;
+  ASSERT_EQ(l.late_samples.size(), 2u);
+  EXPECT_EQ(l.late_samples[0].bytes, 1000);  // sorted by size
+  EXPECT_EQ(l.samples_gap_us, 5000.0);
+  EXPECT_EQ(l.late_gap_us, 40000.0);
+  // Unknown, or no longer than the samples' spell: the samples.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 2, l), 100.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 2, l, Algorithm::Ring, 5000), 100.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 2, l, Algorithm::Ring, 100), 100.0);
+  // Between the spells, linear in log(spell): 5 ms * sqrt(8) is halfway.
+  EXPECT_NEAR(allreduce_us(1000, 2, l, Algorithm::Ring, 5000 * std::sqrt(8.0)), 130.0, 1e-9);
+  EXPECT_NEAR(allreduce_us(1000, 2, l, Algorithm::Ring, 10000), 100.0 + 60.0 / 3.0, 1e-9);
+  // From the late spell on, the late samples, interpolated by size like the samples.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 2, l, Algorithm::Ring, 40000), 160.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(2500, 2, l, Algorithm::Ring, 1e6), 245.0);
+  // Beyond the late samples' sizes: the model shifted through the largest late sample.
+  EXPECT_DOUBLE_EQ(allreduce_us(6000, 2, l, Algorithm::Ring, 1e6), 330.0 + 2000.0 / 100.0);
+  // Another rank count: the model alone, whatever the spell.
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, l, Algorithm::Ring, 1e6), 2 * 3 / 4.0 * 1000 / 100 + 6 * 5);
+}
+
 TEST(CommModel, BadSamplesAreNamed) {
   auto message = [](const std::string& text) {
     try {
@@ -72,6 +98,19 @@ TEST(CommModel, BadSamplesAreNamed) {
             "link: 'memory_contention' should be a positive number, got '0'");
   EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,sync_wait_us:-2"),
             "link: 'sync_wait_us' should be a non-negative number, got '-2'");
+  const std::string base = "alpha_us:5,bytes_per_us:100,samples:1000/100,ranks:2";
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,late_samples:1000/100,samples_gap_us:1,late_gap_us:2"),
+            "link: 'late_samples' refine 'samples': give samples and ranks too");
+  EXPECT_EQ(message(base + ",late_samples:1000/120,late_gap_us:2"),
+            "link: 'late_samples' need 'samples_gap_us' and 'late_gap_us' (the idle spells before each)");
+  EXPECT_EQ(message(base + ",late_samples:1000/120,samples_gap_us:9000,late_gap_us:9000"),
+            "link: 'late_gap_us' (9000) should be longer than 'samples_gap_us' (9000)");
+  EXPECT_EQ(message(base + ",late_gap_us:9000"),
+            "link: 'late_gap_us' goes with 'late_samples'; got only 'late_gap_us'");
+  EXPECT_EQ(message(base + ",samples_gap_us:x"), "link: 'samples_gap_us' should be a non-negative number, got 'x'");
+  EXPECT_EQ(message(base + ",late_samples:1000,samples_gap_us:1,late_gap_us:2"),
+            "link: 'late_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got '1000' in "
+            "'1000'");
   EXPECT_EQ(message("memory_contention_samples:2097152/1;33554432"),
             "link: 'memory_contention_samples' should be BYTES/FACTOR pairs joined by ';' (positive numbers), got "
             "'33554432' in '2097152/1;33554432'");

@@ -194,12 +194,39 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_NEAR(f.comm_ms, ar_ms, 1e-12);
   EXPECT_NEAR(f.exposed_comm_ms, ar_ms, 1e-9);
   EXPECT_NEAR(f.step_ms, f.compute_ms + ar_ms, 1e-9);
+  // The group sat idle since the previous step's reduction: this step's forward, backward and optimizer step.
+  EXPECT_NEAR(f.buckets[0].idle_ms, bwd_end + f.optimizer_ms, 1e-9);
   // With a 500 KiB first bucket, Net.b's gradients go alone, hidden behind Net.a's backward: two buckets.
   o.first_bucket_bytes = 500 << 10;
   const StepTimeForecast g = forecast_step_time(probes, o);
   ASSERT_EQ(g.buckets.size(), 2u);
   EXPECT_NEAR(g.buckets[0].ready_ms, other + fwd + 6.0, 1e-9);
   EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.topology.intra) / 1e3, 1e-9);
+  EXPECT_NEAR(g.buckets[0].idle_ms, other + fwd + 6.0 + g.optimizer_ms, 1e-9);
+  EXPECT_NEAR(g.buckets[1].idle_ms, 8.0, 1e-9);  // Net.a's backward since the first bucket was ready
+}
+
+TEST(StepTime, DdpReductionsAfterALongIdleSpellTakeTheLateSamples) {
+  std::vector<IterationTiming> probes = linear_probes();
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel.dp = 2;
+  o.first_bucket_bytes = 500 << 10;  // two buckets of 600 KiB: idle 6 ms + forward + the optimizer, then 8 ms
+  const std::string samples = "alpha_us:10,bytes_per_us:1000,samples:614400/700;1228800/1300,ranks:2";
+  o.topology = Topology::parse(samples);
+  const StepTimeForecast plain = forecast_step_time(probes, o);
+  ASSERT_EQ(plain.buckets.size(), 2u);
+  EXPECT_NEAR(plain.comm_ms, 1.4, 1e-12);  // 700 us each
+  // Measured after 4 ms and 12 ms of compute: the first (12 ms idle and a little more) takes the late sample, the
+  // second (8 ms) lies log(8/4) / log(12/4) of the way in log(spell).
+  o.topology = Topology::parse(samples + ",samples_gap_us:4000,late_samples:614400/1100,late_gap_us:12000");
+  const StepTimeForecast late = forecast_step_time(probes, o);
+  ASSERT_EQ(late.buckets.size(), 2u);
+  ASSERT_GE(late.buckets[0].idle_ms, 12.0);
+  EXPECT_NEAR(late.buckets[0].end_ms - late.buckets[0].start_ms, 1.1, 1e-12);
+  const double second = 0.7 + 0.4 * std::log(2.0) / std::log(3.0);
+  EXPECT_NEAR(late.buckets[1].end_ms - late.buckets[1].start_ms, second, 1e-12);
+  EXPECT_NEAR(late.comm_ms, 1.1 + second, 1e-12);
 }
 
 TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
@@ -223,6 +250,7 @@ TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
   EXPECT_NEAR(f.buckets[0].ready_ms, bc + 40 / 1e6 + 6.0 + 14.0, 1e-9);
   EXPECT_NEAR(f.exposed_comm_ms, bc + ar, 1e-9);
   EXPECT_NEAR(f.step_ms, f.compute_ms + bc + ar, 1e-9);
+  EXPECT_NEAR(f.buckets[0].idle_ms, f.buckets[0].ready_ms - bc, 1e-9);  // since the broadcast
   // Not with broadcast_buffers=False, nor under FSDP (buffers are synced once, at wrapping), nor on one rank.
   for (const char* text : {"dp:2,buffer_bytes:4096,broadcast_buffers:False", "dp:2,buffer_bytes:4096,dp_mode:fsdp"}) {
     o.parallel = ParallelConfig::parse(text);
@@ -339,6 +367,37 @@ TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {
   EXPECT_EQ(w.notes[1], "the last rank reaches the first data-parallel reduction 1.500 ms after the average one "
                         "(ranks sharing cores drift apart; measured by gpucast.calibrate()): it starts that much "
                         "later");
+  // Drift rates instead: the lag grows with the compute since the ranks last met (the previous step's reduction),
+  // 2 % of compute-bound and 10 % of memory-bound time. Net.a is memory-bound (10 %); Net.b half and half (6 %);
+  // the optimizer memory-bound, the rest compute-bound.
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,overlap:False,sync_wait_us:1500,balance:4,"
+                               "drift_compute:0.02,drift_memory:0.1");
+  const StepTimeForecast d = forecast_step_time(probes, o);
+  ASSERT_EQ(d.buckets.size(), 2u);
+  const double a = d.per_layer[0].forward_ms + d.per_layer[0].backward_ms;
+  const double b = d.per_layer[1].forward_ms + d.per_layer[1].backward_ms;
+  const double rate = (a * 0.1 + b * 0.06 + d.optimizer_ms * 0.1 + d.other_ms * 0.02) /
+                      (a + b + d.optimizer_ms + d.other_ms);
+  EXPECT_NEAR(d.buckets[0].idle_ms, d.buckets[0].ready_ms + d.optimizer_ms, 1e-9);
+  EXPECT_NEAR(d.buckets[0].start_ms, bwd_end + rate * d.buckets[0].idle_ms, 1e-9);
+  EXPECT_NEAR(d.buckets[1].start_ms, d.buckets[0].end_ms, 1e-9);
+  EXPECT_NEAR(d.step_ms, g.step_ms + rate * d.buckets[0].idle_ms, 1e-9);
+  EXPECT_EQ(d.notes[1], "the last rank falls behind the average one by 2.00 % of the compute-bound and 10.00 % of "
+                        "the memory-bound time since the ranks last met (ranks sharing cores drift apart; measured "
+                        "by gpucast.calibrate()): the step's first data-parallel collective starts that much later");
+  // With the buffers' broadcast at the forward's start, the ranks meet there: it waits for the drift over the
+  // optimizer step, and the first bucket for the drift since the broadcast.
+  o.parallel = ParallelConfig::parse("dp:2,buffer_bytes:4096");
+  o.first_bucket_bytes = 500 << 10;
+  const StepTimeForecast e = forecast_step_time(probes, o);
+  ASSERT_EQ(e.comm.size(), 3u);
+  EXPECT_EQ(e.comm[0].kind, "dp_broadcast_buffers");
+  EXPECT_NEAR(e.comm[0].start_ms, e.optimizer_ms * 0.1, 1e-12);
+  const double since = e.buckets[0].ready_ms - e.comm[0].end_ms;
+  EXPECT_NEAR(e.buckets[0].idle_ms, since, 1e-9);
+  EXPECT_NEAR(e.buckets[0].start_ms, e.comm[0].end_ms + e.other_ms + 20.0 + rate * since, 1e-9);
+  EXPECT_EQ(test_util::user_error([] { Topology::parse("drift_memory:-0.1"); }),
+            "link: 'drift_memory' should be a non-negative number, got '-0.1'");
 }
 
 TEST(StepTime, BadOptions) {

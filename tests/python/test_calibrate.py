@@ -28,10 +28,10 @@ if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longe
     sizes = (2**16, 2**18, 2**20, 2**22)
     def wait(work, what):
         assert work.wait(datetime.timedelta(seconds=60)) is not False, what
-    samples = _calibrate._after_compute(sizes, [torch.ones(s // 4) for s in sizes], 3, None, wait, 2,
+    samples, gap = _calibrate._after_compute(sizes, [torch.ones(s // 4) for s in sizes], 3, None, wait, 2,
                                         burst=lambda: time.sleep(0.2 if rank == 1 else 0.0))
     if rank == 0:
-        print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples]}}), flush=True)
+        print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples], "gap_us": gap}}), flush=True)
     os._exit(0)
 try:
     r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
@@ -72,6 +72,11 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert r["overlap"] is (2 < r["cores"])
     assert r["memory_contention"] >= 1.0 and r["compute_contention"] >= 1.0 and r["balance"] > 0
     assert r["sync_wait_us"] >= 0 and r["ddp_overhead_us"] >= 0
+    assert r["drift_compute"] >= 0 and r["drift_memory"] >= 0
+    # The second sweep, after a burst of compute five times longer: every size up to 4 MiB.
+    assert [s["bytes"] for s in r["late_samples"]] == [2**16, 2**18, 2**20, 2**22]
+    assert all(s["us"] > 0 for s in r["late_samples"])
+    assert 0 < r["samples_gap_us"] < r["late_gap_us"]
     # What the forecast reads from it: the samples, their rank count and the host keys.
     from gpucast._forecast import _format_link
     text = _format_link(r)
@@ -79,11 +84,15 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     samples = ";".join(f"{s['bytes']}/{s['factor']:.17g}" for s in r["memory_contention_samples"])
     assert [s["bytes"] for s in r["memory_contention_samples"]] == [2 << 20, 8 << 20, 32 << 20, 128 << 20]
     assert all(s["factor"] >= 1.0 for s in r["memory_contention_samples"])
-    assert text.endswith(f",ranks:2,overlap:{r['overlap']},memory_contention:{r['memory_contention']},"
+    late = ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r["late_samples"])
+    assert text.endswith(f",ranks:2,samples_gap_us:{r['samples_gap_us']},late_samples:{late},"
+                         f"late_gap_us:{r['late_gap_us']},overlap:{r['overlap']},"
+                         f"memory_contention:{r['memory_contention']},"
                          f"memory_contention_samples:{samples},"
                          f"compute_contention:{r['compute_contention']},balance:{r['balance']},"
-                         f"sync_wait_us:{r['sync_wait_us']},ddp_overhead_us:{r['ddp_overhead_us']}")
-    assert text.count(";") == 3 + 3  # four all-reduce samples, four contention samples
+                         f"sync_wait_us:{r['sync_wait_us']},drift_compute:{r['drift_compute']},"
+                         f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']}")
+    assert text.count(";") == 3 + 3 + 3  # four all-reduce samples, four late ones, four contention samples
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
@@ -93,6 +102,8 @@ def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
     r = run_pair(tmp_path, "late", 60)
     assert [s["bytes"] for s in r["samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert all(0 < s["us"] < 100e3 for s in r["samples"]), r["samples"]
+    # The idle spell before each sample: the mean burst over both ranks, 0 and 200 ms.
+    assert 100e3 <= r["gap_us"] < 110e3, r["gap_us"]
 
 
 def test_a_collective_that_hangs_times_out(tmp_path):

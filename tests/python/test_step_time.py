@@ -195,9 +195,10 @@ def test_gpu_rates_table():
 @pytest.mark.parametrize("kw,message", [
     (dict(link={"alpha": 1}), "forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() "
                               "returns) or topology keys (intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
-                              "inter_alpha_us, inter_bytes_per_us, samples, ranks, overlap, memory_contention, "
+                              "inter_alpha_us, inter_bytes_per_us, samples, ranks, samples_gap_us, "
+                              "late_samples, late_gap_us, overlap, memory_contention, "
                               "memory_contention_samples, compute_contention, balance, sync_wait_us, "
-                              "ddp_overhead_us), got {'alpha': 1}"),
+                              "drift_compute, drift_memory, ddp_overhead_us), got {'alpha': 1}"),
     (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])
@@ -212,9 +213,16 @@ def test_link_sample_lists_name_their_key():
     assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "memory_contention_samples": [
         {"bytes": 2097152, "factor": 1.0}, {"bytes": 33554432, "factor": 1.36}]}) == (
         "alpha_us:1,bytes_per_us:2,memory_contention_samples:2097152/1;33554432/1.3600000000000001")
-    for key, second in (("samples", "us"), ("memory_contention_samples", "factor")):
+    late = {"samples": [{"bytes": 1, "us": 3}], "samples_gap_us": 5, "late_gap_us": 9}
+    assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "ranks": 2, "late_samples": [{"bytes": 1, "us": 4}],
+                         **late}) == ("alpha_us:1,bytes_per_us:2,samples:1/3,ranks:2,samples_gap_us:5,"
+                                      "late_samples:1/4,late_gap_us:9")
+    # Without the samples they refine, the rank count and the late samples are left out.
+    assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "ranks": 2, "samples_gap_us": 5,
+                         "late_samples": [{"bytes": 1, "us": 4}], "late_gap_us": 9}) == "alpha_us:1,bytes_per_us:2"
+    for key, second in (("samples", "us"), ("late_samples", "us"), ("memory_contention_samples", "factor")):
         with pytest.raises(ValueError) as e:
-            _format_link({"alpha_us": 1, "bytes_per_us": 2, "ranks": 2, key: [{"bytes": 1}]})
+            _format_link({"alpha_us": 1, "bytes_per_us": 2, "ranks": 2, **late, key: [{"bytes": 1}]})
         assert str(e.value) == (f"link: '{key}' should be a list of {{'bytes': ..., '{second}': ...}} as "
                                 "gpucast.calibrate() returns, got [{'bytes': 1}]")
 

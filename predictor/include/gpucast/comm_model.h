@@ -28,12 +28,22 @@ struct Link {
   // them, the alpha-beta model shifted to pass through the nearest sample.
   std::vector<CollectiveSample> samples;
   int64_t sample_ranks = 0;
+  // On hosts whose ranks share the cores (gpucast.calibrate() on CPU backends) a collective is slower the longer
+  // the group sat idle before it (its threads and connections wake from a deeper sleep). `samples` were measured
+  // after samples_gap_us of compute; late_samples (the same rank count, sorted by size) after late_gap_us. A
+  // collective after an idle spell between the two is interpolated linearly in log(gap); shorter spells take
+  // `samples`, longer ones late_samples. Empty late_samples: `samples` whatever the gap.
+  double samples_gap_us = 0.0;
+  std::vector<CollectiveSample> late_samples;
+  double late_gap_us = 0.0;
 };
 
 enum class Algorithm { Ring, Tree };
 
-// Time of one all-reduce of `bytes` over `ranks` ranks.
-double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo = Algorithm::Ring);
+// Time of one all-reduce of `bytes` over `ranks` ranks; `idle_us`: how long the group sat idle before it (< 0:
+// unknown, the link's `samples`).
+double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo = Algorithm::Ring,
+                    double idle_us = -1.0);
 // Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
 double all_gather_us(double bytes, int64_t ranks, const Link& link);
@@ -87,13 +97,20 @@ struct Topology {
   // host's cores (the scheduler's time slices drift them apart while they compute): the data-parallel reductions
   // start that much later. Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double sync_wait_us = 0.0;
+  // The same lag per unit of compute since the ranks last met, for compute- and memory-bound work (the lag's
+  // mean over its mean time, matmuls and copies, gpucast.calibrate()). Where either is given, the first
+  // reduction after a span of compute starts that span times its rate later, instead of sync_wait_us.
+  double drift_compute = 0.0;
+  double drift_memory = 0.0;
   // What a DDP step costs the ranks outside backward beyond the plain module's forward and optimizer step (the
   // wrapper, and the collective threads' work competing for the shared cores after each reduction), per step.
   // Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double ddp_overhead_us = 0.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
+  // with "samples_gap_us:7000,late_samples:65536/2400;4194304/5100,late_gap_us:34000" after idle spells,
   // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850",
+  // "drift_compute:0.03,drift_memory:0.09",
   // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR) and "ddp_overhead_us:600". Errors
   // name the key.
   static Topology parse(const std::string& text);

@@ -186,6 +186,7 @@ struct BucketForecast {
   double ready_ms = 0;        // from the start of the step
   double start_ms = 0;
   double end_ms = 0;
+  double idle_ms = 0;         // the compute since the group's previous collective (slows it where cores are shared)
 };
 
 struct StepTimeForecast {
