@@ -18,11 +18,16 @@ cases' probes.
 
 Distributed (--ddp N): torchrun-style N processes on this machine, DDP over gloo on loopback, one thread each. Rank
 0 forecasts the DDP step from a single-process trace of the model plus gpucast.calibrate() on the live group; every
-rank measures the real DDP step (median of --iterations, half before the calibration on the same model built again
-and wrapped the same way, half after the forecast), the slowest rank's counting; the error against the mean of the
-steps is printed beside it, and every rank's step times are in the JSON (steps_ms). The whole DDP run is
-repeated --ddp-repeats times in fresh processes (the machine is shared: calibration, probes and the measured step
-each vary from run to run); per case, the repeat with the median error is reported, with every repeat's error.
+rank measures the real DDP step (median of --ddp-iterations, half before the calibration on the same model built
+again and wrapped the same way, half after the forecast), the slowest rank's counting; the error against the mean
+of the steps is printed beside it, and every rank's step times are in the JSON (steps_ms). Beside it, as many steps
+of the plain module (no DDP) on every rank at once, half before the calibration and half after the DDP steps: the
+forecast's compute against them, and what DDP adds to them against the forecast's communication and lag. Ablations
+from the same probes: without the all-reduce samples after a long idle spell, without the drift rates (the
+constant lag instead), without either. And how much CPU time the hypervisor gave other guests during the case
+(/proc/stat steal): collectives need every rank's vCPU running at once, and stolen time delays them most. The
+whole DDP run is repeated --ddp-repeats times in fresh processes (the machine is shared: calibration, probes and
+the measured step each vary from run to run); per case, the repeat with the median error is reported, with every repeat's error.
 
 NeuSight's 4-GPU measurements: bench/neusight_parallel.py (dp4, tp4, pp4); vTrain's data-parallel scaling:
 bench/vtrain_scaling.py; both run here. Signed error = (forecast - measured) / measured. Last line: one JSON object.
@@ -124,6 +129,17 @@ def cpu_case(name, iterations, fraction):
     return row
 
 
+def steal_jiffies():
+    """(stolen, total) CPU time of this host so far, from /proc/stat (a virtual machine's vCPUs lose 'steal'
+    time to other guests); None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        return cpu[7], sum(cpu[:8])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def ddp_worker(args):
     """One rank of the DDP run (started by ddp_cases with RANK / WORLD_SIZE / MASTER_* set)."""
     import datetime
@@ -137,19 +153,20 @@ def ddp_worker(args):
     for name in args.ddp_cases.split(","):
         batch = CASES[name] * world  # global batch: the single-process batch per rank
         from examples import zoo
+        steal0 = steal_jiffies()
         # Half the measured iterations before the calibration and the forecast (the same model built again),
         # half after: the reference is centred on the time of the calibration and the probes.
         twin_case, twin, twin_opt, _ = build(name)
         twin_ddp = torch.nn.parallel.DistributedDataParallel(twin)
         before = timed(zoo.make_step(twin_ddp, twin_opt, twin_case.loss_fn), twin_case.make_batch(batch // world),
-                       args.iterations // 2)
+                       args.ddp_iterations // 2)
         del twin_case, twin, twin_opt, twin_ddp
         # The plain module's step on every rank at once (no DDP): what the forecast's compute stands for, measured
         # beside the DDP step (half before the calibration, half after the DDP steps), so that the error splits
         # into compute and communication.
         plain_case, _, _, plain_step = build(name)
         dist.barrier()
-        plain = timed(plain_step, plain_case.make_batch(batch // world), args.iterations // 2)
+        plain = timed(plain_step, plain_case.make_batch(batch // world), args.ddp_iterations // 2)
         case, model, opt, step = build(name)
         link = gpucast.calibrate()
         fc_ms = None
@@ -167,10 +184,13 @@ def ddp_worker(args):
         dist.barrier()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         dstep = zoo.make_step(ddp, opt, case.loss_fn)
-        steps = before + timed(dstep, case.make_batch(batch // world), args.iterations - args.iterations // 2)
+        after = args.ddp_iterations - args.ddp_iterations // 2
+        steps = before + timed(dstep, case.make_batch(batch // world), after)
         dist.barrier()
-        plain += timed(plain_step, plain_case.make_batch(batch // world), args.iterations - args.iterations // 2)
+        plain += timed(plain_step, plain_case.make_batch(batch // world), after)
         del plain_case, plain_step
+        steal1 = steal_jiffies()
+        stolen = (100.0 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])) if steal0 and steal1 else None
         measured, iqr = summary(steps)
         t = torch.tensor([measured, statistics.mean(steps), statistics.median(plain)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank ends
@@ -185,6 +205,7 @@ def ddp_worker(args):
                          "plain_ms": round(plain_med, 3), "ddp_extra_ms": round(med - plain_med, 3),
                          "compute_err_pct": round(100.0 * (fc_ms[1] - plain_med) / plain_med, 2),
                          "ablation_err_pct": {k: round(100.0 * (v - med) / med, 2) for k, v in fc_ms[4].items()},
+                         "steal_pct": None if stolen is None else round(stolen, 2),
                          "err_pct": round(100.0 * (fc_ms[0] - med) / med, 2),
                          "mean_err_pct": round(100.0 * (fc_ms[0] - mean) / mean, 2),
                          "steps_ms": [[round(x, 3) for x in e.tolist()] for e in every]}
@@ -215,7 +236,9 @@ def ddp_cases(names, world, iterations, fraction, repeats=1):
               f"{r['plain_ms']:.2f} ms (forecast compute {r['compute_err_pct']:+.2f} % from it; DDP adds "
               f"{r['ddp_extra_ms']:.2f} ms, the forecast {r['forecast_ms'] - r['compute_ms']:.2f}); error without "
               f"the late all-reduce samples {r['ablation_err_pct']['no_late']:+.2f} %, without the drift rates "
-              f"{r['ablation_err_pct']['no_drift']:+.2f} %, without either {r['ablation_err_pct']['neither']:+.2f} %")
+              f"{r['ablation_err_pct']['no_drift']:+.2f} %, without either {r['ablation_err_pct']['neither']:+.2f} %; "
+              f"CPU time stolen by the hypervisor during the case "
+              f"{'n/a' if r['steal_pct'] is None else format(r['steal_pct'], '.1f') + ' %'}")
     return rows
 
 
@@ -226,7 +249,7 @@ def ddp_run(names, world, iterations, fraction):
     for r in range(world):
         env = dict(env0, RANK=str(r), LOCAL_RANK=str(r))
         procs.append(subprocess.Popen([sys.executable, __file__, "--ddp-worker", "--ddp-cases", ",".join(names),
-                                       "--iterations", str(iterations), "--fraction", str(fraction)], env=env, stdout=subprocess.PIPE,
+                                       "--ddp-iterations", str(iterations), "--fraction", str(fraction)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=3600) for p in procs]
     for p, (o, e) in zip(procs, outs):
@@ -239,7 +262,9 @@ def ddp_run(names, world, iterations, fraction):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--iterations", type=int, default=15)
+    ap.add_argument("--iterations", type=int, default=15, help="measured steps per CPU case")
+    ap.add_argument("--ddp-iterations", type=int, default=30,
+                    help="measured DDP steps per case (and as many of the plain module's)")
     ap.add_argument("--ddp", default="2,4", help="comma-separated process counts for the DDP part ('' to skip)")
     ap.add_argument("--ddp-cases", default="mlp,cnn,gpt")
     ap.add_argument("--repeats", type=int, default=3, help="forecast and measurement per CPU case (median error kept)")
@@ -262,7 +287,7 @@ def main():
     print(f"overhead: traced probe iteration / untraced, median over {len(ratios)} probes: {overhead:.3f}x")
     ddp = {}
     for w in [int(x) for x in args.ddp.split(",") if x]:
-        ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.iterations, args.fraction, args.ddp_repeats)
+        ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.ddp_iterations, args.fraction, args.ddp_repeats)
         print(f"DDP x{w}: mean |error| {statistics.mean(abs(r['err_pct']) for r in ddp[w]):.2f} %")
     ddp2 = ddp.get(2)
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")

@@ -33,9 +33,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     the average rank the last one finishes the same work started together (ranks sharing cores drift apart);
     a step's first data-parallel reduction waits that long. drift_compute and drift_memory: that lag's mean per
     unit of time, for matmuls and for copies; where given, a step's first reduction waits the compute since the
-    ranks last met times these rates (by the compute's memory-bound share) instead. ddp_overhead_us: what a DDP step costs outside
-    backward beyond the plain module's forward and optimizer step (a small model, plain and wrapped, every rank at
-    once): the wrapper, and the collective's threads finishing on the shared cores while the next work runs."""
+    ranks last met times these rates (by the compute's memory-bound share) instead. ddp_overhead_us: what a DDP
+    step costs outside backward beyond the plain module's forward and optimizer step (a small model, plain and
+    wrapped, every rank at once): the wrapper, and the collective's threads finishing on the shared cores while the
+    next work runs."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
