@@ -23,7 +23,7 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
-    rank at once: slowdown factors; memory_contention_samples: the copy's factor by working set, copies of
+    rank at once, the slowest rank's: slowdown factors; memory_contention_samples: the copy's factor by working set, copies of
     1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly slows down),
     balance (this host's FLOP per byte from those two, which splits a layer's time into memory- and compute-bound
     shares) and overlap: False where the ranks' threads fill every core
@@ -198,6 +198,11 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         runs["alone_mm"].append(once(matmul, rank == 0))
         runs["all_mm"].append(once(matmul, True))
     med = {k: statistics.median(v) for k, v in runs.items()}
+    # All at once, the group runs at its slowest rank's pace: each all-at-once median is the slowest rank's.
+    together = [k for k in runs if k.endswith("_all") or k == "all_mm"]
+    slowest = torch.tensor([med[k] for k in together], dtype=torch.float64)
+    wait(dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce")
+    med.update(zip(together, slowest.tolist()))
     alone_copy, all_copy, alone_mm, all_mm = med["16_alone"], med["16_all"], med["alone_mm"], med["all_mm"]
     # How far apart the ranks finish the same work started together (a barrier, two matmul rounds each, every
     # rank at once): the last one's lag behind the average, each round's from the vector of every rank's time,
