@@ -393,7 +393,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     full trace), evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's
     kernels; where the probes' convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
     are added so that those layers are timed on the kernels the target runs; where the per-rank target is more
-    than 8 times the largest probe, a timing-only probe at a quarter of it is added when the probes forecast
+    than 8 times the largest probe, a timing-only probe at half of it is added when the probes forecast
     its step under 1 s), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
@@ -536,7 +536,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if time_fc is not None and reach_probes:
         time_fc.notes.insert(0, f"the target batch is more than {_REACH:g} times the largest probe: a timing probe at "
                                 f"batch {reach_probes[0]} added (its forecast step under {_REACH_BUDGET_S:g} s), so "
-                                f"that the fits extrapolate 4 times at most")
+                                f"that the fits extrapolate 2 times at most")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes)
@@ -579,22 +579,24 @@ def _kernel_probes(timings: list, batch_size: int, parallel: dict | None, target
     return [lo] + ([lo + lo // 2] if per_rank >= lo + lo // 2 else [])
 
 
-# Beyond this many times the largest probe, a slope's noise is multiplied into the forecast: a timing probe at a
-# quarter of the per-rank target is added when the probes forecast its step under the budget (CPU targets).
+# Beyond this many times the largest probe, a slope's noise is multiplied into the forecast, and on a CPU the time
+# per sample grows with the batch as the activations spill the caches (the zoo MLP's first layer: 4.1 us per sample
+# from 8 to 64, 4.7 from 64 to 256): a timing probe at half the per-rank target is added when the probes forecast
+# its step under the budget (CPU targets).
 _REACH = 8
 _REACH_BUDGET_S = 1.0
 
 
 def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
                   design: list) -> list:
-    """A batch size to time in addition, nearer a target far beyond the probes: a quarter of the per-rank target
-    where the target is more than _REACH times the largest probe and the probes forecast the step at that quarter
-    under _REACH_BUDGET_S."""
+    """A batch size to time in addition, nearer a target far beyond the probes: half the per-rank target where the
+    target is more than _REACH times the largest probe and the probes forecast the step at that half under
+    _REACH_BUDGET_S."""
     per_rank = _timing_probe_target(timings, batch_size, parallel, target, probe_device, design)
     largest = max((json.loads(x)["batch"] for x in timings), default=0)
     if per_rank is None or per_rank <= _REACH * largest:
         return []
-    b = per_rank // 4
+    b = per_rank // 2
     est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b, "", "", 1.0, 1.0, "d-optimal", 0, 0.0, 0.0))
     return [b] if est["step_ms"] <= _REACH_BUDGET_S * 1e3 else []
 

@@ -412,10 +412,10 @@ def test_a_timing_probe_nearer_a_far_target():
         fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, gnn=None)
         return fc, [json.loads(x)["batch"] for x in fc.timings]
 
-    fc, batches = probed(256)  # 32 times the largest probe: a quarter of the target is timed too
-    assert batches == [2, 4, 8, 64]
-    assert fc.time.notes[0] == ("the target batch is more than 8 times the largest probe: a timing probe at batch 64 "
-                                "added (its forecast step under 1 s), so that the fits extrapolate 4 times at most")
+    fc, batches = probed(256)  # 32 times the largest probe: half the target is timed too
+    assert batches == [2, 4, 8, 128]
+    assert fc.time.notes[0] == ("the target batch is more than 8 times the largest probe: a timing probe at batch 128 "
+                                "added (its forecast step under 1 s), so that the fits extrapolate 2 times at most")
     assert fc.probe_batch_sizes == (2, 4, 8)
     assert probed(64)[1] == [2, 4, 8]  # 8 times: the probes alone
     per_rank_32 = gpucast.forecast(step, case.make_batch, 256, model=model, optimizer=opt, gnn=None,
