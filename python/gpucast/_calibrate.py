@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 
-def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int = 9, timeout_s: float = 60.0,
-              group=None) -> dict:
+def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int | None = None,
+              timeout_s: float = 60.0, group=None) -> dict:
     """Time all-reduces of `sizes` bytes on the initialized process group and fit a ring link to them:
     alpha_us (latency per step) and bytes_per_us; the samples themselves are kept (the forecast interpolates
     between them). Every rank must call it. A collective that does not finish within timeout_s raises instead
-    of hanging. On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
+    of hanging. repeats: rounds over the sizes; None: 9 on a GPU backend, 27 on a CPU one, whose samples are
+    means of a heavy-tailed time (a scheduler tick now and then), which few rounds put low more often than not. On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
     right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute);
     samples_gap_us: that burst's mean duration. A CPU collective is slower the longer the group sat idle before
     it, so a second sweep over the sizes up to 4 MiB follows a burst five times longer: late_samples, after
@@ -40,11 +41,13 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
+    ranks = dist.get_world_size(group)
+    backend = dist.get_backend(group)
+    if repeats is None:
+        repeats = 9 if backend == "nccl" else 27
     if repeats < 1 or any(int(s) < 4 for s in sizes):
         raise ValueError(f"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, got {sizes!r}, "
                          f"{repeats!r}")
-    ranks = dist.get_world_size(group)
-    backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
 
