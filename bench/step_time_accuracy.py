@@ -27,7 +27,8 @@ from the same probes: without the all-reduce samples after a long idle spell, wi
 constant lag instead), without either. And how much CPU time the hypervisor gave other guests during the case
 (/proc/stat steal): collectives need every rank's vCPU running at once, and stolen time delays them most. The
 whole DDP run is repeated --ddp-repeats times in fresh processes (the machine is shared: calibration, probes and
-the measured step each vary from run to run); per case, the repeat with the median error is reported, with every repeat's error.
+the measured step each vary from run to run); per case, the repeat with the median error is reported, with every
+repeat's error.
 
 NeuSight's 4-GPU measurements: bench/neusight_parallel.py (dp4, tp4, pp4); vTrain's data-parallel scaling:
 bench/vtrain_scaling.py; both run here. Signed error = (forecast - measured) / measured. Last line: one JSON object.

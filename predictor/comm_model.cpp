@@ -239,7 +239,9 @@ Topology Topology::parse(const std::string& text) {
   }
   t.intra.samples_gap_us = number("samples_gap_us", false);
   if (cfg.was_set("late_samples")) {
-    if (!cfg.was_set("samples")) GPUCAST_USER_ERROR("link: 'late_samples' refine 'samples': give samples and ranks too");
+    if (!cfg.was_set("samples")) {
+      GPUCAST_USER_ERROR("link: 'late_samples' refine 'samples': give samples and ranks too");
+    }
     if (!cfg.was_set("late_gap_us") || !cfg.was_set("samples_gap_us")) {
       GPUCAST_USER_ERROR("link: 'late_samples' need 'samples_gap_us' and 'late_gap_us' (the idle spells before each)");
     }

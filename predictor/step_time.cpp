@@ -829,7 +829,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   if (P.dp > 1 && dp_link && P.dp_mode != "fsdp" && P.broadcast_buffers && P.buffer_bytes > 0) {
     const double bytes = static_cast<double>(P.buffer_bytes) / static_cast<double>(P.pp);
     // It waits for the last rank, which fell behind over the optimizer step since the previous step's reduction.
-    bcast_ms = add_comm("dp_broadcast_buffers", bytes, f.optimizer_ms * T.drift_memory * (drifts ? 1.0 : 0.0),
+    bcast_ms = add_comm("dp_broadcast_buffers", bytes, drifts ? f.optimizer_ms * T.drift_memory : 0.0,
                         broadcast_us(bytes, P.dp, *dp_link));
     f.exposed_comm_ms += bcast_ms;
   }

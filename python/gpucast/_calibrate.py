@@ -16,7 +16,8 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     alpha_us (latency per step) and bytes_per_us; the samples themselves are kept (the forecast interpolates
     between them). Every rank must call it. A collective that does not finish within timeout_s raises instead
     of hanging. repeats: rounds over the sizes; None: 9 on a GPU backend, 27 on a CPU one, whose samples are
-    means of a heavy-tailed time (a scheduler tick now and then), which few rounds put low more often than not. On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
+    means of a heavy-tailed time (a scheduler tick now and then), which few rounds put low more often than not.
+    On a GPU backend (nccl) each size's median on the idle group; on a CPU backend each size's mean
     right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute);
     samples_gap_us: that burst's mean duration. A CPU collective is slower the longer the group sat idle before
     it, so a second sweep over the sizes up to 4 MiB follows a burst five times longer: late_samples, after
@@ -24,10 +25,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
-    rank at once, the slowest rank's: slowdown factors; memory_contention_samples: the copy's factor by working set, copies of
-    1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly slows down),
-    balance (this host's FLOP per byte from those two, which splits a layer's time into memory- and compute-bound
-    shares) and overlap: False where the ranks' threads fill every core
+    rank at once, the slowest rank's: slowdown factors; memory_contention_samples: the copy's factor by working
+    set, copies of 1, 4, 16 and 64 MiB, since what fits the shared caches beside the other ranks' work hardly
+    slows down), balance (this host's FLOP per byte from those two, which splits a layer's time into memory- and
+    compute-bound shares) and overlap: False where the ranks' threads fill every core
     (LOCAL_WORLD_SIZE, else the world size, times torch.get_num_threads(), against the cores this process may
     run on), so that a collective takes its cores from the compute instead of running beside it. More threads
     than cores set both factors to at least threads / cores (time sharing). sync_wait_us: how much later than
