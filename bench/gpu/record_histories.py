@@ -3,7 +3,9 @@ replays them through gpucast's allocator simulation and asserts the real peaks (
 
 Each file holds the requested sizes of every allocation and free in order (from
 torch.cuda.memory._record_memory_history / _snapshot), the allocator configuration, and the peaks the real
-allocator reported: torch.cuda.max_memory_allocated() and max_memory_reserved().
+allocator reported: torch.cuda.max_memory_allocated() and max_memory_reserved(). Beside them, for reading a
+mismatch: the real allocator's segment allocations and frees ("a"/"f", address, bytes, the number of events
+before it).
 """
 from __future__ import annotations
 
@@ -36,15 +38,17 @@ def record(name: str, batch: int, out_dir: Path) -> None:
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    events = []
+    events, segments = [], []
     for e in snap["device_traces"][0]:
         if e["action"] in ("alloc", "free_requested"):
             events.append([e["action"][0], e["addr"], e["size"], e.get("stream", 0)])
+        elif e["action"] in ("segment_alloc", "segment_free"):  # the real allocator's cudaMalloc / cudaFree
+            segments.append([e["action"][8], e["addr"], e["size"], len(events)])
     doc = {"schema_version": 1, "case": name, "batch": batch, "device": torch.cuda.get_device_name(0),
            "torch_version": torch.__version__, "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", ""),
            "max_memory_allocated": torch.cuda.max_memory_allocated(),
            "max_memory_reserved": torch.cuda.max_memory_reserved(),
-           "events": events}
+           "events": events, "segment_events": segments}
     path = out_dir / f"alloc_history_{name}.json"
     with open(path, "w") as f:
         json.dump(doc, f, separators=(",", ":"))

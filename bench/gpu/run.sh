@@ -6,14 +6,23 @@ cd "$(dirname "$0")/../.."
 out=bench/results/gpu
 mkdir -p "$out"
 PY=${PYTHON:-python3}
+# On the lent machine only $OUT comes back: everything written goes there as one archive, also on failure.
+pack() {
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu_results.tgz" "$out" $(ls tests/data/alloc_history_*.json 2>/dev/null)
+  fi
+}
+trap pack EXIT
+start=$(date +%s)
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 } > "$out/machine.txt" 2>&1
-cmake -S . -B build-gpu -G Ninja -DGPUCAST_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
+timeout 300 cmake -S . -B build-gpu -G Ninja -DGPUCAST_BUILD_TESTS=OFF -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')" > "$out/build.txt" 2>&1 \
-  && cmake --build build-gpu -j16 >> "$out/build.txt" 2>&1 || { echo "build failed"; tail -30 "$out/build.txt"; exit 1; }
-export GPUCAST_LIBRARY=$PWD/build-gpu/lib/libgpucast.so PYTHONPATH=$PWD/python:$PWD
+  && timeout 300 cmake --build build-gpu -j16 >> "$out/build.txt" 2>&1 || { echo "build failed"; tail -30 "$out/build.txt"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+export GPUCAST_LIBRARY=$PWD/build-gpu/lib/libgpucast.so PYTHONPATH=$PWD/python:$PWD PYTHONUNBUFFERED=1
 target=$($PY - <<'PY'
 import torch
 n = torch.cuda.get_device_name(0).upper()
@@ -29,4 +38,5 @@ timeout 60 $PY bench/memory_accuracy.py --target "$target" --cpu-probes --cases 
 echo "memory_from_cpu_probes rc=$?"
 timeout 120 $PY bench/gpu/step_time_check.py --target "$target" > "$out/step_time_check.txt" 2>&1
 echo "step_time_check rc=$?"
-tail -3 "$out"/*.txt
+echo "all in $(( $(date +%s) - start )) s"
+tail -n 12 "$out"/*.txt
