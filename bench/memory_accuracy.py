@@ -124,6 +124,9 @@ def main():
     ap.add_argument("--memtracker", metavar="NAME:BATCH", help=argparse.SUPPRESS)
     ap.add_argument("--target", default="cpu",
                     help="cpu (default), or a GPU of the device table: probes and measurement then run on CUDA")
+    ap.add_argument("--save-probes", metavar="DIR",
+                    help="with a GPU --target: save each probe's memory trace as DIR/<case>_<n>.json, to replay "
+                         "the forecast elsewhere (gpucast.load_trace)")
     ap.add_argument("--cpu-probes", action="store_true",
                     help="with a GPU --target: probe on the CPU (the rules for what CUDA allocates differently: "
                          "cuBLAS and cuDNN workspaces, attention, optimizers), measure on the GPU")
@@ -212,12 +215,33 @@ def main_cuda(args):
     return 0
 
 
+def save_probes(name, folder):
+    """Have gpucast.forecast's memory probes saved: DIR/<case>_<n>.json, the n-th trace with memory events
+    (the probes in increasing batch size, then any timing probes')."""
+    import contextlib
+    import os
+    from gpucast import _forecast, _trace
+    os.makedirs(folder, exist_ok=True)
+
+    @contextlib.contextmanager
+    def saving(*a, **kw):
+        with _trace.trace(*a, **kw) as t:
+            yield t
+        if kw.get("memory", True):
+            t.result.handle.save(os.path.join(folder, f"{name}_{saving.count}.json"))
+            saving.count += 1
+    saving.count = 0
+    _forecast.trace = saving
+
+
 def cuda_case(name, args) -> dict:
     """One case of main_cuda: the forecast, the fresh process's measurement, the printed row."""
     import torch
     import gpucast
     batch = DEFAULT_CASES.get(name, 32)
     case, model, opt, step = build(name)
+    if args.save_probes:
+        save_probes(name, args.save_probes)
     if args.cpu_probes:
         fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target=args.target)
     else:

@@ -220,6 +220,94 @@ std::string structure_difference(const Stream& a, const Trace& ta, const Stream&
   return "";
 }
 
+// Where two probes' top-level ops (those no other op encloses: what the training code called, and the backward
+// nodes) first differ; empty when they are the same sequence. Probes with the same top-level ops whose memory
+// events differ ran other kernels inside them (cuDNN and cuBLAS choose by size; a large CUDA reduction stages
+// through a buffer): their allocations can be matched op by op. Other top-level ops mean other control flow.
+std::string op_sequence_difference(const Trace& a, const Trace& b) {
+  std::vector<const OpRecord*> x, y;
+  for (const OpRecord& op : a.ops) {
+    if (op.parent < 0) x.push_back(&op);
+  }
+  for (const OpRecord& op : b.ops) {
+    if (op.parent < 0) y.push_back(&op);
+  }
+  const size_t n = std::min(x.size(), y.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (x[i]->name != y[i]->name) {
+      return fmt::format("top-level op {}: {} ({}) against {} ({})", i, x[i]->name,
+                         x[i]->module.empty() ? "no module" : x[i]->module, y[i]->name,
+                         y[i]->module.empty() ? "no module" : y[i]->module);
+    }
+  }
+  if (x.size() != y.size()) return fmt::format("{} top-level ops against {}", x.size(), y.size());
+  return "";
+}
+
+// What an allocation is, for matching it across probes: the op that made it (name and module), its category,
+// phase and iteration.
+uint64_t allocation_key(const Entry& e, const Trace& t) {
+  const std::string op = e.op >= 0 ? t.ops[static_cast<size_t>(e.op)].name + '\x1f' + t.ops[static_cast<size_t>(e.op)].module
+                                   : std::string("\x1f");
+  uint64_t h = std::hash<std::string>()(op);
+  for (uint64_t v : {static_cast<uint64_t>(e.category), static_cast<uint64_t>(e.phase), static_cast<uint64_t>(e.iteration)}) {
+    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  }
+  return h;
+}
+
+// The longest common subsequence of two key sequences by Myers' O((N+M)·D) difference algorithm: for each
+// element of `b`, the index of its match in `a` (-1: none). Empty when more than max_d insertions and
+// deletions separate them.
+std::vector<int64_t> match_sequences(const std::vector<uint64_t>& a, const std::vector<uint64_t>& b, int64_t max_d) {
+  const int64_t n = static_cast<int64_t>(a.size());
+  const int64_t m = static_cast<int64_t>(b.size());
+  max_d = std::min(max_d, n + m);
+  std::vector<std::vector<int64_t>> history;  // V after each round d, over k in [-d, d]
+  std::vector<int64_t> v(static_cast<size_t>(2 * max_d + 3), 0);
+  const int64_t off = max_d + 1;
+  int64_t end_d = -1;
+  for (int64_t d = 0; d <= max_d && end_d < 0; ++d) {
+    for (int64_t k = -d; k <= d; k += 2) {
+      int64_t x = (k == -d || (k != d && v[k - 1 + off] < v[k + 1 + off])) ? v[k + 1 + off] : v[k - 1 + off] + 1;
+      int64_t y = x - k;
+      while (x < n && y < m && a[static_cast<size_t>(x)] == b[static_cast<size_t>(y)]) {
+        ++x;
+        ++y;
+      }
+      v[k + off] = x;
+      if (x >= n && y >= m) end_d = d;
+    }
+    history.emplace_back(v.begin() + (off - d), v.begin() + (off + d + 1));
+  }
+  if (end_d < 0) return {};
+  std::vector<int64_t> match(static_cast<size_t>(m), -1);
+  int64_t x = n, y = m;
+  for (int64_t d = end_d; d >= 0; --d) {
+    const int64_t k = x - y;
+    int64_t start_x = 0, start_y = 0;  // where the snake ending at (x, y) begins
+    int64_t prev_x = 0, prev_y = 0;
+    if (d > 0) {
+      const std::vector<int64_t>& prev = history[static_cast<size_t>(d - 1)];  // k' in [-(d-1), d-1]
+      auto at = [&](int64_t kk) { return prev[static_cast<size_t>(kk + d - 1)]; };
+      const bool down = k == -d || (k != d && at(k - 1) < at(k + 1));
+      const int64_t prev_k = down ? k + 1 : k - 1;
+      prev_x = at(prev_k);
+      prev_y = prev_x - prev_k;
+      start_x = down ? prev_x : prev_x + 1;
+      start_y = down ? prev_y + 1 : prev_y;
+    }
+    while (x > start_x && y > start_y) {
+      --x;
+      --y;
+      match[static_cast<size_t>(y)] = x;
+    }
+    x = prev_x;
+    y = prev_y;
+  }
+  return match;
+}
+
 // Size as a function of the batch: exact linear fit when the probes allow, else least-squares quadratic.
 struct Fit {
   double c0 = 0, c1 = 0, c2 = 0;
@@ -229,6 +317,20 @@ struct Fit {
     return std::max<int64_t>(0, std::llround(c0 + c1 * b + c2 * b * b + cl * l + cbl * b * l + cbll * b * l * l));
   }
 };
+
+// One probe's size at another batch: model states kept, everything else in proportion to the batch.
+Fit proportional_fit(int64_t bytes, Category c, double batch) {
+  Fit f;
+  if (c == Category::Parameter || c == Category::Gradient || c == Category::OptimizerState) {
+    f.c0 = static_cast<double>(bytes);
+  } else {
+    f.c1 = static_cast<double>(bytes) / batch;
+  }
+  return f;
+}
+
+// Probes that run the same ops are matched allocation by allocation up to this many unmatched ones.
+constexpr int64_t kMaxUnmatchedAllocations = 2048;
 
 // Least squares over {1, b, L, b L, b L^2}; linear = exact at every probe.
 Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l, const std::vector<double>& s) {
@@ -567,9 +669,15 @@ class Forecaster {
     model_.shape = &streams_[ref];
     model_.trace = in_.probes[ref];
     std::vector<size_t> usable = {ref};
+    std::vector<std::string> kernel_diffs(streams_.size());  // probes matched to the reference op by op: where
     for (size_t i = 0; i < streams_.size(); ++i) {
       if (i == ref) continue;
       const std::string diff = structure_difference(streams_[i], *in_.probes[i], streams_[ref], *in_.probes[ref]);
+      if (!diff.empty() && !seq_scaling() && op_sequence_difference(*in_.probes[i], *in_.probes[ref]).empty()) {
+        kernel_diffs[i] = diff;  // the same ops, other kernels inside them
+        usable.push_back(i);
+        continue;
+      }
       if (!diff.empty()) {
         out_.scaled = false;
         // PyTorch's CPU convolution picks its kernel by batch size (im2col for 1x1, stride-1 kernels on one
@@ -592,15 +700,7 @@ class Forecaster {
     if (in_.probes.size() == 1) {
       // One probe: model states stay, everything else scales in proportion to the batch size.
       const double b0 = static_cast<double>(in_.probe_batch[ref]);
-      auto proportional = [b0](int64_t bytes, Category c) {
-        Fit f;
-        if (c == Category::Parameter || c == Category::Gradient || c == Category::OptimizerState) {
-          f.c0 = static_cast<double>(bytes);
-        } else {
-          f.c1 = static_cast<double>(bytes) / b0;
-        }
-        return f;
-      };
+      auto proportional = [b0](int64_t bytes, Category c) { return proportional_fit(bytes, c, b0); };
       for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
         model_.initial_fits.push_back(proportional(s.initial_bytes[k], s.initial_category[k]));
       }
@@ -619,6 +719,60 @@ class Forecaster {
       out_.notes.push_back(
           "the probes held different numbers of blocks at the start (the process allocated or freed memory between "
           "them): matched by category");
+    }
+    // Each usable probe's allocation for each of the reference's: the same position, or for probes that ran
+    // other kernels, the one matched op by op (-1: none).
+    std::vector<std::vector<int64_t>> match(streams_.size());
+    std::vector<uint64_t> ref_keys;
+    for (const Entry& e : s.entries) ref_keys.push_back(e.alloc ? allocation_key(e, *in_.probes[ref]) : 0);
+    for (size_t i : usable) {
+      if (kernel_diffs[i].empty()) {
+        match[i].resize(s.entries.size());
+        for (size_t k = 0; k < s.entries.size(); ++k) match[i][k] = static_cast<int64_t>(k);
+        continue;
+      }
+      // Allocations only: frees follow the reference's.
+      std::vector<uint64_t> mine, theirs;
+      std::vector<int64_t> mine_at, theirs_at;
+      for (size_t k = 0; k < streams_[i].entries.size(); ++k) {
+        if (!streams_[i].entries[k].alloc) continue;
+        mine.push_back(allocation_key(streams_[i].entries[k], *in_.probes[i]));
+        mine_at.push_back(static_cast<int64_t>(k));
+      }
+      for (size_t k = 0; k < s.entries.size(); ++k) {
+        if (!s.entries[k].alloc) continue;
+        theirs.push_back(ref_keys[k]);
+        theirs_at.push_back(static_cast<int64_t>(k));
+      }
+      const std::vector<int64_t> m = match_sequences(mine, theirs, kMaxUnmatchedAllocations);
+      if (m.empty() && !theirs.empty()) {
+        out_.scaled = false;
+        out_.warnings.push_back(fmt::format(
+            "probes at batch {} and {} run the same ops but differ in more than {} allocations ({}): the forecast "
+            "is not scaled: it repeats the batch-{} probe",
+            in_.probe_batch[i], in_.probe_batch[ref], kMaxUnmatchedAllocations, kernel_diffs[i], in_.probe_batch[ref]));
+        continue;
+      }
+      match[i].assign(s.entries.size(), -1);
+      int64_t matched = 0;
+      for (size_t j = 0; j < m.size(); ++j) {
+        if (m[j] < 0) continue;
+        match[i][static_cast<size_t>(theirs_at[j])] = mine_at[static_cast<size_t>(m[j])];
+        ++matched;
+      }
+      out_.notes.push_back(fmt::format(
+          "probes at batch {} and {} run the same ops with other kernels inside some ({}; cuDNN and cuBLAS choose "
+          "by size, large reductions stage through a buffer{}): {} of the batch-{} probe's {} allocations matched "
+          "op by op, {} of the batch-{} probe's without a match",
+          in_.probe_batch[i], in_.probe_batch[ref], kernel_diffs[i],
+          uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref])
+              ? ", PyTorch's CPU convolution leaves im2col at batch 16 for 1x1 stride-1 kernels on one thread"
+              : "",
+          matched, in_.probe_batch[ref], theirs.size(), static_cast<int64_t>(mine.size()) - matched,
+          in_.probe_batch[i]));
+    }
+    if (!out_.scaled) {
+      usable = {ref};
     }
     std::vector<double> b, l;
     for (size_t i : usable) {
@@ -640,9 +794,21 @@ class Forecaster {
         model_.entry_fits.emplace_back();
         continue;
       }
-      std::vector<double> v;
-      for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].entries[k].bytes));
-      Fit f = fit_any(v);
+      std::vector<double> v, bk;
+      for (size_t n = 0; n < usable.size(); ++n) {
+        const int64_t at = match[usable[n]].empty() ? -1 : match[usable[n]][k];
+        if (at < 0) continue;
+        v.push_back(static_cast<double>(streams_[usable[n]].entries[static_cast<size_t>(at)].bytes));
+        bk.push_back(b[n]);
+      }
+      Fit f;
+      if (v.size() == usable.size()) {
+        f = fit_any(v);
+      } else if (v.size() >= 2) {  // matched in some probes: fitted over those
+        f = fit(bk, v);
+      } else {  // the reference's alone: in proportion to the batch, model states kept
+        f = proportional_fit(s.entries[k].bytes, s.entries[k].category, static_cast<double>(in_.probe_batch[ref]));
+      }
       if (!f.linear) ++model_.nonlinear;
       model_.entry_fits.push_back(f);
     }

@@ -8,7 +8,9 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <cuda_runtime_api.h>
 #include <cupti.h>
+#include <fmt/format.h>
 
 #include "gpucast/device_timer.h"
 
@@ -36,12 +38,23 @@ struct CuptiApi {
   decltype(&cuptiActivityPushExternalCorrelationId) push = nullptr;
   decltype(&cuptiActivityPopExternalCorrelationId) pop = nullptr;
   decltype(&cuptiGetResultString) result_string = nullptr;
+  std::string path;             // the file it came from
+  bool already_loaded = false;  // torch had loaded it
 
   static const CuptiApi* load() {
     static const CuptiApi* api = [] () -> const CuptiApi* {
       auto* a = new CuptiApi();
-      for (const char* name : {"libcupti.so", "libcupti.so.13", "libcupti.so.12"}) {
-        a->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      // The copy torch already loaded (libtorch_cpu needs libcupti.so.N) first: a second copy from another
+      // directory (the CUDA toolkit's) would be a second CUPTI in the process, which records nothing.
+      constexpr const char* kNames[] = {"libcupti.so.13", "libcupti.so.12", "libcupti.so"};
+      for (int flags : {RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
+        for (const char* name : kNames) {
+          a->lib = dlopen(name, flags);
+          if (a->lib != nullptr) {
+            a->already_loaded = (flags & RTLD_NOLOAD) != 0;
+            break;
+          }
+        }
         if (a->lib != nullptr) break;
       }
       if (a->lib == nullptr) return nullptr;
@@ -56,6 +69,11 @@ struct CuptiApi {
       sym(a->push, "cuptiActivityPushExternalCorrelationId");
       sym(a->pop, "cuptiActivityPopExternalCorrelationId");
       sym(a->result_string, "cuptiGetResultString");
+      Dl_info info{};
+      if (a->subscribe != nullptr && dladdr(reinterpret_cast<void*>(a->subscribe), &info) != 0 &&
+          info.dli_fname != nullptr) {
+        a->path = info.dli_fname;
+      }
       const bool complete = a->subscribe && a->unsubscribe && a->enable && a->disable && a->register_callbacks &&
                             a->flush_all && a->next_record && a->push && a->pop && a->result_string;
       return complete ? a : nullptr;
@@ -122,6 +140,8 @@ class CuptiTimer final : public DeviceTimer {
   }
 
   std::vector<DeviceSpan> stop() override {
+    // A kernel's record is complete once it has run: wait for the work the window launched.
+    const cudaError_t synced = cudaDeviceSynchronize();
     api_->flush_all(1 /* CUPTI_ACTIVITY_FLAG_FLUSH_FORCED */);
     release();
     std::vector<std::pair<uint8_t*, size_t>> buffers;
@@ -137,16 +157,19 @@ class CuptiTimer final : public DeviceTimer {
       while (api_->next_record(buf, valid, &rec) == CUPTI_SUCCESS) {
         switch (rec->kind) {
           case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+            ++counts_[0];
             auto* k = reinterpret_cast<const KernelRecord*>(rec);
             pending.push_back({k->correlationId, static_cast<int64_t>(k->start), static_cast<int64_t>(k->end)});
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMCPY: {
+            ++counts_[1];
             auto* m = reinterpret_cast<const MemcpyRecord*>(rec);
             pending.push_back({m->correlationId, static_cast<int64_t>(m->start), static_cast<int64_t>(m->end)});
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMSET: {
+            ++counts_[2];
             auto* m = reinterpret_cast<const MemsetRecord*>(rec);
             pending.push_back({m->correlationId, static_cast<int64_t>(m->start), static_cast<int64_t>(m->end)});
             break;
@@ -167,8 +190,17 @@ class CuptiTimer final : public DeviceTimer {
       auto it = external.find(p.correlation);
       if (it != external.end()) out.push_back(DeviceSpan{it->second, p.start, p.end});
     }
+    report_ = fmt::format("CUPTI from {}{}: {} kernel, {} memcpy and {} memset records, {} external correlations, {} "
+                          "records attributed to ops{}",
+                          api_->path.empty() ? "libcupti" : api_->path,
+                          api_->already_loaded ? " (loaded by torch)" : "", counts_[0], counts_[1], counts_[2],
+                          external.size(), out.size(),
+                          synced == cudaSuccess ? "" : fmt::format("; cudaDeviceSynchronize: {}",
+                                                                   cudaGetErrorString(synced)));
     return out;
   }
+
+  std::string report() const override { return report_; }
 
  private:
   void release() {
@@ -179,6 +211,8 @@ class CuptiTimer final : public DeviceTimer {
 
   const CuptiApi* api_;
   CUpti_SubscriberHandle subscriber_ = nullptr;
+  size_t counts_[3] = {0, 0, 0};  // kernel, memcpy, memset records of the window
+  std::string report_;
 };
 
 }  // namespace

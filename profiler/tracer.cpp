@@ -690,6 +690,7 @@ RecordedTrace stop_recording() {
   if (s.timer) {
     raw.device_ns = device_time_by_op(s.timer->stop());
     raw.per_launch = s.timer->per_launch();
+    if (std::string r = s.timer->report(); !r.empty()) s.notes.push_back(std::move(r));
   }
   raw.in.timing_source = s.timing_source;
   raw.in.timed_layers = s.timed.layers();

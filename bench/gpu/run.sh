@@ -9,7 +9,8 @@ PY=${PYTHON:-python3}
 # On the lent machine only $OUT comes back: everything written goes there as one archive, also on failure.
 pack() {
   if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/gpu_results.tgz" "$out" $(ls tests/data/alloc_history_*.json 2>/dev/null)
+    tar czf "$OUT/gpu_results.tgz" --exclude="$out/probes" "$out" $(ls tests/data/alloc_history_*.json 2>/dev/null)
+    [ -d "$out/probes" ] && tar czf "$OUT/gpu_probes.tgz" "$out/probes"
   fi
 }
 trap pack EXIT
@@ -30,13 +31,16 @@ print("H200-141GB" if "H200" in n else "H100-80GB" if "H100" in n else "A100-80G
 PY
 )
 timeout 90 $PY bench/gpu/record_histories.py > "$out/histories.txt" 2>&1; echo "histories rc=$?"
-timeout 120 $PY bench/memory_accuracy.py --target "$target" --cases mlp,cnn,gpt,resnet18 > "$out/memory_accuracy.txt" 2>&1
+# The probes' traces, for replaying the forecast elsewhere (not committed: a separate archive).
+timeout 150 $PY bench/memory_accuracy.py --target "$target" --cases mlp,cnn,gpt,resnet18 --save-probes "$out/probes" \
+  > "$out/memory_accuracy.txt" 2>&1
 echo "memory_accuracy rc=$?"
 # CPU probes for the GPU: the rules for what CUDA allocates differently (cuDNN workspaces: reported headroom).
 timeout 60 $PY bench/memory_accuracy.py --target "$target" --cpu-probes --cases cnn,resnet18 \
   > "$out/memory_from_cpu_probes.txt" 2>&1
 echo "memory_from_cpu_probes rc=$?"
-timeout 120 $PY bench/gpu/step_time_check.py --target "$target" > "$out/step_time_check.txt" 2>&1
+timeout 150 $PY bench/gpu/step_time_check.py --target "$target" --save-timings "$out/timings" \
+  > "$out/step_time_check.txt" 2>&1
 echo "step_time_check rc=$?"
 echo "all in $(( $(date +%s) - start )) s"
 tail -n 12 "$out"/*.txt

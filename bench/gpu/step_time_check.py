@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--target", required=True, help="the GPU's name in gpucast's device table, or cpu")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--cases", default="gpt,cnn,resnet18")
+    ap.add_argument("--save-timings", metavar="DIR",
+                    help="save each forecast's probe timings (fc.timings) as DIR/<case>_<variant>.json, to replay "
+                         "the step-time forecast elsewhere")
     ap.add_argument("--stand-in", action="store_true",
                     help="rehearsal on the CPU: device timing through gpucast's CPU-clock stand-in for CUPTI")
     args = ap.parse_args()
@@ -109,15 +112,18 @@ def check(name: str, args) -> dict:
     ops = doc.get("ops", [])
     timed = sum(1 for o in ops if o.get("device_ns", -1) >= 0)
     source = doc.get("timing_source")
+    trace_notes = doc.get("notes", [])
     layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
     del t, doc
     sparse = sparse_check(step, batch, b, it, args.device)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device])
     on_target = fc.time.step_ms if fc.time is not None else None
+    save_timings(args, name, "device", fc)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device], time_fraction=0.25)
     on_target_sparse = fc.time.step_ms if fc.time is not None else None
+    save_timings(args, name, "device_sparse", fc)
     del model, opt, step, batch, fc
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -127,6 +133,7 @@ def check(name: str, args) -> dict:
         fc = gpucast.forecast(step, make_cpu, b, model=model, optimizer=opt, target=args.target,
                               probe_batch_sizes=PROBES["cpu"])
         from_cpu = fc.time.step_ms if fc.time is not None else None
+        save_timings(args, name, "cpu", fc)
         del model, opt, step, fc
     return dict(case=name, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
                 ops=len(ops), ops_with_device_time=timed, layer_sum_ms=round(layers_ms, 3),
@@ -134,7 +141,20 @@ def check(name: str, args) -> dict:
                 gpu_probe_err_pct=pct(on_target, measured),
                 gpu_sparse_forecast_ms=on_target_sparse and round(on_target_sparse, 3),
                 gpu_sparse_err_pct=pct(on_target_sparse, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
-                cpu_probe_err_pct=pct(from_cpu, measured), sparse=sparse)
+                cpu_probe_err_pct=pct(from_cpu, measured), sparse=sparse, trace_notes=trace_notes)
+
+
+def save_timings(args, name: str, variant: str, fc) -> None:
+    if not args.save_timings:
+        return
+    import os
+    os.makedirs(args.save_timings, exist_ok=True)
+    doc = {"case": name, "variant": variant, "target": args.target, "batch": BATCH[name],
+           "probe_batch_sizes": list(fc.probe_batch_sizes), "step_ms": fc.time.step_ms if fc.time else None,
+           "timings": [json.loads(t) for t in fc.timings],
+           "time": fc.to_dict().get("time")}
+    with open(os.path.join(args.save_timings, f"{name}_{variant}.json"), "w") as f:
+        json.dump(doc, f)
 
 
 def sparse_check(step, batch, b: int, full: dict, device: str) -> dict:

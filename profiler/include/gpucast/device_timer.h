@@ -41,6 +41,8 @@ class DeviceTimer {
   // at its launch), false where it spans the op's whole time, the ops inside it included (CUDA events, the
   // stand-in). An op's device time is the latter: per-launch times are summed up the op tree.
   virtual bool per_launch() const { return false; }
+  // After stop: one line for the trace's notes on what the window recorded (empty: nothing to say).
+  virtual std::string report() const { return {}; }
 };
 
 struct TimerChoice {
