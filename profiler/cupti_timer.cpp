@@ -89,8 +89,12 @@ struct CuptiApi {
 };
 
 constexpr size_t kBufferBytes = 8 * 1024 * 1024;
+// External correlation records come with the API records of the launches (runtime and driver): without those
+// two kinds enabled, kernels were recorded in the first GPU runs but no external correlation was. The API
+// records themselves are read past.
 constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
-                                         CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION};
+                                         CUPTI_ACTIVITY_KIND_MEMSET,           CUPTI_ACTIVITY_KIND_RUNTIME,
+                                         CUPTI_ACTIVITY_KIND_DRIVER,           CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION};
 
 // Completed buffers, filled by CUPTI's thread.
 std::mutex g_buffers_mu;

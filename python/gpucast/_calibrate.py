@@ -231,10 +231,13 @@ def _host_sharing(ranks: int, group, wait) -> dict:
             drift[kind][1] += mine.mean().item()
             if kind == "compute":
                 lags.append(lag)
-    # Rank 0's factors, shared with every rank so that all return the same result.
-    balance = (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)  # FLOP/s over bytes/s
-    f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, balance]
-                     + [med[f"{m}_all"] / med[f"{m}_alone"] for m in copies], dtype=torch.float64)
+    # Rank 0's factors, shared with every rank so that all return the same result. Only rank 0 ran the work
+    # alone: the others' "alone" times are empty spells, which a coarse clock can read as 0.
+    f = torch.zeros(3 + len(copies), dtype=torch.float64)
+    if rank == 0:
+        balance = (16 * 2 * 256 ** 3 / alone_mm) / (2 * (128 << 20) / alone_copy)  # FLOP/s over bytes/s
+        f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, balance]
+                         + [med[f"{m}_all"] / med[f"{m}_alone"] for m in copies], dtype=torch.float64)
     wait(dist.broadcast(f, 0, group=group, async_op=True), "a broadcast")
     try:
         cores = len(os.sched_getaffinity(0))

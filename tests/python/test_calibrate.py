@@ -38,7 +38,7 @@ try:
     out = r
 except Exception as e:
     out = {{"error": type(e).__name__ + ": " + str(e)}}
-if rank == 0:
+if rank == 0 or "error" in out:
     print(json.dumps(out), flush=True)
 os._exit(0)
 """
@@ -59,11 +59,16 @@ def run_pair(tmp_path, mode, timeout):
     procs = [subprocess.Popen([sys.executable, str(script), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    r = json.loads(outs[0][0].strip().splitlines()[-1])
+    other = outs[1][0].strip().splitlines()
+    if "error" in r and other:  # what went wrong on rank 1 too
+        r["error"] += " (rank 1: " + json.loads(other[-1]).get("error", "") + ")"
+    return r
 
 
 def test_calibrate_fits_a_link_on_gloo(tmp_path):
     r = run_pair(tmp_path, "ok", 60)
+    assert "error" not in r, r["error"]
     assert r["ranks"] == 2 and r["backend"] == "gloo"
     assert [s["bytes"] for s in r["samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert r["bytes_per_us"] > 0 and r["alpha_us"] >= 0
