@@ -585,7 +585,15 @@ class Forecaster {
     out_.fragmentation = r.fragmentation;
     out_.conv_workspace_headroom_allocated_bytes = r.conv_headroom_allocated;
     out_.conv_workspace_headroom_reserved_bytes = r.conv_headroom_reserved;
-    if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0) {
+    if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0 && gpu_probes()) {
+      out_.notes.push_back(fmt::format(
+          "cuDNN: each of {} convolution call(s) per iteration ran with the workspace its algorithm took at the "
+          "probes' sizes (up to {} per call at batch {}); cuDNN chooses again at the target batch, and another "
+          "algorithm may take more: the forecast holds while each call's workspace stays under {} (peak "
+          "allocated) and {} (peak reserved)",
+          out_.conv_calls, format_bytes(probe_conv_workspace_), in_.probe_batch[largest_probe()],
+          format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved)));
+    } else if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0) {
       out_.notes.push_back(fmt::format(
           "cuDNN: the workspace of each of {} convolution call(s) per iteration is chosen on the GPU and not "
           "modelled; the forecast holds while each stays under {} (peak allocated) and {} (peak reserved): set "
@@ -851,6 +859,7 @@ class Forecaster {
     if (s.iterations < 2) synthesize_steady_iteration(p, s);
     apply_parallel(p, par);
     if (gpu && in_.probe_device == "cpu") add_device_allocations(p, s);
+    else if (gpu) mark_conv_calls(p);
     return p;
   }
 
@@ -1169,6 +1178,53 @@ class Forecaster {
     }
   }
 
+  bool gpu_probes() const { return in_.target != "cpu" && in_.probe_device != "cpu"; }
+
+  size_t largest_probe() const {
+    size_t ref = 0;
+    for (size_t i = 1; i < in_.probe_batch.size(); ++i) {
+      if (in_.probe_batch[i] > in_.probe_batch[ref]) ref = i;
+    }
+    return ref;
+  }
+
+  // Probes on the GPU ran each convolution with the workspace cuDNN chose for their sizes; it stays in the
+  // stream (fitted over the probes), and after each call's last output comes a marker where the replay
+  // measures how much larger a workspace could be before the peaks change (cuDNN may choose another
+  // algorithm at the target batch). probe_conv_workspace_: the largest such workspace in the reference probe.
+  void mark_conv_calls(Planned& p) {
+    if (conv_workspace_ >= 0) return;
+    if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
+    if (out_.conv_calls == 0) return;
+    // The reference probe's workspaces: allocated and freed inside the same convolution call.
+    const std::vector<int64_t>& call = conv_call_of();
+    auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> inside;  // ref -> (call, bytes)
+    probe_conv_workspace_ = 0;
+    for (const Entry& e : model_.shape->entries) {
+      if (e.alloc && call_of(e) != kNone) {
+        inside[e.ref] = {call_of(e), e.bytes};
+      } else if (!e.alloc) {
+        auto it = inside.find(e.ref);
+        if (it != inside.end() && it->second.first == call_of(e)) {
+          probe_conv_workspace_ = std::max(probe_conv_workspace_, it->second.second);
+        }
+      }
+    }
+    constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
+    std::vector<Entry> out;
+    out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls));
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      out.push_back(e);
+      if (conv_plan_[i] != 2) continue;
+      Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
+      mark.conv_call = true;
+      out.push_back(mark);
+    }
+    p.entries = std::move(out);
+  }
+
   std::string conv_scratch_text() const {
     if (conv_scratch_ == 0) return "";
     return fmt::format("; the CPU kernels' scratch inside convolutions ({} allocation(s) per iteration) left out",
@@ -1207,6 +1263,7 @@ class Forecaster {
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
   std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
   int64_t conv_scratch_ = 0;              // CPU scratch allocations left out of the first iteration
+  int64_t probe_conv_workspace_ = 0;      // GPU probes: the largest workspace of a call in the reference probe
 };
 
 }  // namespace
