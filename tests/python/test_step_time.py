@@ -1,5 +1,6 @@
 """Step-time forecast through gpucast.forecast(): fields, the timeline file, DDP buckets and bad input."""
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -393,13 +394,16 @@ def test_timing_probes_where_the_cpu_convolution_kernel_changes():
         assert fc.probe_batch_sizes == (2, 4, 8)  # the memory forecast keeps the traced probes
         assert probed(20)[1] == [2, 4, 8, 16]
         assert probed(40, parallel=dict(dp=4))[1] == [2, 4, 8]  # 10 samples per rank: the probes' kernels
-        # A probe already runs the target's kernels: no timing probe; the memory forecast names the cause of the
-        # probes' different structure.
-        with pytest.warns(UserWarning, match=r"probes at batch 4 and 16 differ in structure \(.*\): PyTorch's CPU "
-                                             r"convolution changes kernels at batch 16 \(im2col below, mkldnn from "
-                                             r"16 on, for 1x1 stride-1 kernels on one thread\); keep all probes below "
-                                             r"16 or all at 16 and above\. The forecast is not scaled"):
-            assert probed(32, probe_batch_sizes=(4, 16))[1] == [4, 16]
+        # A probe already runs the target's kernels: no timing probe. The memory forecast matches the probes'
+        # allocations op by op (the same top-level ops, other kernels inside the convolutions) and names the cause.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fc, batches = probed(32, probe_batch_sizes=(4, 16))
+        assert batches == [4, 16]
+        assert fc.memory.scaled
+        note = [n for n in fc.memory.notes if n.startswith("probes at batch 4 and 16 run the same ops")]
+        assert len(note) == 1 and ("PyTorch's CPU convolution leaves im2col at batch 16 for 1x1 stride-1 kernels "
+                                   "on one thread") in note[0], fc.memory.notes
     finally:
         torch.set_num_threads(threads)
 
