@@ -791,4 +791,12 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn, seq_len)
+    if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
+        # No device timer recorded the probes' kernels (the trace's notes say why): their host clocks measure
+        # the launches, which on a GPU neither scale with the batch nor add up to the kernels' time.
+        msg = (f"the probes on {probe_device} carry host clock times only (no device timer recorded their "
+               f"kernels; see the trace's notes): the step time measures launches, not the kernels, and does not "
+               f"scale with the batch as the GPU's work does")
+        tf.notes.insert(0, msg)
+        warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
     return tf

@@ -6,6 +6,7 @@ case at its target batch on the same machine, with the peaks torch.cuda reported
 the probes and compared with those peaks."""
 import gzip
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,22 @@ def test_a_cudnn_workspace_beyond_the_headroom_is_flagged():
                     "the probes' sizes (up to 1.97 MiB per call at batch 8); cuDNN chooses again at the target batch, "
                     "and another algorithm may take more: the forecast holds while each call's workspace stays under "
                     "7.88 MiB (peak allocated) and 20.00 MiB (peak reserved)"]
+
+
+def test_gpu_probes_without_device_times_are_said_to_measure_launches():
+    # The first GPU runs' CUPTI windows recorded no op's kernels (tests/data/gpu_timings_cnn.json: the CNN's
+    # three probes on an H200, clock "cpu"): the step time then comes from host clocks, and the forecast says so.
+    from gpucast._forecast import _forecast_time
+    d = json.loads((DATA / "gpu_timings_cnn.json").read_text())
+    assert [t["clock"] for t in d["timings"]] == ["cpu", "cpu", "cpu"]
+    timings = [json.dumps(t) for t in d["timings"]]
+    msg = ("the probes on cuda:0 carry host clock times only (no device timer recorded their kernels; see the "
+           "trace's notes): the step time measures launches, not the kernels, and does not scale with the batch as "
+           "the GPU's work does")
+    with pytest.warns(UserWarning, match=r"gpucast.forecast: the probes on cuda:0 carry host clock times only"):
+        tf = _forecast_time(timings, d["batch"], "H200-141GB", "cuda:0", {}, None, gnn=None)
+    assert tf.notes[0] == msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf = _forecast_time(timings, d["batch"], "cpu", "cpu", {}, None, gnn=None)
+    assert msg not in tf.notes
