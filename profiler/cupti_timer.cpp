@@ -194,6 +194,7 @@ class CuptiTimer final : public DeviceTimer {
       auto it = external.find(p.correlation);
       if (it != external.end()) out.push_back(DeviceSpan{it->second, p.start, p.end});
     }
+    attributed_ = out.size();
     report_ = fmt::format("CUPTI from {}{}: {} kernel, {} memcpy and {} memset records, {} external correlations, {} "
                           "records attributed to ops{}",
                           api_->path.empty() ? "libcupti" : api_->path,
@@ -205,6 +206,7 @@ class CuptiTimer final : public DeviceTimer {
   }
 
   std::string report() const override { return report_; }
+  bool attributed_none() const override { return counts_[0] + counts_[1] + counts_[2] > 0 && attributed_ == 0; }
 
  private:
   void release() {
@@ -216,6 +218,7 @@ class CuptiTimer final : public DeviceTimer {
   const CuptiApi* api_;
   CUpti_SubscriberHandle subscriber_ = nullptr;
   size_t counts_[3] = {0, 0, 0};  // kernel, memcpy, memset records of the window
+  size_t attributed_ = 0;         // of those, attributed to an op
   std::string report_;
 };
 

@@ -53,13 +53,15 @@ class CpuSpanTimer final : public DeviceTimer {
 std::unique_ptr<DeviceTimer> make_cpu_span_timer() { return std::make_unique<CpuSpanTimer>(); }
 
 TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::unique_ptr<DeviceTimer> cupti,
-                                std::unique_ptr<DeviceTimer> events) {
+                                std::unique_ptr<DeviceTimer> events, const std::string& cupti_set_aside) {
   TimerChoice c;
   c.source = "cpu_clock";
   if (!cuda_present) return c;
   std::string why;
   if (other_holder) {
     why = "CUPTI is held by another client (torch.profiler)";
+  } else if (!cupti_set_aside.empty()) {
+    why = cupti_set_aside;
   } else if (!cupti) {
     why = "CUPTI is not available (libcupti not found)";
   } else {

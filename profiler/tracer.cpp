@@ -469,6 +469,13 @@ void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c1
 
 }  // namespace detail
 
+// Why CUPTI is set aside for the rest of the process (empty: it is not); read and written under the tracer's
+// lock, at start and stop.
+static std::string& cupti_set_aside() {
+  static std::string why;
+  return why;
+}
+
 static std::atomic<bool>& stand_in_timer() {
   static std::atomic<bool> on{false};
   return on;
@@ -518,7 +525,8 @@ void start_trace(const TraceOptions& options) {
     s.timing_source = s.timer->name();
     s.notes.push_back("device timing by the stand-in timer (CPU clock spans through the device-timer interface)");
   } else if (options.device_timing && cuda_device_present()) {
-    TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer());
+    TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer(),
+                                             cupti_set_aside());
     s.timer = std::move(choice.timer);
     s.timing_source = choice.source;
     for (std::string& n : choice.notes) s.notes.push_back(std::move(n));
@@ -691,6 +699,11 @@ RecordedTrace stop_recording() {
     raw.device_ns = device_time_by_op(s.timer->stop());
     raw.per_launch = s.timer->per_launch();
     if (std::string r = s.timer->report(); !r.empty()) s.notes.push_back(std::move(r));
+    if (s.timer->attributed_none() && cupti_set_aside().empty()) {
+      cupti_set_aside() = "CUPTI attributed no device work to ops in an earlier trace of this process";
+      s.notes.push_back("CUPTI recorded device work but attributed none of it to ops: later traces in this process "
+                        "time with CUDA events");
+    }
   }
   raw.in.timing_source = s.timing_source;
   raw.in.timed_layers = s.timed.layers();

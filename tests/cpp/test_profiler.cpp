@@ -281,6 +281,17 @@ TEST_F(TimerChoiceTest, TorchProfilerRunningLeavesCuptiAlone) {
   EXPECT_EQ(c.notes[0], "CUPTI is held by another client (torch.profiler): device time measured with CUDA events");
 }
 
+TEST_F(TimerChoiceTest, CuptiSetAsideAfterItAttributedNothingMeansCudaEvents) {
+  TimerChoice c = choose_device_timer(true, false, cupti({}), events(),
+                                      "CUPTI attributed no device work to ops in an earlier trace of this process");
+  EXPECT_EQ(cupti_starts, 0);
+  EXPECT_EQ(event_starts, 1);
+  EXPECT_EQ(c.source, "cuda_events");
+  ASSERT_EQ(c.notes.size(), 1u);
+  EXPECT_EQ(c.notes[0], "CUPTI attributed no device work to ops in an earlier trace of this process: device time "
+                        "measured with CUDA events");
+}
+
 TEST_F(TimerChoiceTest, UnavailableCuptiFallsBackToEvents) {
   TimerChoice c = choose_device_timer(true, false, nullptr, events());
   EXPECT_EQ(c.source, "cuda_events");

@@ -43,6 +43,9 @@ class DeviceTimer {
   virtual bool per_launch() const { return false; }
   // After stop: one line for the trace's notes on what the window recorded (empty: nothing to say).
   virtual std::string report() const { return {}; }
+  // After stop: device work was recorded but none of it could be attributed to an op (CUPTI without external
+  // correlation records). The tracer then sets this timer aside for the rest of the process.
+  virtual bool attributed_none() const { return false; }
 };
 
 struct TimerChoice {
@@ -52,9 +55,10 @@ struct TimerChoice {
 };
 
 // cupti / events: the available timers (null when not built or not loadable). other_holder: another CUPTI
-// client is known to be active (torch.profiler recording CUDA activity).
+// client is known to be active (torch.profiler recording CUDA activity). cupti_set_aside: why CUPTI is not to be
+// used in this process (an earlier trace's CUPTI attributed nothing to ops); empty: it may be.
 TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::unique_ptr<DeviceTimer> cupti,
-                                std::unique_ptr<DeviceTimer> events);
+                                std::unique_ptr<DeviceTimer> events, const std::string& cupti_set_aside = "");
 
 // Device nanoseconds per op key (sum of its spans).
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans);
