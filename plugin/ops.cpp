@@ -113,6 +113,11 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
     seqs.push_back(seq);
   }
   void set_target_seq(int64_t seq) { target_seq = seq; }
+  void set_conv_workspaces(const c10::Dict<std::string, int64_t>& ws) {
+    conv_workspaces.clear();
+    for (const auto& kv : ws) conv_workspaces[kv.key()] = kv.value();
+  }
+  std::map<std::string, int64_t> conv_workspaces;
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction,
@@ -134,6 +139,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.memory_fraction = memory_fraction;
       in.conv_workspace_bytes = conv_workspace;
       in.cudnn_conv_wscap = cudnn_conv_wscap;
+      in.conv_workspaces = conv_workspaces;
       for (int64_t p : exclude) in.exclude_ptrs.push_back(static_cast<uint64_t>(p));
       return memory_forecast_to_json(forecast_memory(in));
     });
@@ -241,6 +247,7 @@ TORCH_LIBRARY(gpucast, m) {
       .def("add_probe", &MemoryForecasterHolder::add_probe)
       .def("add_probe_seq", &MemoryForecasterHolder::add_probe_seq)
       .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
+      .def("set_conv_workspaces", &MemoryForecasterHolder::set_conv_workspaces)
       .def("run", &MemoryForecasterHolder::run);
   m.def("predict_job(str job_json, str? weights=None) -> str",
         [](const std::string& text, std::optional<std::string> weights) {

@@ -585,13 +585,22 @@ class Forecaster {
     out_.fragmentation = r.fragmentation;
     out_.conv_workspace_headroom_allocated_bytes = r.conv_headroom_allocated;
     out_.conv_workspace_headroom_reserved_bytes = r.conv_headroom_reserved;
+    if (out_.conv_calls_measured > 0) {
+      int64_t largest = 0;
+      for (const auto& [key, bytes] : in_.conv_workspaces) largest = std::max(largest, bytes);
+      out_.notes.push_back(fmt::format(
+          "cuDNN: the workspaces of {} of {} convolution call(s) per iteration measured on the GPU at the target "
+          "batch (up to {} per call) replace the probes'",
+          out_.conv_calls_measured, out_.conv_calls, format_bytes(largest)));
+    }
     if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0 && gpu_probes()) {
       out_.notes.push_back(fmt::format(
           "cuDNN: each of {} convolution call(s) per iteration ran with the workspace its algorithm took at the "
           "probes' sizes (up to {} per call at batch {}); cuDNN chooses again at the target batch, and another "
           "algorithm may take more: the forecast holds while each call's workspace stays under {} (peak "
           "allocated) and {} (peak reserved)",
-          out_.conv_calls, format_bytes(probe_conv_workspace_), in_.probe_batch[largest_probe()],
+          out_.conv_calls - out_.conv_calls_measured, format_bytes(probe_conv_workspace_),
+          in_.probe_batch[largest_probe()],
           format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved)));
     } else if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0) {
       out_.notes.push_back(fmt::format(
@@ -1193,7 +1202,10 @@ class Forecaster {
   // measures how much larger a workspace could be before the peaks change (cuDNN may choose another
   // algorithm at the target batch). probe_conv_workspace_: the largest such workspace in the reference probe.
   void mark_conv_calls(Planned& p) {
-    if (conv_workspace_ >= 0) return;
+    if (conv_workspace_ >= 0) {  // one workspace given for every call: it replaces what the calls took inside
+      replace_conv_scratch(p);
+      return;
+    }
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
     if (out_.conv_calls == 0) return;
     // The reference probe's workspaces: allocated and freed inside the same convolution call.
@@ -1212,12 +1224,30 @@ class Forecaster {
       }
     }
     constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
+    // A call's workspace measured at the target batch, by the module and phase of the call's op (-1: none).
+    auto measured = [&](const Entry& e) -> int64_t {
+      if (in_.conv_workspaces.empty() || call_of(e) == kNone) return -1;
+      const OpRecord& op = model_.trace->ops[static_cast<size_t>(call_of(e))];
+      auto it = in_.conv_workspaces.find(op.module + "|" + std::string(to_string(op.phase)));
+      return it == in_.conv_workspaces.end() ? -1 : it->second;
+    };
     std::vector<Entry> out;
     out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls));
+    out_.conv_calls_measured = 0;
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
+      const int64_t ws = conv_plan_[i] != 0 ? measured(e) : -1;
+      if (conv_plan_[i] == 1 && ws >= 0) continue;  // the probe's workspace, replaced by the measured one
       out.push_back(e);
       if (conv_plan_[i] != 2) continue;
+      if (ws >= 0) {
+        if (e.iteration == 1) ++out_.conv_calls_measured;
+        if (ws > 0) {
+          out.push_back(Entry{true, kConvWorkspaceRef, ws, Category::Temporary, e.phase, e.op, e.iteration});
+          out.push_back(Entry{false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration});
+        }
+        continue;
+      }
       Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
       mark.conv_call = true;
       out.push_back(mark);
@@ -1299,6 +1329,7 @@ std::string memory_forecast_to_json(const MemoryForecast& f) {
                    {"nonlinear_allocations", f.nonlinear_allocations},
                    {"allocations", f.allocations},
                    {"conv_calls", f.conv_calls},
+                   {"conv_calls_measured", f.conv_calls_measured},
                    {"conv_workspace_bytes", f.conv_workspace_bytes},
                    {"conv_workspace_headroom_allocated_bytes", f.conv_workspace_headroom_allocated_bytes},
                    {"conv_workspace_headroom_reserved_bytes", f.conv_workspace_headroom_reserved_bytes},

@@ -136,12 +136,14 @@ class MemoryForecast:
     warnings: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     forecast_ms: float = 0.0
-    # GPU targets from CPU probes: convolution calls per iteration, the cuDNN workspace modelled at each (-1: not
-    # known, none modelled), and the largest workspace per call that leaves the forecast peaks as they are.
+    # GPU targets: convolution calls per iteration, the cuDNN workspace modelled at each (-1: not known, none
+    # modelled), the largest workspace per call that leaves the forecast peaks as they are, and (probes on the GPU)
+    # how many calls' workspaces were measured at the target batch.
     conv_calls: int = 0
     conv_workspace_bytes: int = -1
     conv_workspace_headroom_allocated_bytes: int = -1
     conv_workspace_headroom_reserved_bytes: int = -1
+    conv_calls_measured: int = 0
 
 
 @dataclass
@@ -380,7 +382,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     For a GPU target from CPU probes, convolutions run on cuDNN, whose workspace per call is chosen on the GPU:
     `conv_workspace` (bytes) models one at every convolution; without it CUDNN_CONV_WSCAP_DBG's cap (MiB) is
     modelled when set, else none, and fc.memory.conv_workspace_headroom_allocated_bytes / _reserved_bytes say
-    how large each may be before the forecast peaks change.
+    how large each may be before the forecast peaks change. With probes on the target's GPU and `model`, cuDNN
+    chooses again at the target batch: each torch.nn.ConvNd the probes called is run alone there (zero inputs of
+    the probes' shape at the per-rank batch, forward and, where the probes ran it, backward) under a memory
+    trace, and its workspace replaces the probes' (fc.memory.conv_calls_measured; `conv_workspace` skips this).
 
     Step time (fc.time) for a GPU target from CPU probes is priced, layer by layer, from the probes' work (FLOPs
     and bytes per op kind and precision) at the GPU's rates in gpucast's table (gpucast.gpu_rates(): efficiencies
@@ -456,6 +461,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     kernel_probes = []  # timing-only probes at the batch sizes where the target's kernels start
     reach_probes = []  # a timing-only probe nearer a target far beyond the probes
     timed_layers = None  # sparse timing: the layers the timing traces time (None: every layer)
+    largest_probe = None  # the largest probe's trace (batch scaling only)
+    conv_skipped: list = []
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -477,6 +484,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     step(batch)
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
+                largest_probe = t.result.handle  # the design is in increasing batch size
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
             structure = t.result.handle.iteration_timing(b)
@@ -511,6 +519,18 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         for b in _reach_probes(timings, batch_size, parallel, target, probe_device, design):
             timing_probe(b)
             reach_probes.append(b)
+        if (largest_probe is not None and model is not None and target != "cpu" and probe_device.startswith("cuda")
+                and conv_workspace is None):
+            # cuDNN chooses again at the target batch: each convolution's workspace measured there.
+            from . import _conv_workspace
+            p = parallel or {}
+            per_rank = max(1, batch_size // (int(p.get("dp", 1)) * int(p.get("micro_batches", 1))))
+            doc = json.loads(largest_probe.to_json())
+            if _conv_workspace.conv_calls(doc):
+                ws, conv_skipped = _conv_workspace.measure_quietly(model, doc, per_rank, probe_device)
+                if ws:
+                    forecaster.set_conv_workspaces(ws)
+            del doc
     finally:
         state.restore()
         if sys.stderr.isatty():
@@ -520,6 +540,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         forecaster.set_target_seq(seq_len)
     memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
                             state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
+    if conv_skipped:
+        memory.notes.append(f"cuDNN: workspaces not measured at the target batch for {', '.join(conv_skipped)}: the "
+                            f"probes' are kept for those calls")
     for w in memory.warnings:
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()

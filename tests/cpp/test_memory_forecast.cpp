@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
@@ -19,6 +20,7 @@ namespace {
 struct Recorder {
   RawThread th;
   uint64_t seq = 1;
+  std::string device = "cpu";  // of the memory events, tags and blocks held from the start
   Recorder() { th.thread = 1; }
   int64_t op(const char* name, Scope scope, Phase phase, int64_t parent = -1) {
     OpRecord o;
@@ -36,18 +38,18 @@ struct Recorder {
     e.seq = seq++;
     e.ptr = ptr;
     e.bytes = e.block_bytes = bytes;
-    e.device = "cpu";
+    e.device = device;
     e.op = o;
     e.phase = phase;
     th.events.push_back(e);
   }
-  void tag(uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, "cpu", c, seq++}); }
+  void tag(uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, device, c, seq++}); }
   // The trace, with a parameter of 1000 bytes and an input of `input` bytes held from the start.
   Trace finish(int64_t input) {
     AssemblyInput in;
     in.threads.push_back(th);
-    in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, "cpu"}, BaselineBlock{0x20, input, input, "cpu"}};
-    in.baseline["cpu"] = DeviceBaseline{1000 + input, true};
+    in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, device}, BaselineBlock{0x20, input, input, device}};
+    in.baseline[device] = DeviceBaseline{1000 + input, true};
     return assemble_trace(std::move(in));
   }
 };
@@ -391,6 +393,90 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
   EXPECT_EQ(c.peak_reserved_bytes, 2 * kMiB + 20 * kMiB);
   EXPECT_EQ(c.conv_workspace_bytes, 3 * kMiB);
   EXPECT_EQ(run_conv("H100-80GB", 4096, "3").conv_workspace_bytes, 4096);  // conv_workspace wins
+}
+
+// The same step probed on the GPU: cuDNN's calls allocate the activation and take their workspaces inside
+// (aten::cudnn_convolution 1024 b, aten::convolution_backward 3072 b), in module Net.conv.
+Trace gpu_conv_probe(int64_t b) {
+  Recorder r;
+  r.device = "cuda:0";
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
+  r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
+  const int64_t conv = r.op("aten::conv2d", Scope::Function, Phase::Forward);
+  const int64_t cudnn = r.op("aten::cudnn_convolution", Scope::Function, Phase::Forward, conv);
+  r.th.ops[conv].module = r.th.ops[cudnn].module = "Net.conv";
+  r.ev(0x100, 2048 * b, cudnn, Phase::Forward);
+  r.ev(0x800, 1024 * b, cudnn, Phase::Forward);
+  r.ev(0x800, -1024 * b, cudnn, Phase::Forward);
+  r.end(cudnn);
+  r.end(conv);
+  const int64_t node = r.op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward);
+  const int64_t bwd = r.op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
+  r.th.ops[bwd].module = "Net.conv";
+  r.ev(0x200, 1024, bwd, Phase::Backward);
+  r.ev(0x900, 3072 * b, bwd, Phase::Backward);
+  r.ev(0x900, -3072 * b, bwd, Phase::Backward);
+  r.end(bwd);
+  r.ev(0x100, -2048 * b, node, Phase::Backward);
+  r.end(node);
+  r.tag(0x200, Category::Gradient);
+  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x300, 1024, st, Phase::Optimizer);
+  r.end(st);
+  r.tag(0x300, Category::OptimizerState);
+  return r.finish(100 * b);
+}
+
+MemoryForecast run_gpu_conv(const std::map<std::string, int64_t>& measured) {
+  static const std::vector<Trace> t = {gpu_conv_probe(2), gpu_conv_probe(4), gpu_conv_probe(8)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = "H100-80GB";
+  in.probe_device = "cuda:0";
+  in.conv_workspaces = measured;
+  return forecast_memory(in);
+}
+
+TEST(MemoryForecast, GpuProbesKeepTheirWorkspacesAndReportTheHeadroom) {
+  MemoryForecast f = run_gpu_conv({});
+  // Blocks at iteration 2's backward convolution: parameter 1024, input 6656, state 1024, activation 131072,
+  // gradient 1024, and the workspace fitted over the probes: 3072 * 64 = 196608.
+  EXPECT_EQ(f.peak_allocated_bytes, 1024 + 6656 + 1024 + 131072 + 1024 + 196608);
+  EXPECT_EQ(f.conv_calls, 2);
+  EXPECT_EQ(f.conv_calls_measured, 0);
+  EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, 196608);  // the backward's own workspace fits under it
+  EXPECT_NE(std::find_if(f.notes.begin(), f.notes.end(),
+                         [](const std::string& n) {
+                           return n.rfind("cuDNN: each of 2 convolution call(s) per iteration ran with the workspace "
+                                          "its algorithm took at the probes' sizes (up to 24.00 KiB per call at "
+                                          "batch 8)", 0) == 0;
+                         }),
+            f.notes.end());
+}
+
+TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
+  // cuDNN took another algorithm at batch 64: 4 MiB in the backward call, none in the forward one. They replace
+  // what the probes' calls took inside; the 4 MiB request takes a 20 MiB large-pool segment beside the 2 MiB
+  // small-pool one.
+  MemoryForecast f = run_gpu_conv({{"Net.conv|forward", 0}, {"Net.conv|backward", 4 * kMiB}});
+  EXPECT_EQ(f.peak_allocated_bytes, 1024 + 6656 + 1024 + 131072 + 1024 + 4 * kMiB);
+  EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB + 20 * kMiB);
+  EXPECT_EQ(f.peak_op, "aten::convolution_backward");
+  EXPECT_EQ(f.conv_calls, 2);
+  EXPECT_EQ(f.conv_calls_measured, 2);
+  EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, -1);
+  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
+                      "cuDNN: the workspaces of 2 of 2 convolution call(s) per iteration measured on the GPU at the "
+                      "target batch (up to 4.00 MiB per call) replace the probes'"),
+            f.notes.end());
+  // A call without a measurement keeps the probes' workspace, and the headroom is reported for it alone.
+  MemoryForecast g = run_gpu_conv({{"Net.conv|forward", 0}});
+  EXPECT_EQ(g.conv_calls_measured, 1);
+  EXPECT_EQ(g.peak_allocated_bytes, f.peak_allocated_bytes - 4 * kMiB + 196608);
+  EXPECT_GE(g.conv_workspace_headroom_allocated_bytes, 0);
 }
 
 TEST(MemoryForecast, BadConvolutionWorkspace) {

@@ -88,3 +88,24 @@ def test_gpu_probes_without_device_times_are_said_to_measure_launches():
         warnings.simplefilter("error")
         tf = _forecast_time(timings, d["batch"], "cpu", "cpu", {}, None, gnn=None)
     assert msg not in tf.notes
+
+
+def test_a_workspace_measured_at_the_target_batch_replaces_the_probes():
+    # What gpucast.forecast measures on the GPU (each convolution alone at the target batch), given here from the
+    # real run: the first convolution's backward took 57,671,680 bytes at batch 64. With it the CNN's forecast
+    # moves from -26.6 % to -13.2 % allocated and from -29.0 % to +1.1 % reserved; the other five calls keep the
+    # probes' workspaces (their real ones at batch 64 are larger too).
+    f = torch.classes.gpucast.MemoryForecaster()
+    for n, b in enumerate((2, 4, 8)):
+        text = gzip.decompress((DATA / "gpu_probes" / f"cnn_{n}.json.gz").read_bytes()).decode()
+        f.add_probe(torch.ops.gpucast.trace_from_json(text), b)
+    f.set_conv_workspaces({"CNN.features.0|backward": 57671680})
+    fc = json.loads(f.run(64, "H200-141GB", 0, 0.9, "cuda:0", "", "", "", [], 0.0, -1, ""))
+    real = json.loads((DATA / "alloc_history_cnn.json").read_text())
+    assert fc["conv_calls_measured"] == 1
+    assert (fc["peak_allocated_bytes"], fc["peak_reserved_bytes"]) == (137582592, 197132288)
+    assert round(err_pct(fc["peak_allocated_bytes"], real["max_memory_allocated"]), 2) == -13.22
+    assert round(err_pct(fc["peak_reserved_bytes"], real["max_memory_reserved"]), 2) == 1.08
+    assert [n for n in fc["notes"] if n.startswith("cuDNN: the workspaces")] == [
+        "cuDNN: the workspaces of 1 of 6 convolution call(s) per iteration measured on the GPU at the target batch "
+        "(up to 55.00 MiB per call) replace the probes'"]

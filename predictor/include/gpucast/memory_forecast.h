@@ -60,6 +60,10 @@ struct MemoryForecastInput {
   // bound), else none, and the forecast reports how large it may be without changing the peaks.
   int64_t conv_workspace_bytes = -1;
   std::string cudnn_conv_wscap;         // CUDNN_CONV_WSCAP_DBG, empty if unset
+  // Probes on the GPU: cuDNN's workspace per call measured at the target batch, keyed "<module>|forward" and
+  // "<module>|backward" (the module of the call's op, its phase). Replaces what the probes' calls allocated and
+  // freed inside; calls without an entry keep their probes' scratch and report the headroom.
+  std::map<std::string, int64_t> conv_workspaces;
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
 };
 
@@ -91,6 +95,7 @@ struct MemoryForecast {
   int64_t conv_workspace_bytes = -1;
   int64_t conv_workspace_headroom_allocated_bytes = -1;
   int64_t conv_workspace_headroom_reserved_bytes = -1;
+  int64_t conv_calls_measured = 0;    // GPU probes: calls whose workspace came from conv_workspaces
   std::vector<std::string> warnings;
   std::vector<std::string> notes;
   double forecast_ms = 0.0;           // time spent forecasting (probes excluded)
