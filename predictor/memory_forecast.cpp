@@ -686,7 +686,7 @@ class Forecaster {
     model_.shape = &streams_[ref];
     model_.trace = in_.probes[ref];
     std::vector<size_t> usable = {ref};
-    std::vector<std::string> kernel_diffs(streams_.size());  // probes matched to the reference op by op: where
+    std::vector<std::string> kernel_diffs(streams_.size());  // per probe matched op by op: where it first differs
     for (size_t i = 0; i < streams_.size(); ++i) {
       if (i == ref) continue;
       const std::string diff = structure_difference(streams_[i], *in_.probes[i], streams_[ref], *in_.probes[ref]);
@@ -1208,18 +1208,19 @@ class Forecaster {
     }
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
     if (out_.conv_calls == 0) return;
-    // The reference probe's workspaces: allocated and freed inside the same convolution call.
     const std::vector<int64_t>& call = conv_call_of();
     auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
-    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> inside;  // ref -> (call, bytes)
-    probe_conv_workspace_ = 0;
-    for (const Entry& e : model_.shape->entries) {
-      if (e.alloc && call_of(e) != kNone) {
-        inside[e.ref] = {call_of(e), e.bytes};
-      } else if (!e.alloc) {
-        auto it = inside.find(e.ref);
-        if (it != inside.end() && it->second.first == call_of(e)) {
-          probe_conv_workspace_ = std::max(probe_conv_workspace_, it->second.second);
+    if (probe_conv_workspace_ < 0) {  // the reference probe's workspaces: allocated and freed inside one call
+      std::unordered_map<int64_t, std::pair<int64_t, int64_t>> inside;  // ref -> (call, bytes)
+      probe_conv_workspace_ = 0;
+      for (const Entry& e : model_.shape->entries) {
+        if (e.alloc && call_of(e) != kNone) {
+          inside[e.ref] = {call_of(e), e.bytes};
+        } else if (!e.alloc) {
+          auto it = inside.find(e.ref);
+          if (it != inside.end() && it->second.first == call_of(e)) {
+            probe_conv_workspace_ = std::max(probe_conv_workspace_, it->second.second);
+          }
         }
       }
     }
@@ -1293,7 +1294,7 @@ class Forecaster {
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
   std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
   int64_t conv_scratch_ = 0;              // CPU scratch allocations left out of the first iteration
-  int64_t probe_conv_workspace_ = 0;      // GPU probes: the largest workspace of a call in the reference probe
+  int64_t probe_conv_workspace_ = -1;     // GPU probes: the largest workspace of a call in the reference probe
 };
 
 }  // namespace

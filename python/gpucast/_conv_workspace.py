@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-_CONV_OPS = {"aten::cudnn_convolution": "forward", "aten::convolution_backward": "backward",
-             "aten::mkldnn_convolution": "forward", "aten::_slow_conv2d_forward": "forward",
-             "aten::miopen_convolution": "forward"}
+_CONV_OPS = {"aten::cudnn_convolution": "forward", "aten::miopen_convolution": "forward",
+             "aten::convolution_backward": "backward"}
 _CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
