@@ -730,12 +730,16 @@ class Forecaster {
     std::sort(usable.begin(), usable.end(), [&](size_t x, size_t y) { return in_.probe_batch[x] < in_.probe_batch[y]; });
     bool same_initial = true;
     for (size_t i : usable) same_initial = same_initial && streams_[i].initial_bytes.size() == s.initial_bytes.size();
-    if (!same_initial) {
+    // GPU probes list the blocks held at the start in address order (the caching allocator's snapshot), which
+    // differs between probes wherever a probe's batch landed: matched by category there too.
+    if (!same_initial || in_.probe_device != "cpu") {
       // Match what each probe held at the start by category; frees of such blocks are then left out.
       for (size_t i : usable) aggregate_initial(streams_[i]);
-      out_.notes.push_back(
-          "the probes held different numbers of blocks at the start (the process allocated or freed memory between "
-          "them): matched by category");
+      if (!same_initial) {
+        out_.notes.push_back(
+            "the probes held different numbers of blocks at the start (the process allocated or freed memory "
+            "between them): matched by category");
+      }
     }
     // Each usable probe's allocation for each of the reference's: the same position, or for probes that ran
     // other kernels, the one matched op by op (-1: none).

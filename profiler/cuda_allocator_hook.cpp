@@ -44,12 +44,26 @@ bool install_cuda_allocator_hook(std::string* why) {
 bool cuda_device_present() { return c10::cuda::device_count() > 0; }
 
 namespace detail {
-void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<std::string>& notes) {
+void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,
+                   std::vector<std::string>& notes) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   const int n = c10::cuda::device_count();
   for (int d = 0; d < n; ++d) {
     const auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(d));
     out["cuda:" + std::to_string(d)] = DeviceBaseline{stats.allocated_bytes[0].current, true};
+  }
+  // The blocks held at the start, one by one: parameters and buffers can then be tagged by address, and a
+  // forecast places them in segments as the allocator did instead of as one block.
+  const cca::SnapshotInfo snap = cca::snapshot(/*mempool_id=*/{0, 0}, /*include_traces=*/false);
+  for (const auto& seg : snap.segments) {
+    const std::string device = "cuda:" + std::to_string(seg.device);
+    uint64_t addr = seg.address;
+    for (const auto& b : seg.blocks) {
+      if (b.allocated) {
+        blocks.push_back(BaselineBlock{addr, static_cast<int64_t>(b.requested_size), static_cast<int64_t>(b.size), device});
+      }
+      addr += b.size;
+    }
   }
   notes.push_back("CUDA block bytes are derived from requested sizes with the allocator's 512-byte rounding");
 }

@@ -9,7 +9,8 @@ bool install_cuda_allocator_hook(std::string* /*why*/) { return false; }
 bool cuda_device_present() { return false; }
 
 namespace detail {
-void cuda_baseline(std::map<std::string, DeviceBaseline>& /*out*/, std::vector<std::string>& /*notes*/) {}
+void cuda_baseline(std::map<std::string, DeviceBaseline>& /*out*/, std::vector<BaselineBlock>& /*blocks*/,
+                   std::vector<std::string>& /*notes*/) {}
 }  // namespace detail
 
 }  // namespace gpucast

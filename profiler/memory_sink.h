@@ -16,7 +16,9 @@ bool memory_recording() noexcept;
 
 // Live CPU blocks the CPU allocator wrapper knows (for the baseline).
 std::vector<BaselineBlock> cpu_live_blocks();
-// CUDA bytes held per device at the start of a trace, from the caching allocator's counters.
-void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<std::string>& notes);
+// CUDA: each device's bytes allocated at the trace's start, and the live blocks (the caching allocator's
+// snapshot, in address order within each segment) appended to `blocks`.
+void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,
+                   std::vector<std::string>& notes);
 
 }  // namespace gpucast::detail

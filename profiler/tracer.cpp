@@ -511,7 +511,7 @@ void start_trace(const TraceOptions& options) {
     }
     std::string why;
     if (install_cuda_allocator_hook(&why)) {
-      detail::cuda_baseline(s.baseline, s.notes);
+      detail::cuda_baseline(s.baseline, s.baseline_blocks, s.notes);
     } else if (!why.empty()) {
       s.notes.push_back(why);
     }

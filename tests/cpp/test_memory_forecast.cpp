@@ -45,10 +45,13 @@ struct Recorder {
   }
   void tag(uint64_t ptr, Category c) { th.tags.push_back(Tag{ptr, device, c, seq++}); }
   // The trace, with a parameter of 1000 bytes and an input of `input` bytes held from the start.
-  Trace finish(int64_t input) {
+  // input_first: the blocks listed input first (a GPU probe lists them in address order, wherever the batch
+  // landed).
+  Trace finish(int64_t input, bool input_first = false) {
     AssemblyInput in;
     in.threads.push_back(th);
     in.baseline_blocks = {BaselineBlock{0x10, 1000, 1000, device}, BaselineBlock{0x20, input, input, device}};
+    if (input_first) std::swap(in.baseline_blocks[0], in.baseline_blocks[1]);
     in.baseline[device] = DeviceBaseline{1000 + input, true};
     return assemble_trace(std::move(in));
   }
@@ -397,7 +400,7 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
 
 // The same step probed on the GPU: cuDNN's calls allocate the activation and take their workspaces inside
 // (aten::cudnn_convolution 1024 b, aten::convolution_backward 3072 b), in module Net.conv.
-Trace gpu_conv_probe(int64_t b) {
+Trace gpu_conv_probe(int64_t b, bool input_first = false) {
   Recorder r;
   r.device = "cuda:0";
   r.tag(0x10, Category::Parameter);
@@ -425,7 +428,7 @@ Trace gpu_conv_probe(int64_t b) {
   r.ev(0x300, 1024, st, Phase::Optimizer);
   r.end(st);
   r.tag(0x300, Category::OptimizerState);
-  return r.finish(100 * b);
+  return r.finish(100 * b, input_first);
 }
 
 MemoryForecast run_gpu_conv(const std::map<std::string, int64_t>& measured) {
@@ -455,6 +458,33 @@ TEST(MemoryForecast, GpuProbesKeepTheirWorkspacesAndReportTheHeadroom) {
                                           "batch 8)", 0) == 0;
                          }),
             f.notes.end());
+}
+
+TEST(MemoryForecast, GpuProbesMatchTheBlocksHeldAtTheStartByCategory) {
+  // The batch-4 probe lists its input before the parameter (its batch landed at a lower address): matched by
+  // category, the forecast is the one of probes that list them alike, and the parameter stays a parameter.
+  const std::vector<Trace> t = {gpu_conv_probe(2), gpu_conv_probe(4, /*input_first=*/true), gpu_conv_probe(8)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = "H100-80GB";
+  in.probe_device = "cuda:0";
+  const MemoryForecast f = forecast_memory(in);
+  EXPECT_EQ(f.peak_allocated_bytes, run_gpu_conv({}).peak_allocated_bytes);
+  EXPECT_EQ(f.breakdown.at("parameter"), 1024);
+  EXPECT_EQ(f.breakdown.at("input"), 6656);
+  // Under a parallel strategy too: FSDP's rules see the same parameter as with probes that list them alike.
+  in.parallel.dp = 2;
+  in.parallel.dp_mode = "fsdp";
+  in.target_batch = 128;
+  const std::vector<Trace> alike = {gpu_conv_probe(2), gpu_conv_probe(4), gpu_conv_probe(8)};
+  MemoryForecastInput same = in;
+  same.probes.clear();
+  for (const Trace& x : alike) same.probes.push_back(&x);
+  const MemoryForecast g = forecast_memory(in), h = forecast_memory(same);
+  EXPECT_EQ(g.peak_allocated_bytes, h.peak_allocated_bytes);
+  EXPECT_EQ(g.breakdown, h.breakdown);
 }
 
 TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
