@@ -198,7 +198,8 @@ def main_cuda(args):
     import gpucast
     rows = []
     print(f"{'case':<20} {'batch':>5} {'alloc MiB':>10} {'fc MiB':>8} {'err %':>7} {'reserved MiB':>12} {'fc MiB':>8} {'err %':>7}"
-          + ("  conv calls, workspace headroom alloc/reserved MiB" if args.cpu_probes else ""))
+          + ("  conv calls, workspace headroom alloc/reserved MiB" if args.cpu_probes
+             else "  conv workspaces measured/calls"))
     for name in args.cases.split(","):
         try:
             rows.append(cuda_case(name, args))
@@ -260,14 +261,15 @@ def cuda_case(name, args) -> dict:
            "forecast_allocated": fc.memory.peak_allocated_bytes,
            "forecast_reserved": fc.memory.peak_reserved_bytes,
            "allocated_err_pct": round(ea, 3), "reserved_err_pct": round(er, 3),
-           "conv_calls": fc.memory.conv_calls,
+           "conv_calls": fc.memory.conv_calls, "conv_calls_measured": fc.memory.conv_calls_measured,
            "conv_headroom_allocated": fc.memory.conv_workspace_headroom_allocated_bytes,
            "conv_headroom_reserved": fc.memory.conv_workspace_headroom_reserved_bytes}
     m = fc.memory
     print(f"{name:<20} {batch:>5} {alloc / 2**20:>10.1f} {m.peak_allocated_bytes / 2**20:>8.1f} {ea:>+7.2f} "
           f"{reserved / 2**20:>12.1f} {m.peak_reserved_bytes / 2**20:>8.1f} {er:>+7.2f}"
           + (f"  {m.conv_calls}, {m.conv_workspace_headroom_allocated_bytes / 2**20:.1f}/"
-             f"{m.conv_workspace_headroom_reserved_bytes / 2**20:.1f}" if args.cpu_probes else ""), flush=True)
+             f"{m.conv_workspace_headroom_reserved_bytes / 2**20:.1f}" if args.cpu_probes
+             else f"  {m.conv_calls_measured}/{m.conv_calls}" if m.conv_calls else ""), flush=True)
     return row
 
 
