@@ -1065,23 +1065,40 @@ class Forecaster {
   // freed when the call returns. Those CPU allocations are left out, and after each call's last remaining
   // allocation comes its workspace (conv_workspace_ bytes) or, when that is unknown, a marker where the replay
   // measures how large it could be.
+  // Probes on the GPU ran each convolution with the workspace cuDNN chose for their sizes: it stays in the
+  // stream (fitted over the probes) unless a workspace is known (conv_workspace, or one measured for that call
+  // at the target batch: conv_workspaces), and otherwise the marker follows the call.
   void replace_conv_scratch(Planned& p) {
     // What to do with each entry depends on the stream's structure only, the same at every batch size: worked
     // out once (0 keep, 1 leave out, 2 keep and add the workspace after it).
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
     if (out_.conv_calls == 0 && conv_scratch_ == 0) return;
     constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
+    const bool gpu_probe = gpu_probes();
+    const std::vector<int64_t>& call = conv_call_of();
+    // The workspace after a call: given for every call, else measured for this one (GPU probes), else -1.
+    auto workspace = [&](const Entry& e) -> int64_t {
+      if (conv_workspace_ >= 0 || !gpu_probe || in_.conv_workspaces.empty()) return conv_workspace_;
+      if (e.op < 0 || e.op >= static_cast<int64_t>(call.size()) || call[e.op] == kNone) return -1;
+      const OpRecord& op = model_.trace->ops[static_cast<size_t>(call[e.op])];
+      auto it = in_.conv_workspaces.find(op.module + "|" + std::string(to_string(op.phase)));
+      return it == in_.conv_workspaces.end() ? -1 : it->second;
+    };
     std::vector<Entry> out;
     out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls) * 2);
+    out_.conv_calls_measured = 0;
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
-      if (conv_plan_[i] == 1) continue;
+      const int64_t ws = conv_plan_[i] != 0 ? workspace(e) : -1;
+      // The CPU kernels' scratch is never what CUDA allocates; a GPU probe's is, unless another is known.
+      if (conv_plan_[i] == 1 && (!gpu_probe || ws >= 0)) continue;
       out.push_back(e);
       if (conv_plan_[i] != 2) continue;
-      if (conv_workspace_ > 0) {
-        out.push_back(Entry{true, kConvWorkspaceRef, conv_workspace_, Category::Temporary, e.phase, e.op, e.iteration});
+      if (gpu_probe && conv_workspace_ < 0 && ws >= 0 && e.iteration == 1) ++out_.conv_calls_measured;
+      if (ws > 0) {
+        out.push_back(Entry{true, kConvWorkspaceRef, ws, Category::Temporary, e.phase, e.op, e.iteration});
         out.push_back(Entry{false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration});
-      } else if (conv_workspace_ < 0) {
+      } else if (ws < 0) {
         Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
         mark.conv_call = true;
         out.push_back(mark);
@@ -1201,20 +1218,12 @@ class Forecaster {
     return ref;
   }
 
-  // Probes on the GPU ran each convolution with the workspace cuDNN chose for their sizes; it stays in the
-  // stream (fitted over the probes), and after each call's last output comes a marker where the replay
-  // measures how much larger a workspace could be before the peaks change (cuDNN may choose another
-  // algorithm at the target batch). probe_conv_workspace_: the largest such workspace in the reference probe.
+  // GPU probes: the reference probe's largest workspace (allocated and freed inside one convolution call), for
+  // the note, found once; then the calls as replace_conv_scratch rewrites them.
   void mark_conv_calls(Planned& p) {
-    if (conv_workspace_ >= 0) {  // one workspace given for every call: it replaces what the calls took inside
-      replace_conv_scratch(p);
-      return;
-    }
-    if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
-    if (out_.conv_calls == 0) return;
-    const std::vector<int64_t>& call = conv_call_of();
-    auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
-    if (probe_conv_workspace_ < 0) {  // the reference probe's workspaces: allocated and freed inside one call
+    if (probe_conv_workspace_ < 0) {
+      const std::vector<int64_t>& call = conv_call_of();
+      auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
       std::unordered_map<int64_t, std::pair<int64_t, int64_t>> inside;  // ref -> (call, bytes)
       probe_conv_workspace_ = 0;
       for (const Entry& e : model_.shape->entries) {
@@ -1228,36 +1237,7 @@ class Forecaster {
         }
       }
     }
-    constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
-    // A call's workspace measured at the target batch, by the module and phase of the call's op (-1: none).
-    auto measured = [&](const Entry& e) -> int64_t {
-      if (in_.conv_workspaces.empty() || call_of(e) == kNone) return -1;
-      const OpRecord& op = model_.trace->ops[static_cast<size_t>(call_of(e))];
-      auto it = in_.conv_workspaces.find(op.module + "|" + std::string(to_string(op.phase)));
-      return it == in_.conv_workspaces.end() ? -1 : it->second;
-    };
-    std::vector<Entry> out;
-    out.reserve(p.entries.size() + 2 * static_cast<size_t>(out_.conv_calls));
-    out_.conv_calls_measured = 0;
-    for (size_t i = 0; i < p.entries.size(); ++i) {
-      const Entry& e = p.entries[i];
-      const int64_t ws = conv_plan_[i] != 0 ? measured(e) : -1;
-      if (conv_plan_[i] == 1 && ws >= 0) continue;  // the probe's workspace, replaced by the measured one
-      out.push_back(e);
-      if (conv_plan_[i] != 2) continue;
-      if (ws >= 0) {
-        if (e.iteration == 1) ++out_.conv_calls_measured;
-        if (ws > 0) {
-          out.push_back(Entry{true, kConvWorkspaceRef, ws, Category::Temporary, e.phase, e.op, e.iteration});
-          out.push_back(Entry{false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration});
-        }
-        continue;
-      }
-      Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
-      mark.conv_call = true;
-      out.push_back(mark);
-    }
-    p.entries = std::move(out);
+    replace_conv_scratch(p);
   }
 
   std::string conv_scratch_text() const {

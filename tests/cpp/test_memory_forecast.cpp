@@ -310,20 +310,25 @@ namespace {
 // aten::convolution_backward allocates the weight's gradient (1024) and scratch of 3072 b, freed inside;
 // the node then frees the activation; the first SGD step creates 1024 bytes of state. Held from the start:
 // a 1000-byte parameter and a 100 b-byte input.
-Trace conv_probe(int64_t b) {
+// gpu: the same step probed on the GPU: aten::cudnn_convolution instead, the scratch being cuDNN's workspaces,
+// in module Net.conv, on cuda:0 (input_first: Recorder::finish).
+Trace conv_probe(int64_t b, bool gpu = false, bool input_first = false) {
   Recorder r;
+  if (gpu) r.device = "cuda:0";
   r.tag(0x10, Category::Parameter);
   r.tag(0x20, Category::Input);
   r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
   const int64_t conv = r.op("aten::conv2d", Scope::Function, Phase::Forward);
-  const int64_t mkl = r.op("aten::mkldnn_convolution", Scope::Function, Phase::Forward, conv);
-  r.ev(0x100, 2048 * b, mkl, Phase::Forward);
-  r.ev(0x800, 1024 * b, mkl, Phase::Forward);
-  r.ev(0x800, -1024 * b, mkl, Phase::Forward);
-  r.end(mkl);
+  const int64_t inner =
+      r.op(gpu ? "aten::cudnn_convolution" : "aten::mkldnn_convolution", Scope::Function, Phase::Forward, conv);
+  r.ev(0x100, 2048 * b, inner, Phase::Forward);
+  r.ev(0x800, 1024 * b, inner, Phase::Forward);
+  r.ev(0x800, -1024 * b, inner, Phase::Forward);
+  r.end(inner);
   r.end(conv);
   const int64_t node = r.op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward);
   const int64_t bwd = r.op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
+  if (gpu) r.th.ops[conv].module = r.th.ops[inner].module = r.th.ops[bwd].module = "Net.conv";
   r.ev(0x200, 1024, bwd, Phase::Backward);
   r.ev(0x900, 3072 * b, bwd, Phase::Backward);
   r.ev(0x900, -3072 * b, bwd, Phase::Backward);
@@ -335,8 +340,10 @@ Trace conv_probe(int64_t b) {
   r.ev(0x300, 1024, st, Phase::Optimizer);
   r.end(st);
   r.tag(0x300, Category::OptimizerState);
-  return r.finish(100 * b);
+  return r.finish(100 * b, input_first);
 }
+
+Trace gpu_conv_probe(int64_t b, bool input_first = false) { return conv_probe(b, true, input_first); }
 
 MemoryForecast run_conv(const std::string& target, int64_t workspace = -1, const std::string& wscap = "") {
   static const std::vector<Trace> t = {conv_probe(2), conv_probe(4), conv_probe(8)};
@@ -396,39 +403,6 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
   EXPECT_EQ(c.peak_reserved_bytes, 2 * kMiB + 20 * kMiB);
   EXPECT_EQ(c.conv_workspace_bytes, 3 * kMiB);
   EXPECT_EQ(run_conv("H100-80GB", 4096, "3").conv_workspace_bytes, 4096);  // conv_workspace wins
-}
-
-// The same step probed on the GPU: cuDNN's calls allocate the activation and take their workspaces inside
-// (aten::cudnn_convolution 1024 b, aten::convolution_backward 3072 b), in module Net.conv.
-Trace gpu_conv_probe(int64_t b, bool input_first = false) {
-  Recorder r;
-  r.device = "cuda:0";
-  r.tag(0x10, Category::Parameter);
-  r.tag(0x20, Category::Input);
-  r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
-  const int64_t conv = r.op("aten::conv2d", Scope::Function, Phase::Forward);
-  const int64_t cudnn = r.op("aten::cudnn_convolution", Scope::Function, Phase::Forward, conv);
-  r.th.ops[conv].module = r.th.ops[cudnn].module = "Net.conv";
-  r.ev(0x100, 2048 * b, cudnn, Phase::Forward);
-  r.ev(0x800, 1024 * b, cudnn, Phase::Forward);
-  r.ev(0x800, -1024 * b, cudnn, Phase::Forward);
-  r.end(cudnn);
-  r.end(conv);
-  const int64_t node = r.op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward);
-  const int64_t bwd = r.op("aten::convolution_backward", Scope::Function, Phase::Backward, node);
-  r.th.ops[bwd].module = "Net.conv";
-  r.ev(0x200, 1024, bwd, Phase::Backward);
-  r.ev(0x900, 3072 * b, bwd, Phase::Backward);
-  r.ev(0x900, -3072 * b, bwd, Phase::Backward);
-  r.end(bwd);
-  r.ev(0x100, -2048 * b, node, Phase::Backward);
-  r.end(node);
-  r.tag(0x200, Category::Gradient);
-  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
-  r.ev(0x300, 1024, st, Phase::Optimizer);
-  r.end(st);
-  r.tag(0x300, Category::OptimizerState);
-  return r.finish(100 * b, input_first);
 }
 
 MemoryForecast run_gpu_conv(const std::map<std::string, int64_t>& measured) {
