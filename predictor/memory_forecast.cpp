@@ -728,18 +728,22 @@ class Forecaster {
       return;
     }
     std::sort(usable.begin(), usable.end(), [&](size_t x, size_t y) { return in_.probe_batch[x] < in_.probe_batch[y]; });
-    bool same_initial = true;
-    for (size_t i : usable) same_initial = same_initial && streams_[i].initial_bytes.size() == s.initial_bytes.size();
     // GPU probes list the blocks held at the start in address order (the caching allocator's snapshot), which
-    // differs between probes wherever a probe's batch landed: matched by category there too.
-    if (!same_initial || in_.probe_device != "cpu") {
+    // differs between probes wherever a probe's batch landed: there they are put in one order, by category and
+    // then by size, block by block (a block keeps its own pool and segment in the simulation).
+    if (in_.probe_device != "cpu") {
+      for (size_t i : usable) order_initial(streams_[i]);
+    }
+    bool same_initial = true;
+    for (size_t i : usable) {
+      same_initial = same_initial && streams_[i].initial_category == s.initial_category;
+    }
+    if (!same_initial) {
       // Match what each probe held at the start by category; frees of such blocks are then left out.
       for (size_t i : usable) aggregate_initial(streams_[i]);
-      if (!same_initial) {
-        out_.notes.push_back(
-            "the probes held different numbers of blocks at the start (the process allocated or freed memory "
-            "between them): matched by category");
-      }
+      out_.notes.push_back(
+          "the probes held different numbers of blocks at the start (the process allocated or freed memory "
+          "between them): matched by category");
     }
     // Each usable probe's allocation for each of the reference's: the same position, or for probes that ran
     // other kernels, the one matched op by op (-1: none).
@@ -837,6 +841,28 @@ class Forecaster {
       if (!f.linear) ++model_.nonlinear;
     }
     out_.nonlinear_allocations = model_.nonlinear;
+  }
+
+  // The blocks held at the start by category, then largest first; the references to them follow.
+  static void order_initial(Stream& st) {
+    std::vector<size_t> order(st.initial_bytes.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+      if (st.initial_category[x] != st.initial_category[y]) return st.initial_category[x] < st.initial_category[y];
+      return st.initial_bytes[x] > st.initial_bytes[y];
+    });
+    std::vector<int64_t> bytes, moved_to(order.size());
+    std::vector<Category> category;
+    for (size_t n = 0; n < order.size(); ++n) {
+      bytes.push_back(st.initial_bytes[order[n]]);
+      category.push_back(st.initial_category[order[n]]);
+      moved_to[order[n]] = static_cast<int64_t>(n);
+    }
+    st.initial_bytes = std::move(bytes);
+    st.initial_category = std::move(category);
+    for (Entry& e : st.entries) {
+      if (e.ref < 0) e.ref = initial_ref(static_cast<size_t>(moved_to[static_cast<size_t>(-2 - e.ref)]));
+    }
   }
 
   static void aggregate_initial(Stream& st) {

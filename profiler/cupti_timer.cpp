@@ -178,6 +178,10 @@ class CuptiTimer final : public DeviceTimer {
             pending.push_back({m->correlationId, static_cast<int64_t>(m->start), static_cast<int64_t>(m->end)});
             break;
           }
+          case CUPTI_ACTIVITY_KIND_RUNTIME:
+          case CUPTI_ACTIVITY_KIND_DRIVER:
+            ++api_records_;
+            break;
           case CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION: {
             auto* e = reinterpret_cast<const CUpti_ActivityExternalCorrelation*>(rec);
             if (e->externalKind == CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0) external[e->correlationId] = e->externalId;
@@ -195,11 +199,11 @@ class CuptiTimer final : public DeviceTimer {
       if (it != external.end()) out.push_back(DeviceSpan{it->second, p.start, p.end});
     }
     attributed_ = out.size();
-    report_ = fmt::format("CUPTI from {}{}: {} kernel, {} memcpy and {} memset records, {} external correlations, {} "
-                          "records attributed to ops{}",
+    report_ = fmt::format("CUPTI from {}{}: {} kernel, {} memcpy and {} memset records, {} API records, {} external "
+                          "correlations, {} records attributed to ops{}",
                           api_->path.empty() ? "libcupti" : api_->path,
                           api_->already_loaded ? " (loaded by torch)" : "", counts_[0], counts_[1], counts_[2],
-                          external.size(), out.size(),
+                          api_records_, external.size(), out.size(),
                           synced == cudaSuccess ? "" : fmt::format("; cudaDeviceSynchronize: {}",
                                                                    cudaGetErrorString(synced)));
     return out;
@@ -219,6 +223,7 @@ class CuptiTimer final : public DeviceTimer {
   CUpti_SubscriberHandle subscriber_ = nullptr;
   size_t counts_[3] = {0, 0, 0};  // kernel, memcpy, memset records of the window
   size_t attributed_ = 0;         // of those, attributed to an op
+  size_t api_records_ = 0;        // runtime and driver API records (they carry the external correlations)
   std::string report_;
 };
 

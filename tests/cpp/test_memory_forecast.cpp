@@ -461,6 +461,50 @@ TEST(MemoryForecast, GpuProbesMatchTheBlocksHeldAtTheStartByCategory) {
   EXPECT_EQ(g.breakdown, h.breakdown);
 }
 
+// A CUDA probe holding two 600 KiB parameters and a batch-sized input from the start, listed in address order
+// (the batch-4 probe's input first); its step allocates 4 KiB per sample and frees it.
+Trace gpu_blocks_probe(int64_t b) {
+  Recorder r;
+  r.device = "cuda:0";
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Parameter);
+  r.tag(0x30, Category::Input);
+  int64_t mm = r.op("aten::mm", Scope::Function, Phase::Forward);
+  r.ev(0x100, 4096 * b, mm, Phase::Forward);
+  r.ev(0x100, -4096 * b, mm, Phase::Forward);
+  r.end(mm);
+  int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.end(st);
+  AssemblyInput in;
+  in.threads.push_back(r.th);
+  const int64_t p = 600 * 1024;
+  in.baseline_blocks = {BaselineBlock{0x10, p, p, "cuda:0"}, BaselineBlock{0x20, p, p, "cuda:0"},
+                        BaselineBlock{0x30, 512 * b, 512 * b, "cuda:0"}};
+  if (b == 4) std::rotate(in.baseline_blocks.begin(), in.baseline_blocks.begin() + 2, in.baseline_blocks.end());
+  in.baseline["cuda:0"] = DeviceBaseline{2 * p + 512 * b, true};
+  return assemble_trace(std::move(in));
+}
+
+TEST(MemoryForecast, GpuProbesPlaceTheBlocksHeldAtTheStartOneByOne) {
+  // Each parameter is a small-pool request (at most 1 MiB): one 2 MiB segment holds both, the input (batch 64:
+  // 32 KiB) and the step's 256 KiB. Summed per category, the parameters would be one 1.17 MiB large-pool request
+  // in a 20 MiB segment.
+  const std::vector<Trace> t = {gpu_blocks_probe(2), gpu_blocks_probe(4), gpu_blocks_probe(8)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = "H100-80GB";
+  in.probe_device = "cuda:0";
+  const MemoryForecast f = forecast_memory(in);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_TRUE(f.warnings.empty());
+  EXPECT_EQ(f.peak_allocated_bytes, 2 * 600 * 1024 + 512 * 64 + 4096 * 64);
+  EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB);
+  EXPECT_EQ(f.breakdown.at("parameter"), 2 * 600 * 1024);
+  EXPECT_EQ(f.breakdown.at("input"), 512 * 64);
+}
+
 TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
   // cuDNN took another algorithm at batch 64: 4 MiB in the backward call, none in the forward one. They replace
   // what the probes' calls took inside; the 4 MiB request takes a 20 MiB large-pool segment beside the 2 MiB
