@@ -44,10 +44,11 @@ def _transient(run, device: str) -> int:
     from ._trace import trace
     with trace(record_shapes=False, device_timing=False) as t:
         kept = run()
-    h = t.result.handle
-    series = json.loads(h.memory_series(device)).get("bytes") or [[0]]  # bytes by category after each event
+    # Bytes by category held on the device, from the start (what the process held before, listed block by
+    # block: parameters, cuBLAS workspaces) and after each event: the call's peak over what it returned.
+    held = [sum(b) for b in json.loads(t.result.handle.memory_series(device)).get("bytes") or [[0]]]
     del kept
-    return max(0, int(h.peak_bytes(device)) - int(sum(series[-1])))
+    return max(0, max(held) - held[-1])
 
 
 def measure(model: torch.nn.Module, calls: dict, per_rank_batch: int, device: str) -> tuple[dict, list]:

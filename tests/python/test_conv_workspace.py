@@ -52,9 +52,24 @@ def test_measured_on_the_device_of_the_probes():
     with gpucast.trace(record_shapes=False, device_timing=False) as t, torch.no_grad():
         y = net.conv(x)
     h = t.result.handle
-    direct = h.peak_bytes("cpu") - sum(json.loads(h.memory_series("cpu"))["bytes"][-1])
-    assert ws["Net.conv|forward"] == direct
+    series = json.loads(h.memory_series("cpu"))["bytes"]  # from what was held at the start
+    assert ws["Net.conv|forward"] == h.peak_bytes("cpu") - (sum(series[-1]) - sum(series[0]))
     del y
+
+
+def test_a_calls_transient_bytes_above_what_the_process_held_before():
+    # What the process held before the call (here 4 MiB; on a GPU the model and the cuBLAS workspaces) is listed
+    # in the trace's memory series: it is not the call's. The call holds a 1 MiB scratch beside its 16-byte result.
+    held = torch.zeros(4 << 20, dtype=torch.uint8)
+
+    def call():
+        scratch = torch.empty(1 << 20, dtype=torch.uint8).fill_(1)
+        out = torch.empty(16, dtype=torch.uint8)
+        del scratch
+        return out
+
+    assert _conv_workspace._transient(call, "cpu") == 1 << 20
+    del held
 
 
 def test_a_failure_leaves_the_probes_workspaces():
