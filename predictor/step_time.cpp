@@ -440,9 +440,18 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
 }
 
 // The tracer's own cost out of a probe: where the untraced wall time is known, (wall - untraced) / ops per
-// recorded op, taken out of each unit by its op count.
+// recorded op, taken out of each unit by its op count. With device clocks the layers' and the optimizer's times
+// are their kernels', which the tracer does not slow: what the untraced step spends beyond them is the host's
+// (launches, Python, synchronization), its "other".
 static IterationTiming without_tracer_cost(IterationTiming p) {
   if (!(p.untraced_wall_ns > 0) || p.ops_total <= 0 || p.wall_ns <= p.untraced_wall_ns) return p;
+  if (p.clock == "device") {
+    double kernels = p.optimizer_ns;
+    for (const LayerTiming& l : p.layers) kernels += l.forward_ns + l.backward_ns;
+    p.other_ns = std::max(0.0, p.untraced_wall_ns - kernels);
+    p.wall_ns = p.untraced_wall_ns;
+    return p;
+  }
   const double c = (p.wall_ns - p.untraced_wall_ns) / static_cast<double>(p.ops_total);
   auto less = [&](double& t, int64_t ops) { t = std::max(0.0, t - c * static_cast<double>(ops)); };
   for (LayerTiming& l : p.layers) {
@@ -796,6 +805,28 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   if (P.pp > 1 && all_rank_grad == 0) share /= static_cast<double>(P.pp);
   const bool sharded = P.dp_mode != "ddp";
   f.optimizer_ms = optimizer_ns / 1e6 * share / (sharded ? static_cast<double>(P.dp) : 1.0);
+  if (ref.clock == "device") {
+    // The host issues the kernels while the device runs the ones before: a probe's step is its host time where
+    // that is longer than its kernels (small batches, many small ops), else its kernels' time. The host's time
+    // does not grow with the batch; the kernels' do. At the target, what the host spends beyond the kernels is
+    // the probes' host time (their untraced wall) less the target's kernel time per micro-batch, if positive.
+    std::vector<double> host;
+    bool untraced = true;
+    for (const IterationTiming& p : probes) {
+      host.push_back(k * p.wall_ns / 1e6);
+      untraced = untraced && p.untraced_wall_ns > 0;
+    }
+    std::sort(host.begin(), host.end());
+    const double host_ms = host[host.size() / 2];
+    const double kernels_ms = (f.forward_ms + f.backward_ms) / m + f.optimizer_ms;
+    const double before = f.other_ms;
+    f.other_ms = std::max(0.0, host_ms - kernels_ms);
+    f.notes.push_back(fmt::format(
+        "device clocks: the kernels take {:.3f} ms per micro-batch at the target, the probes' host {:.3f} ms per "
+        "step ({}): the step is {}-bound; the rest of the step {:.3f} ms (fitted over the batch: {:.3f} ms)",
+        kernels_ms, host_ms, untraced ? "untraced" : "traced: the tracer's cost included", host_ms > kernels_ms ? "host" : "device",
+        f.other_ms, before));
+  }
   f.other_ms *= m;
   if (ddp_overhead) f.other_ms += T.ddp_overhead_us / 1e3;  // once per step (the reduction's aftermath)
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;

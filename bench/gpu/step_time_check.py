@@ -14,7 +14,11 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
                   GPU rates table): fc.time.step_ms against measured
 Last line: one JSON object.
 
-    python bench/gpu/step_time_check.py --target H100-80GB [--device cuda] [--cases gpt,cnn,resnet18]
+    python bench/gpu/step_time_check.py --target H100-80GB [--device cuda] [--cases gpt,cnn,resnet18,gpt@1024]
+
+A case is a zoo or real-architecture name, at its default batch size or at name@batch: the default ones are small
+enough that an H200 step is bound by the host's launches (the kernels take a fraction of it); a large batch makes
+the device the bound, where the per-layer kernel times should add up to the step.
     python bench/gpu/step_time_check.py --target cpu --device cpu --stand-in   (a rehearsal without a GPU)
 """
 from __future__ import annotations
@@ -97,10 +101,11 @@ def main() -> int:
     return 0
 
 
-def check(name: str, args) -> dict:
+def check(spec: str, args) -> dict:
     import torch
     import gpucast
-    b = BATCH[name]
+    name, _, at = spec.partition("@")
+    b = int(at) if at else BATCH[name]
     model, opt, step, make_batch = build(name, args.device)
     batch = make_batch(b)
     measured, iqr = measure(step, batch, args.device)
@@ -119,11 +124,11 @@ def check(name: str, args) -> dict:
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device])
     on_target = fc.time.step_ms if fc.time is not None else None
-    save_timings(args, name, "device", fc)
+    save_timings(args, spec, b, "device", fc)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device], time_fraction=0.25)
     on_target_sparse = fc.time.step_ms if fc.time is not None else None
-    save_timings(args, name, "device_sparse", fc)
+    save_timings(args, spec, b, "device_sparse", fc)
     del model, opt, step, batch, fc
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -133,9 +138,9 @@ def check(name: str, args) -> dict:
         fc = gpucast.forecast(step, make_cpu, b, model=model, optimizer=opt, target=args.target,
                               probe_batch_sizes=PROBES["cpu"])
         from_cpu = fc.time.step_ms if fc.time is not None else None
-        save_timings(args, name, "cpu", fc)
+        save_timings(args, spec, b, "cpu", fc)
         del model, opt, step, fc
-    return dict(case=name, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
+    return dict(case=spec, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
                 ops=len(ops), ops_with_device_time=timed, layer_sum_ms=round(layers_ms, 3),
                 layer_sum_err_pct=pct(layers_ms, measured), gpu_probe_forecast_ms=on_target and round(on_target, 3),
                 gpu_probe_err_pct=pct(on_target, measured),
@@ -144,16 +149,16 @@ def check(name: str, args) -> dict:
                 cpu_probe_err_pct=pct(from_cpu, measured), sparse=sparse, trace_notes=trace_notes)
 
 
-def save_timings(args, name: str, variant: str, fc) -> None:
+def save_timings(args, name: str, batch: int, variant: str, fc) -> None:
     if not args.save_timings:
         return
     import os
     os.makedirs(args.save_timings, exist_ok=True)
-    doc = {"case": name, "variant": variant, "target": args.target, "batch": BATCH[name],
+    doc = {"case": name, "variant": variant, "target": args.target, "batch": batch,
            "probe_batch_sizes": list(fc.probe_batch_sizes), "step_ms": fc.time.step_ms if fc.time else None,
            "timings": [json.loads(t) for t in fc.timings],
            "time": fc.to_dict().get("time")}
-    with open(os.path.join(args.save_timings, f"{name}_{variant}.json"), "w") as f:
+    with open(os.path.join(args.save_timings, f"{name.replace('@', '_b')}_{variant}.json"), "w") as f:
         json.dump(doc, f)
 
 
@@ -201,22 +206,22 @@ def sparse_check(step, batch, b: int, full: dict, device: str) -> dict:
 
 def report(rows: list, args) -> None:
     import torch
-    print(f"{'case':9} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'timed ops':>10} "
+    print(f"{'case':13} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'timed ops':>10} "
           f"{'on device':>10} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
     for r in rows:
         def f(x, w, p=2):
             return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
-        print(f"{r['case']:9} {r['batch']:5d} {r['measured_ms']:8.2f}±{r['iqr_ms']:<4.2f} {f(r['layer_sum_ms'], 10)} "
+        print(f"{r['case']:13} {r['batch']:5d} {r['measured_ms']:8.2f}±{r['iqr_ms']:<4.2f} {f(r['layer_sum_ms'], 10)} "
               f"{f(r['layer_sum_err_pct'], 7, 1)} {r['ops_with_device_time']:4d}/{r['ops']:<5d} "
               f"{f(r['gpu_probe_forecast_ms'], 10)} {f(r['gpu_probe_err_pct'], 7, 1)} "
               f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
-    print(f"\n{'case':9} {'timed layers':>12} {'ops with device time':>21} {'chosen layers ms':>17} {'in full':>8} "
+    print(f"\n{'case':13} {'timed layers':>12} {'ops with device time':>21} {'chosen layers ms':>17} {'in full':>8} "
           f"{'err %':>6} {'traced/untraced: all':>21} {'sparse':>7} {'sparse forecast err %':>22}")
     for r in rows:
         s = r["sparse"]
         e = s["chosen_err_pct"]
         g = r["gpu_sparse_err_pct"]
-        print(f"{r['case']:9} {s['timed_layers']:5d}/{s['layers']:<6d} {s['ops_with_device_time']:10d}/{s['ops']:<10d} "
+        print(f"{r['case']:13} {s['timed_layers']:5d}/{s['layers']:<6d} {s['ops_with_device_time']:10d}/{s['ops']:<10d} "
               f"{s['chosen_ms']:17.3f} {s['chosen_in_full_ms']:8.3f} {'-' if e is None else f'{e:.1f}':>6} "
               f"{s['all_timed_over_untraced']:21.3f} {s['sparse_over_untraced']:7.3f} "
               f"{'-' if g is None else f'{g:.1f}':>22}")

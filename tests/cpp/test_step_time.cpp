@@ -122,6 +122,35 @@ TEST(StepTime, FitsScaleLayersToTheTargetBatch) {
   EXPECT_NEAR(f.per_layer[1].backward_ms, 3 * 250 * 32 / 1e6, 1e-12);
 }
 
+TEST(StepTime, DeviceClocksBoundTheStepByTheHostOrByTheKernels) {
+  // Kernel times 2500 b ns over the layers and 500 ns for the optimizer; the host takes 50 us per step untraced
+  // (80 us traced) at every probe batch: the probes are host-bound. At batch 16 the kernels take 40.5 us and the
+  // step stays the host's 50 us; at batch 64 they take 160.5 us and the step is theirs.
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) {
+    IterationTiming p = iteration_timing(make_trace(250 * b), b);
+    p.clock = "device";
+    p.wall_ns = 80000;
+    p.untraced_wall_ns = 50000;
+    probes.push_back(p);
+  }
+  StepTimeOptions o;
+  o.batch_size = 16;
+  StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_EQ(f.clock, "device");
+  EXPECT_NEAR(f.forward_ms + f.backward_ms, 40000 / 1e6, 1e-12);  // the tracer's cost stays out of the kernels
+  EXPECT_NEAR(f.optimizer_ms, 500 / 1e6, 1e-15);
+  EXPECT_NEAR(f.other_ms, 9500 / 1e6, 1e-12);
+  EXPECT_NEAR(f.step_ms, 50000 / 1e6, 1e-12);
+  EXPECT_EQ(f.notes.back(), "device clocks: the kernels take 0.041 ms per micro-batch at the target, the probes' "
+                            "host 0.050 ms per step (untraced): the step is host-bound; the rest of the step 0.010 "
+                            "ms (fitted over the batch: 0.038 ms)");
+  o.batch_size = 64;
+  f = forecast_step_time(probes, o);
+  EXPECT_NEAR(f.other_ms, 0, 0);
+  EXPECT_NEAR(f.step_ms, 160500 / 1e6, 1e-12);
+}
+
 TEST(StepTime, LayersThatRanOtherKernelsInSmallProbesAreFittedOnTheLargeOnes) {
   // Net.a runs another kernel at batch 2 and 4 (three recorded ops in its forward instead of one, 10x slower);
   // from batch 8 on its time is 250 b like Net.b's.
