@@ -29,6 +29,13 @@ measurements of their own take a sibling's efficiencies at their own peaks: H200
 A100 80GB PCIe; printed: how far that carries, every measured GPU priced with each other one's efficiencies.
 Peaks are the vendors' dense datasheet numbers.
 
+The table's "host" entry: the host's time per op a step issues on a GPU (eager PyTorch: dispatch, kernel launch,
+the caching allocator), which bounds a step whose kernels are short. Measured by bench/gpu/step_time_check.py on a
+GPU machine (bench/results/gpu/timings/): per case, the untraced step of the probes on the GPU over the ops of the
+same model's CPU probes (their optimizer's ops left out: on the CPU PyTorch's optimizers loop over the
+parameters, on a GPU they run multi-tensor kernels); the median over the cases whose kernels take less than half
+of the step (the others are bound by the device).
+
     python bench/gpu_rates.py [--write predictor/weights/gpu_rates.json] [--fit-overhead-scale]
 """
 from __future__ import annotations
@@ -197,6 +204,35 @@ def fit_overhead_scale(iterations: list[dict], kinds: dict, gpu: dict) -> float:
     return min(grid, key=lambda s: sum((price(it, kinds, gpu, s) / it["e2e_ms"] - 1) ** 2 for it in iterations))
 
 
+GPU_TIMINGS = ROOT / "bench" / "results" / "gpu" / "timings"
+
+
+def host_cost() -> dict | None:
+    """The table's "host" entry from the GPU runs' saved probe timings (see the docstring); None without them."""
+    import statistics
+    per_op, cases = [], []
+    for dev in sorted(GPU_TIMINGS.glob("*_device.json")):
+        cpu = dev.with_name(dev.name.replace("_device.json", "_cpu.json"))
+        if not cpu.is_file():
+            continue
+        d, c = json.loads(dev.read_text()), json.loads(cpu.read_text())
+        # Steps whose kernels take half the step or more say how long the device runs, not the host.
+        host = [t["untraced_wall_ns"] for t in d["timings"] if t.get("untraced_wall_ns", -1) > 0 and
+                sum(x["forward_ns"] + x["backward_ns"] for x in t["layers"]) + t["optimizer_ns"] <
+                0.5 * t["untraced_wall_ns"]]
+        ops = [t["ops_total"] - t["optimizer_ops"] for t in c["timings"]]
+        if not host or not ops:
+            continue
+        per_op.append(statistics.median(host) / statistics.median(ops) / 1e3)
+        cases.append(f"{d['case']} {per_op[-1]:.1f}")
+    if not per_op:
+        return None
+    gpu = json.loads(next(GPU_TIMINGS.glob("*_device.json")).read_text()).get("target", "a GPU")
+    return {"us_per_op": round(statistics.median(per_op), 2),
+            "source": f"median over {len(per_op)} models' untraced steps on an {gpu} machine per CPU-probe op "
+                      f"(bench/results/gpu/timings: " + ", ".join(cases) + " us)"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", help="write the table fitted on every measurement here")
@@ -270,7 +306,12 @@ def main() -> int:
               f"{f['backward']['byte_eff']:.3f} {f['backward']['overhead_us']:.2f} us ({f['source']})")
     if args.write:
         import torch
-        text = json.dumps({"format": "gpucast-gpu-rates", "version": 1, "gpus": table}, indent=1)
+        doc = {"format": "gpucast-gpu-rates", "version": 1, "gpus": table}
+        host = host_cost()
+        if host is not None:
+            doc["host"] = host
+            print(f"host: {host['us_per_op']} us per op ({host['source']})")
+        text = json.dumps(doc, indent=1)
         Path(args.write).write_text(text + "\n")
         torch.ops.gpucast.gpu_rates(args.write)
         print(f"wrote {args.write}")

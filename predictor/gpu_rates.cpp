@@ -71,6 +71,13 @@ std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string
                        kGpuRatesVersion);
   }
   if (!j.contains("gpus") || !j.at("gpus").is_array()) GPUCAST_USER_ERROR("{}: missing list 'gpus'", origin);
+  double host_ns_per_op = 0;
+  std::string host_source;
+  if (j.contains("host")) {
+    const std::string where = origin + ": host";
+    host_ns_per_op = number(j.at("host"), "us_per_op", where, 0, 1000) * 1e3;
+    host_source = text(j.at("host"), "source", where);
+  }
   std::vector<GpuRates> out;
   for (size_t i = 0; i < j.at("gpus").size(); ++i) {
     const json& g = j.at("gpus")[i];
@@ -85,6 +92,8 @@ std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string
     r.bytes_per_s = number(g, "bandwidth_gbps", here, 0, -1, true) * 1e9;
     r.fitted_on = text(g, "fitted_on", here);
     if (g.contains("overhead_scale")) r.overhead_scale = number(g, "overhead_scale", here, 0, 10);
+    r.host_ns_per_op = host_ns_per_op;
+    r.host_source = host_source;
     if (!g.contains("kinds") || !g.at("kinds").is_object()) GPUCAST_USER_ERROR("{}: missing object 'kinds'", here);
     for (size_t k = 0; k < kLayerCostKinds.size(); ++k) {
       const std::string kind(kLayerCostKinds[k]);
@@ -127,7 +136,11 @@ std::string gpu_rates_to_json(const std::vector<GpuRates>& table) {
                     {"half_tflops", r.half_flops / 1e12}, {"bandwidth_gbps", r.bytes_per_s / 1e9},
                     {"fitted_on", r.fitted_on}, {"overhead_scale", r.overhead_scale}, {"kinds", kinds}});
   }
-  return json{{"format", kFormat}, {"version", kGpuRatesVersion}, {"gpus", gpus}}.dump(1);
+  json out{{"format", kFormat}, {"version", kGpuRatesVersion}, {"gpus", gpus}};
+  if (!table.empty() && table.front().host_ns_per_op > 0) {
+    out["host"] = {{"us_per_op", table.front().host_ns_per_op / 1e3}, {"source", table.front().host_source}};
+  }
+  return out.dump(1);
 }
 
 const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::string& name) {
@@ -206,6 +219,11 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
   out.wall_ns = layers + out.optimizer_ns;
   out.untraced_wall_ns = -1;
   out.clock = "gpu-table";
+  // The host issues the probe's ops but its optimizer's: on the CPU PyTorch's optimizers loop over the
+  // parameters where on a GPU they run multi-tensor (foreach) kernels; the table's cost per op covers those.
+  if (gpu.host_ns_per_op > 0) {
+    out.host_ns = gpu.host_ns_per_op * static_cast<double>(std::max<int64_t>(0, probe.ops_total - probe.optimizer_ops));
+  }
   return out;
 }
 

@@ -805,15 +805,18 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   if (P.pp > 1 && all_rank_grad == 0) share /= static_cast<double>(P.pp);
   const bool sharded = P.dp_mode != "ddp";
   f.optimizer_ms = optimizer_ns / 1e6 * share / (sharded ? static_cast<double>(P.dp) : 1.0);
-  if (ref.clock == "device") {
+  const bool priced_host = ref.clock == "gpu-table" &&
+                           std::all_of(probes.begin(), probes.end(), [](const IterationTiming& p) { return p.host_ns > 0; });
+  if (ref.clock == "device" || priced_host) {
     // The host issues the kernels while the device runs the ones before: a probe's step is its host time where
     // that is longer than its kernels (small batches, many small ops), else its kernels' time. The host's time
     // does not grow with the batch; the kernels' do. At the target, what the host spends beyond the kernels is
-    // the probes' host time (their untraced wall) less the target's kernel time per micro-batch, if positive.
+    // the probes' host time (their untraced wall; priced: the table's cost per op) less the target's kernel time
+    // per micro-batch, if positive.
     std::vector<double> host;
     bool untraced = true;
     for (const IterationTiming& p : probes) {
-      host.push_back(k * p.wall_ns / 1e6);
+      host.push_back(k * (priced_host ? p.host_ns : p.wall_ns) / 1e6);
       untraced = untraced && p.untraced_wall_ns > 0;
     }
     std::sort(host.begin(), host.end());
@@ -822,9 +825,11 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     const double before = f.other_ms;
     f.other_ms = std::max(0.0, host_ms - kernels_ms);
     f.notes.push_back(fmt::format(
-        "device clocks: the kernels take {:.3f} ms per micro-batch at the target, the probes' host {:.3f} ms per "
+        "{}: the kernels take {:.3f} ms per micro-batch at the target, the probes' host {:.3f} ms per "
         "step ({}): the step is {}-bound; the rest of the step {:.3f} ms (fitted over the batch: {:.3f} ms)",
-        kernels_ms, host_ms, untraced ? "untraced" : "traced: the tracer's cost included", host_ms > kernels_ms ? "host" : "device",
+        priced_host ? "priced kernels" : "device clocks", kernels_ms, host_ms,
+        priced_host ? "priced per op from the rates table" : untraced ? "untraced" : "traced: the tracer's cost included",
+        host_ms > kernels_ms ? "host" : "device",
         f.other_ms, before));
   }
   f.other_ms *= m;

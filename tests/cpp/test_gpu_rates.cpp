@@ -74,6 +74,17 @@ TEST(GpuRates, BadTablesNameTheKeyAndWhatWasGiven) {
   EXPECT_EQ(parse_gpu_rates(j.dump(), "t.json")[0].overhead_scale, 0.5);
   EXPECT_EQ(table_gpu().overhead_scale, 1.0);  // absent: 1
   j = table_json();
+  j["host"] = {{"us_per_op", 2000}, {"source", "a test"}};
+  EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
+            "t.json: host: 'us_per_op' should be in [0, 1000], got 2000");
+  j["host"] = {{"us_per_op", 12.5}};
+  EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }), "t.json: host: missing key 'source'");
+  j["host"]["source"] = "a test";
+  const std::vector<GpuRates> hosted = parse_gpu_rates(j.dump(), "t.json");
+  EXPECT_DOUBLE_EQ(hosted[0].host_ns_per_op, 12500);
+  EXPECT_EQ(parse_gpu_rates(gpu_rates_to_json(hosted), "again")[0].host_source, "a test");
+  EXPECT_EQ(table_gpu().host_ns_per_op, 0);  // absent: none
+  j = table_json();
   j["gpus"].push_back(j["gpus"][0]);
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }), "t.json: gpus[1] ('G1'): GPU 'G1' listed twice");
   EXPECT_EQ(err([] { load_gpu_rates("/nonexistent/rates.json"); }),
@@ -184,6 +195,29 @@ TEST(GpuRates, ExtrapolatesTheWorkThenPricesIt) {
   EXPECT_EQ(f.notes[0], "priced for G1 from the probes' work (FLOPs and bytes per op kind; nothing timed on it): "
                         "efficiencies fitted on hand-made; matmuls in float32 (TF32 off)");
   EXPECT_EQ(f.other_ms, 0);
+}
+
+TEST(GpuRates, TheHostBoundsAStepOfShortKernels) {
+  // The probes record 5 ops (2 of them the optimizer's); at 100 ms of host time per op (set here, to match these
+  // probes' slow kernels) the host takes 300 ms per step. At batch 1 the kernels take 100 ms, reading the weight:
+  // the host bounds the step. At batch 64 they take 3.9 s.
+  GpuRates g = table_gpu();
+  g.host_ns_per_op = 1e8;
+  std::vector<IterationTiming> probes = {probe(1), probe(2)};
+  for (IterationTiming& p : probes) p.ops_total = 5, p.optimizer_ops = 2;
+  EXPECT_DOUBLE_EQ(price_on_gpu(probes[0], g).host_ns, 3e8);
+  StepTimeOptions o;
+  o.batch_size = 1;
+  StepTimeForecast f = forecast_step_time_on_gpu(probes, o, g);
+  const double kernels = f.forward_ms + f.backward_ms + f.optimizer_ms;
+  EXPECT_LT(kernels, 300.0);
+  EXPECT_NEAR(f.other_ms, 300.0 - kernels, 1e-9);
+  EXPECT_NEAR(f.step_ms, 300.0, 1e-9);
+  o.batch_size = 64;
+  f = forecast_step_time_on_gpu(probes, o, g);
+  EXPECT_EQ(f.other_ms, 0);
+  EXPECT_NEAR(f.step_ms, f.forward_ms + f.backward_ms + f.optimizer_ms, 1e-9);
+  EXPECT_GT(f.step_ms, 300.0);
 }
 
 TEST(GpuRates, TensorParallelismDividesTheWorkNotTheLaunches) {

@@ -50,6 +50,10 @@ struct GpuRates {
   // The per-kernel overheads as they weigh in a whole iteration, against one op timed alone (what the overheads
   // are fitted on): fitted on measured iterations; 1 where the table gives none.
   double overhead_scale = 1.0;
+  // The host's time per op a step issues (dispatch, launch, the caching allocator: eager PyTorch on a GPU), from
+  // the table's optional "host" entry (0: none) and where it was measured.
+  double host_ns_per_op = 0;
+  std::string host_source;
 };
 
 struct GpuPrecision {
@@ -59,8 +63,8 @@ struct GpuPrecision {
 
 // The table from its JSON text: {"format": "gpucast-gpu-rates", "version": 1, "gpus": [{"name", "fp32_tflops",
 // "tf32_tflops", "half_tflops", "bandwidth_gbps", "fitted_on", "overhead_scale" (optional, in [0, 10]),
-// "kinds": {kind: {"source", "forward": {"flop_eff", "byte_eff", "overhead_us"}, "backward": {...}}}}]}, every
-// kind of kLayerCostKinds present. Errors (UserError)
+// "kinds": {kind: {"source", "forward": {"flop_eff", "byte_eff", "overhead_us"}, "backward": {...}}}}],
+// "host" (optional): {"us_per_op" (in [0, 1000]), "source"}}, every kind of kLayerCostKinds present. Errors (UserError)
 // name `origin` and the key: another format or version, a missing key, a rate outside its range, a duplicate GPU.
 std::vector<GpuRates> parse_gpu_rates(const std::string& text, const std::string& origin);
 // The same from a file; errors name the path (missing, unreadable, not the format).

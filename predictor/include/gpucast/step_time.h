@@ -93,6 +93,9 @@ struct IterationTiming {
   double optimizer_bytes = 0;
   // The probe's sequence length where the forecast scales by it (the caller sets it; 0: not recorded).
   int64_t seq = 0;
+  // Priced for a GPU (clock "gpu-table"): the host's time to issue the step's ops there, from the rates table's
+  // cost per op (-1: the table gives none). Not serialized.
+  double host_ns = -1;
 };
 
 // A quantity measured at one probe's size.
