@@ -213,7 +213,7 @@ def host_cost() -> dict | None:
     per_op, cases = [], []
     for dev in sorted(GPU_TIMINGS.glob("*_device.json")):
         cpu = dev.with_name(dev.name.replace("_device.json", "_cpu.json"))
-        if not cpu.is_file():
+        if not cpu.is_file() or re.search(r"_b\d+_device\.json$", dev.name):  # name@batch: the same probes
             continue
         d, c = json.loads(dev.read_text()), json.loads(cpu.read_text())
         # Steps whose kernels take half the step or more say how long the device runs, not the host.
