@@ -219,10 +219,10 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
   out.wall_ns = layers + out.optimizer_ns;
   out.untraced_wall_ns = -1;
   out.clock = "gpu-table";
-  // The host issues the probe's ops but its optimizer's: on the CPU PyTorch's optimizers loop over the
+  // The host issues the probe's launching ops but its optimizer's: on the CPU PyTorch's optimizers loop over the
   // parameters where on a GPU they run multi-tensor (foreach) kernels; the table's cost per op covers those.
-  if (gpu.host_ns_per_op > 0) {
-    out.host_ns = gpu.host_ns_per_op * static_cast<double>(std::max<int64_t>(0, probe.ops_total - probe.optimizer_ops));
+  if (gpu.host_ns_per_op > 0 && probe.launch_ops > 0) {
+    out.host_ns = gpu.host_ns_per_op * static_cast<double>(probe.launch_ops);
   }
   return out;
 }

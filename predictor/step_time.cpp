@@ -156,6 +156,23 @@ double fit_size(const std::vector<SizedValue>& pts, double batch, double seq) {
   return best;
 }
 
+namespace {
+// Ops that only make a view, read metadata or allocate: a GPU runs nothing for them.
+bool launches_nothing(const std::string& name) {
+  static const std::unordered_set<std::string> kNames = {
+      "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
+      "aten::expand", "aten::expand_as", "aten::as_strided", "aten::unsqueeze", "aten::squeeze", "aten::select",
+      "aten::slice", "aten::alias", "aten::detach", "aten::detach_", "aten::split", "aten::split_with_sizes",
+      "aten::chunk", "aten::unbind", "aten::narrow", "aten::flatten", "aten::unflatten", "aten::view_as",
+      "aten::numpy_T", "aten::contiguous", "aten::to", "aten::lift_fresh", "aten::result_type", "aten::empty",
+      "aten::empty_like", "aten::empty_strided", "aten::resize_", "aten::set_", "aten::size", "aten::stride",
+      "aten::dim", "aten::is_contiguous", "aten::requires_grad_", "aten::_reshape_alias", "aten::_has_compatible_shallow_copy_type",
+      "aten::broadcast_tensors", "aten::movedim", "aten::swapaxes", "aten::diagonal", "aten::unfold",
+      "aten::resolve_conj", "aten::resolve_neg", "aten::conj", "aten::_neg_view", "aten::_conj"};
+  return kNames.count(name) != 0;
+}
+}  // namespace
+
 IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   IterationTiming it;
   it.batch = batch;
@@ -184,9 +201,30 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   // Which unit each recorded op's cost lands in: a layer's forward (2 li) or backward (2 li + 1), the optimizer
   // (-2) or the rest (-3): the unit of the op itself or of its enclosing op.
   std::vector<int64_t> owner(t.ops.size(), -3);
+  // Launching ops: the outermost aten ops that do work (not views, metadata or bare allocations): aten::linear
+  // counts once, not the aten::addmm inside it nor the CPU's own helpers inside that (a GPU runs one kernel or
+  // two for it); inside a view op (aten::contiguous running a copy) the ops below it count. A trace that counted
+  // nested ops without recording them cannot tell.
+  std::vector<uint8_t> launches(t.ops.size(), 0), under_launch(t.ops.size(), 0);
+  bool nested_unrecorded = false;
+  std::vector<size_t> outermost_first(t.ops.size());
+  std::iota(outermost_first.begin(), outermost_first.end(), size_t{0});
+  std::stable_sort(outermost_first.begin(), outermost_first.end(),
+                   [&](size_t a, size_t b) { return t.ops[a].depth < t.ops[b].depth; });
+  for (size_t i : outermost_first) {  // an op after the ops around it
+    const OpRecord& op = t.ops[i];
+    nested_unrecorded = nested_unrecorded || op.nested > 0;
+    if (op.parent >= 0 && static_cast<size_t>(op.parent) < t.ops.size()) {
+      const size_t p = static_cast<size_t>(op.parent);
+      under_launch[i] = under_launch[p] || launches[p];
+    }
+    launches[i] = !under_launch[i] && op.name.rfind("aten::", 0) == 0 && !launches_nothing(op.name);
+  }
+  int64_t launching = 0;
   // An op counts with the ops inside it that a trace without nested ops counted instead of recording.
   auto count = [&](const OpRecord& op, int64_t unit) {
     owner[static_cast<size_t>(op.id)] = unit;
+    if (unit != -2 && launches[static_cast<size_t>(op.id)]) ++launching;
     const int64_t n = 1 + op.nested;
     it.ops_total += n;
     if (unit == -2) {
@@ -254,6 +292,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   for (LayerTiming& l : it.layers) {
     if (l.backward_order < 0) l.backward_order = backward_rank++;
   }
+  it.launch_ops = nested_unrecorded ? -1 : launching;
   for (const auto& [e, bytes] : edge_bytes) it.edges.push_back({e.first, e.second, bytes});
   const std::vector<LayerCost> costs = layer_costs(t);
   for (const LayerCost& c : costs) {
@@ -297,6 +336,7 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
   timing.optimizer_bytes = structure.optimizer_bytes;
   // The kernel choice shows in ops nested in the convolution, which a timing trace may count without recording.
   timing.im2col_conv_ops = structure.im2col_conv_ops;
+  timing.launch_ops = structure.launch_ops;
   timing.edges.clear();
   for (const LayerEdge& e : structure.edges) {
     if (e.src < 0 || e.dst < 0 || static_cast<size_t>(e.src) >= to_here.size() ||
@@ -821,6 +861,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     }
     std::sort(host.begin(), host.end());
     const double host_ms = host[host.size() / 2];
+    f.host_ms = host_ms;
     const double kernels_ms = (f.forward_ms + f.backward_ms) / m + f.optimizer_ms;
     const double before = f.other_ms;
     f.other_ms = std::max(0.0, host_ms - kernels_ms);
@@ -1028,6 +1069,7 @@ std::string step_time_to_json(const StepTimeForecast& f) {
               {"pp", f.pp}, {"micro_batches", f.micro_batches}, {"dp_mode", f.dp_mode},
               {"step_ms", f.step_ms}, {"compute_ms", f.compute_ms}, {"forward_ms", f.forward_ms},
               {"backward_ms", f.backward_ms}, {"optimizer_ms", f.optimizer_ms}, {"other_ms", f.other_ms},
+              {"host_ms", f.host_ms},
               {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"tp_comm_ms", f.tp_comm_ms},
               {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"timed_layers", f.timed_layers},
               {"per_layer", layers},
@@ -1051,7 +1093,8 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
   return json{{"batch", t.batch}, {"wall_ns", t.wall_ns}, {"optimizer_ns", t.optimizer_ns}, {"other_ns", t.other_ns},
               {"clock", t.clock}, {"layers", layers}, {"edges", edges}, {"ops_total", t.ops_total},
               {"optimizer_ops", t.optimizer_ops}, {"other_ops", t.other_ops}, {"untraced_wall_ns", t.untraced_wall_ns},
-              {"im2col_conv_ops", t.im2col_conv_ops}, {"optimizer_bytes", t.optimizer_bytes}, {"seq", t.seq}}
+              {"im2col_conv_ops", t.im2col_conv_ops}, {"optimizer_bytes", t.optimizer_bytes}, {"seq", t.seq},
+              {"launch_ops", t.launch_ops}}
       .dump();
 }
 
@@ -1071,6 +1114,7 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
     t.im2col_conv_ops = j.value("im2col_conv_ops", int64_t{0});
     t.optimizer_bytes = j.value("optimizer_bytes", 0.0);
     t.seq = j.value("seq", int64_t{0});
+    t.launch_ops = j.value("launch_ops", int64_t{-1});
     for (const json& l : j.at("layers")) {
       LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
                      l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),

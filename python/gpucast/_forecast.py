@@ -180,6 +180,9 @@ class TimeForecast:
     beta: float = 1.0
     correction: str = "none"
     uncorrected_step_ms: float = 0.0
+    # With device clocks (probes on a GPU) or a GPU priced from CPU probes: the host's time to issue one
+    # micro-batch's ops; the longer of it and the kernels is that micro-batch's compute (-1: not known).
+    host_ms: float = -1.0
 
 
 @dataclass

@@ -198,13 +198,14 @@ TEST(GpuRates, ExtrapolatesTheWorkThenPricesIt) {
 }
 
 TEST(GpuRates, TheHostBoundsAStepOfShortKernels) {
-  // The probes record 5 ops (2 of them the optimizer's); at 100 ms of host time per op (set here, to match these
-  // probes' slow kernels) the host takes 300 ms per step. At batch 1 the kernels take 100 ms, reading the weight:
-  // the host bounds the step. At batch 64 they take 3.9 s.
+  // The probes launch 3 ops; at 100 ms of host time per op (set here, to match these probes' slow kernels) the
+  // host takes 300 ms per step. At batch 1 the kernels take 100 ms, reading the weight: the host bounds the step.
+  // At batch 64 they take 3.9 s.
   GpuRates g = table_gpu();
   g.host_ns_per_op = 1e8;
   std::vector<IterationTiming> probes = {probe(1), probe(2)};
-  for (IterationTiming& p : probes) p.ops_total = 5, p.optimizer_ops = 2;
+  EXPECT_EQ(price_on_gpu(probes[0], g).host_ns, -1);  // launching ops not known: no host term
+  for (IterationTiming& p : probes) p.launch_ops = 3;
   EXPECT_DOUBLE_EQ(price_on_gpu(probes[0], g).host_ns, 3e8);
   StepTimeOptions o;
   o.batch_size = 1;

@@ -104,6 +104,53 @@ TEST(StepTime, TheTracersCostComesOutByOpCount) {
   EXPECT_EQ(back.layers[0].forward_ops_all, 1);
 }
 
+TEST(StepTime, LaunchingOpsAreTheOutermostOpsThatDoWork) {
+  // aten::linear runs aten::t (a view) and aten::addmm, which on the CPU runs aten::copy_ (the bias): one launch.
+  // aten::view launches nothing; aten::contiguous (a view op) running aten::clone: the clone launches. The
+  // optimizer's ops are left out (a GPU runs them as multi-tensor kernels).
+  Trace t;
+  uint64_t seq = 1;
+  auto op = [&](const char* name, int64_t parent, Scope scope = Scope::Function, Phase phase = Phase::Forward) {
+    OpRecord o;
+    o.id = static_cast<int64_t>(t.ops.size());
+    o.name = name;
+    o.scope = scope;
+    o.phase = phase;
+    o.parent = parent;
+    o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
+    o.module = "Net.a";
+    o.start_seq = seq++;
+    t.ops.push_back(o);
+    return o.id;
+  };
+  auto end = [&](int64_t i) { t.ops[static_cast<size_t>(i)].end_seq = seq++; };
+  const int64_t linear = op("aten::linear", -1);
+  end(op("aten::t", linear));
+  const int64_t addmm = op("aten::addmm", linear);
+  end(op("aten::copy_", addmm));
+  end(addmm);
+  end(linear);
+  end(op("aten::view", -1));
+  const int64_t contiguous = op("aten::contiguous", -1);
+  end(op("aten::clone", contiguous));
+  end(contiguous);
+  const int64_t step = op("Optimizer.step#SGD.step", -1, Scope::UserScope, Phase::Optimizer);
+  end(op("aten::add_", step, Scope::Function, Phase::Optimizer));
+  end(step);
+  IterationTiming it = iteration_timing(t, 2);
+  EXPECT_EQ(it.launch_ops, 2);
+  EXPECT_EQ(iteration_timing_from_json(iteration_timing_to_json(it)).launch_ops, 2);
+  // Light traces (nested ops counted, not recorded) cannot tell.
+  t.ops[static_cast<size_t>(linear)].nested = 2;
+  EXPECT_EQ(iteration_timing(t, 2).launch_ops, -1);
+  EXPECT_EQ(iteration_timing_from_json("{\"batch\": 2, \"wall_ns\": 0, \"optimizer_ns\": 0, \"other_ns\": 0, "
+                                       "\"clock\": \"cpu\", \"layers\": []}").launch_ops, -1);
+  // A timing trace takes the count of the full trace whose structure it borrows.
+  IterationTiming light = iteration_timing(t, 2);
+  t.ops[static_cast<size_t>(linear)].nested = 0;
+  EXPECT_EQ(with_structure(light, iteration_timing(t, 2)).launch_ops, 2);
+}
+
 TEST(StepTime, FitsScaleLayersToTheTargetBatch) {
   // Layer times a + c b with a = 0: k = 250 b.
   std::vector<IterationTiming> probes;

@@ -155,14 +155,19 @@ def test_gpu_target_from_cpu_probes_is_priced_from_the_rates_table(tmp_path):
     assert [l["source"] for l in tm.per_layer] == ["gpu-table"] * len(tm.per_layer)
     assert tm.notes[0].startswith("priced for H100-80GB from the probes' work")
     assert tm.correction == "none: the shipped graph network is trained on CPU steps only"
-    # The shipped table's host cost per op (measured on an H200 machine) times the probe's ops but its
-    # optimizer's: where that is longer than the kernels, the rest of the step is the difference.
+    # The shipped table's host cost per launching op (measured on an H200 machine) times the probe's launching
+    # ops (the Linear, the sum, their backward, the loss's seed: not the optimizer's): where that is longer than
+    # the kernels, the rest of the step is the difference.
     us_per_op = json.loads((Path(__file__).resolve().parents[2] / "predictor" / "weights" /
                             "gpu_rates.json").read_text())["host"]["us_per_op"]
     largest = max(map(json.loads, fc.timings), key=lambda t: t["batch"])
-    host_ms = us_per_op * (largest["ops_total"] - largest["optimizer_ops"]) / 1e3
+    # aten::linear, aten::sum; backward: the seed's aten::ones_like, aten::mm (the weight's gradient), aten::sum
+    # (the bias's); SGD's own ops are the optimizer's.
+    assert [json.loads(t)["launch_ops"] for t in fc.timings] == [5, 5]
+    host_ms = us_per_op * largest["launch_ops"] / 1e3
     kernels_ms = tm.forward_ms + tm.backward_ms + tm.optimizer_ms
     assert host_ms > kernels_ms
+    assert tm.host_ms == pytest.approx(host_ms, rel=1e-9)
     assert tm.other_ms == pytest.approx(host_ms - kernels_ms, rel=1e-9)
     assert tm.step_ms == pytest.approx(host_ms, rel=1e-9)
     assert [n for n in tm.notes if n.startswith("priced kernels: ")][0].endswith(
@@ -176,7 +181,7 @@ def test_gpu_target_from_cpu_probes_is_priced_from_the_rates_table(tmp_path):
     compute = 2 * 64 * 16 * 32 / 5e12
     memory = 4 * (64 * 16 + 32 * 16 + 32 + 64 * 32) / 5e11
     assert layer["forward_ms"] == pytest.approx((max(compute, memory) + 10e-6) * 1e3, rel=1e-9)
-    assert got["other_ms"] == 0  # a table without a host cost: the kernels alone
+    assert got["other_ms"] == 0 and got["host_ms"] == -1  # a table without a host cost: the kernels alone
     assert fc.step_time(128).step_ms > 0  # other batch sizes from the same probes, priced the same way
 
 

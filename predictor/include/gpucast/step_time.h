@@ -82,6 +82,10 @@ struct IterationTiming {
   int64_t ops_total = 0;      // ops in the iteration (recorded, and counted in them: OpRecord::nested)
   int64_t optimizer_ops = 0;
   int64_t other_ops = 0;
+  // Ops outside the optimizer step that would launch work on a GPU: recorded ops with no op recorded inside them,
+  // neither views nor metadata nor bare allocations (aten::view, aten::t, aten::empty, ...). -1: not known (a
+  // trace that counted nested ops without recording them).
+  int64_t launch_ops = -1;
   // The same step run without the tracer (wall time, measured by the caller; -1: not measured). The tracer's
   // cost, wall_ns - untraced_wall_ns, is then taken out of every unit in proportion to its recorded ops.
   double untraced_wall_ns = -1;
@@ -93,8 +97,8 @@ struct IterationTiming {
   double optimizer_bytes = 0;
   // The probe's sequence length where the forecast scales by it (the caller sets it; 0: not recorded).
   int64_t seq = 0;
-  // Priced for a GPU (clock "gpu-table"): the host's time to issue the step's ops there, from the rates table's
-  // cost per op (-1: the table gives none). Not serialized.
+  // Priced for a GPU (clock "gpu-table"): the host's time to issue the step's ops there, the rates table's cost
+  // per launching op times launch_ops (-1: the table gives none, or launch_ops is not known). Not serialized.
   double host_ns = -1;
 };
 
@@ -204,6 +208,9 @@ struct StepTimeForecast {
   double backward_ms = 0;
   double optimizer_ms = 0;
   double other_ms = 0;
+  // With device clocks or a priced host: the host's time to issue one micro-batch's ops (the longer of it and
+  // the kernels is the micro-batch's compute); -1: not known.
+  double host_ms = -1;
   double comm_ms = 0;         // time of every collective and send
   double exposed_comm_ms = 0;  // communication on the critical path (not hidden behind compute)
   double tp_comm_ms = 0;
