@@ -847,18 +847,36 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   f.optimizer_ms = optimizer_ns / 1e6 * share / (sharded ? static_cast<double>(P.dp) : 1.0);
   const bool priced_host = ref.clock == "gpu-table" &&
                            std::all_of(probes.begin(), probes.end(), [](const IterationTiming& p) { return p.host_ns > 0; });
-  if (ref.clock == "device" || priced_host) {
-    // The host issues the kernels while the device runs the ones before: a probe's step is its host time where
-    // that is longer than its kernels (small batches, many small ops), else its kernels' time. The host's time
-    // does not grow with the batch; the kernels' do. At the target, what the host spends beyond the kernels is
-    // the probes' host time (their untraced wall; priced: the table's cost per op) less the target's kernel time
-    // per micro-batch, if positive.
-    std::vector<double> host;
-    bool untraced = true;
-    for (const IterationTiming& p : probes) {
-      host.push_back(k * (priced_host ? p.host_ns : p.wall_ns) / 1e6);
-      untraced = untraced && p.untraced_wall_ns > 0;
+  // The host issues the kernels while the device runs the ones before: a probe's step is its host time where
+  // that is longer than its kernels (small batches, many small ops), else its kernels' time. The host's time
+  // does not grow with the batch; the kernels' do. With device clocks it shows where the probes' walls grow less
+  // than half as fast as their batch (one probe: where its kernels take less than half of its wall): their walls
+  // (untraced) are the host's time. Priced, it is the table's cost per launching op. At the target, what the host
+  // spends beyond the kernels is that time less the target's kernel time per micro-batch, if positive. Where the
+  // probes do not show it, "other" stays the fit over the batch.
+  std::vector<double> host;
+  bool untraced = true;
+  if (priced_host) {
+    for (const IterationTiming& p : probes) host.push_back(k * p.host_ns / 1e6);
+  } else if (ref.clock == "device") {
+    auto lo = std::min_element(probes.begin(), probes.end(), [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
+    auto hi = std::max_element(probes.begin(), probes.end(), [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
+    bool host_bound = false;
+    if (tokens(*hi) > tokens(*lo) && lo->wall_ns > 0) {
+      host_bound = (hi->wall_ns / lo->wall_ns - 1) < 0.5 * (tokens(*hi) / tokens(*lo) - 1);
+    } else {
+      double kernels = ref.optimizer_ns;
+      for (const LayerTiming& l : ref.layers) kernels += l.forward_ns + l.backward_ns;
+      host_bound = kernels < 0.5 * ref.wall_ns;
     }
+    if (host_bound) {
+      for (const IterationTiming& p : probes) {
+        host.push_back(k * p.wall_ns / 1e6);
+        untraced = untraced && p.untraced_wall_ns > 0;
+      }
+    }
+  }
+  if (!host.empty()) {
     std::sort(host.begin(), host.end());
     const double host_ms = host[host.size() / 2];
     f.host_ms = host_ms;

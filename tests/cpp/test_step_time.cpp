@@ -196,6 +196,28 @@ TEST(StepTime, DeviceClocksBoundTheStepByTheHostOrByTheKernels) {
   f = forecast_step_time(probes, o);
   EXPECT_NEAR(f.other_ms, 0, 0);
   EXPECT_NEAR(f.step_ms, 160500 / 1e6, 1e-12);
+  EXPECT_NEAR(f.host_ms, 50000 / 1e6, 1e-12);
+}
+
+TEST(StepTime, DeviceClocksOfDeviceBoundProbesKeepTheFittedRest) {
+  // Walls that grow with the batch (the kernels plus 40 ns between ops, traced; untraced 1 % less): the host does
+  // not show, and the rest of the step is the fit over the probes, as with CPU clocks. At batch 1, below the
+  // probes, the step is not bound by the largest probe's wall.
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) {
+    IterationTiming p = iteration_timing(make_trace(250 * b), b);
+    p.clock = "device";
+    p.untraced_wall_ns = p.wall_ns * 0.99;
+    probes.push_back(p);
+  }
+  StepTimeOptions o;
+  o.batch_size = 1;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_EQ(f.host_ms, -1);
+  EXPECT_TRUE(std::none_of(f.notes.begin(), f.notes.end(),
+                           [](const std::string& n) { return n.rfind("device clocks", 0) == 0; }));
+  EXPECT_NEAR(f.forward_ms + f.backward_ms, 2500 / 1e6, 1e-12);
+  EXPECT_LT(f.step_ms, probes.front().wall_ns / 1e6);
 }
 
 TEST(StepTime, LayersThatRanOtherKernelsInSmallProbesAreFittedOnTheLargeOnes) {
