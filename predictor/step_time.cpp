@@ -479,6 +479,13 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
   return out;
 }
 
+// The device time of a timing's layers and optimizer step (its kernels', with device clocks).
+static double kernel_ns(const IterationTiming& p) {
+  double ns = p.optimizer_ns;
+  for (const LayerTiming& l : p.layers) ns += l.forward_ns + l.backward_ns;
+  return ns;
+}
+
 // The tracer's own cost out of a probe: where the untraced wall time is known, (wall - untraced) / ops per
 // recorded op, taken out of each unit by its op count. With device clocks the layers' and the optimizer's times
 // are their kernels', which the tracer does not slow: what the untraced step spends beyond them is the host's
@@ -486,9 +493,7 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
 static IterationTiming without_tracer_cost(IterationTiming p) {
   if (!(p.untraced_wall_ns > 0) || p.ops_total <= 0 || p.wall_ns <= p.untraced_wall_ns) return p;
   if (p.clock == "device") {
-    double kernels = p.optimizer_ns;
-    for (const LayerTiming& l : p.layers) kernels += l.forward_ns + l.backward_ns;
-    p.other_ns = std::max(0.0, p.untraced_wall_ns - kernels);
+    p.other_ns = std::max(0.0, p.untraced_wall_ns - kernel_ns(p));
     p.wall_ns = p.untraced_wall_ns;
     return p;
   }
@@ -865,9 +870,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     if (tokens(*hi) > tokens(*lo) && lo->wall_ns > 0) {
       host_bound = (hi->wall_ns / lo->wall_ns - 1) < 0.5 * (tokens(*hi) / tokens(*lo) - 1);
     } else {
-      double kernels = ref.optimizer_ns;
-      for (const LayerTiming& l : ref.layers) kernels += l.forward_ns + l.backward_ns;
-      host_bound = kernels < 0.5 * ref.wall_ns;
+      host_bound = kernel_ns(ref) < 0.5 * ref.wall_ns;
     }
     if (host_bound) {
       for (const IterationTiming& p : probes) {

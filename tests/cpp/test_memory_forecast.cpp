@@ -405,14 +405,20 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
   EXPECT_EQ(run_conv("H100-80GB", 4096, "3").conv_workspace_bytes, 4096);  // conv_workspace wins
 }
 
-MemoryForecast run_gpu_conv(const std::map<std::string, int64_t>& measured) {
-  static const std::vector<Trace> t = {gpu_conv_probe(2), gpu_conv_probe(4), gpu_conv_probe(8)};
+// The forecast input for three probes on cuda:0 at batch 2, 4, 8, for an H100 at batch 64.
+MemoryForecastInput gpu_input(const std::vector<Trace>& t) {
   MemoryForecastInput in;
   for (const Trace& x : t) in.probes.push_back(&x);
   in.probe_batch = {2, 4, 8};
   in.target_batch = 64;
   in.target = "H100-80GB";
   in.probe_device = "cuda:0";
+  return in;
+}
+
+MemoryForecast run_gpu_conv(const std::map<std::string, int64_t>& measured) {
+  static const std::vector<Trace> t = {gpu_conv_probe(2), gpu_conv_probe(4), gpu_conv_probe(8)};
+  MemoryForecastInput in = gpu_input(t);
   in.conv_workspaces = measured;
   return forecast_memory(in);
 }
@@ -438,12 +444,7 @@ TEST(MemoryForecast, GpuProbesMatchTheBlocksHeldAtTheStartByCategory) {
   // The batch-4 probe lists its input before the parameter (its batch landed at a lower address): matched by
   // category, the forecast is the one of probes that list them alike, and the parameter stays a parameter.
   const std::vector<Trace> t = {gpu_conv_probe(2), gpu_conv_probe(4, /*input_first=*/true), gpu_conv_probe(8)};
-  MemoryForecastInput in;
-  for (const Trace& x : t) in.probes.push_back(&x);
-  in.probe_batch = {2, 4, 8};
-  in.target_batch = 64;
-  in.target = "H100-80GB";
-  in.probe_device = "cuda:0";
+  MemoryForecastInput in = gpu_input(t);
   const MemoryForecast f = forecast_memory(in);
   EXPECT_EQ(f.peak_allocated_bytes, run_gpu_conv({}).peak_allocated_bytes);
   EXPECT_EQ(f.breakdown.at("parameter"), 1024);
@@ -490,12 +491,7 @@ TEST(MemoryForecast, GpuProbesPlaceTheBlocksHeldAtTheStartOneByOne) {
   // 32 KiB) and the step's 256 KiB. Summed per category, the parameters would be one 1.17 MiB large-pool request
   // in a 20 MiB segment.
   const std::vector<Trace> t = {gpu_blocks_probe(2), gpu_blocks_probe(4), gpu_blocks_probe(8)};
-  MemoryForecastInput in;
-  for (const Trace& x : t) in.probes.push_back(&x);
-  in.probe_batch = {2, 4, 8};
-  in.target_batch = 64;
-  in.target = "H100-80GB";
-  in.probe_device = "cuda:0";
+  MemoryForecastInput in = gpu_input(t);
   const MemoryForecast f = forecast_memory(in);
   EXPECT_TRUE(f.scaled);
   EXPECT_TRUE(f.warnings.empty());
