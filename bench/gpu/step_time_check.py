@@ -4,7 +4,8 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
   measured        median of 20 untraced steps (synchronised), with the interquartile range
   trace           one steady iteration traced by gpucast: the device-timing source ("cupti", else "cuda_events"),
                   the share of recorded ops that carry a device time, and the per-layer device times summed
-                  (layers + optimizer) against the measured step: the target is within 5 %
+                  (layers + optimizer) against the measured step: the target is within 5 %; and every op's device
+                  time in the iteration (layers, optimizer and the ops outside both: the loss, zero_grad)
   sparse          the same iteration traced with a quarter of the layers timed (chosen by gpucast's D-optimal
                   design: timed_layers): ops with a device time, the timed layers' device times against the same
                   layers' in the full trace, and the traced step's wall time over the untraced one for both traces
@@ -12,6 +13,11 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
                   against measured; again with time_fraction=0.25 (sparse timing)
   CPU probes      gpucast.forecast(target=<this GPU>) with the same model and probes on the CPU (priced from the
                   GPU rates table): fc.time.step_ms against measured
+  torch.profiler  after every case, in a pass of its own (its CUPTI client never meets gpucast's): the device time
+                  of one step measured by torch.profiler (the median over 3 profiled steps of the summed durations
+                  of its kernel, memcpy and memset events), an independent reference for the kernel time gpucast
+                  attributes: where the host's launches bound the step, the kernels take a fraction of the wall,
+                  and the layer sums are compared with the device's busy time instead
 Last line: one JSON object.
 
     python bench/gpu/step_time_check.py --target H100-80GB [--device cuda] [--cases gpt,cnn,resnet18,gpt@1024]
@@ -70,6 +76,66 @@ def measure(step, batch, device: str, n: int = 20) -> tuple[float, float]:
     return statistics.median(times), q[2] - q[0]
 
 
+def iteration_kernels_ms(doc: dict) -> float | None:
+    """Every op's device time in the last complete iteration of a trace (the ops outside any other op: layers,
+    the optimizer, the loss and the rest), the iteration as gpucast's iteration timing takes it: from the end of
+    the first optimizer step to the end of the last. None without device times."""
+    ops = doc.get("ops", [])
+    steps = sorted((o for o in ops if o.get("depth") == 0 and o.get("name", "").startswith("Optimizer.step#")),
+                   key=lambda o: o["end_seq"])
+    lo = steps[-2]["end_seq"] if len(steps) >= 2 else -1
+    hi = steps[-1]["end_seq"] if steps else None
+    ns = [o["device_ns"] for o in ops if o.get("parent", -1) < 0 and o.get("device_ns", -1) >= 0 and
+          o["start_seq"] > lo and (hi is None or o["end_seq"] <= hi)]
+    return sum(ns) / 1e6 if ns else None
+
+
+def profiler_kernels_ms(step, batch, runs: int = 3) -> tuple[float | None, int, str]:
+    """The device's busy time in one step by torch.profiler (CUDA activity): the summed durations of the kernel,
+    memcpy and memset events of a profiled step, the median over `runs` steps; with the event count of that step
+    and an error text where the profiler could not run (None, 0, text)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    got = []
+    try:
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step(batch)
+                torch.cuda.synchronize()
+            ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+            got.append((sum(e.time_range.elapsed_us() for e in ev) / 1e3, len(ev)))
+    except Exception as e:  # noqa: BLE001  (the reference is optional: the row says why it is missing)
+        return None, 0, f"{type(e).__name__}: {e}"
+    got.sort()
+    ms, n = got[len(got) // 2]
+    return ms, n, ""
+
+
+def profiler_pass(rows: list, args) -> None:
+    """torch.profiler's device time of one step per case (cuda only), in rows[i]["profiler"], after every gpucast
+    trace of the run: two CUPTI clients never share the process's activity API at once."""
+    for r in rows:
+        name, _, at = r["case"].partition("@")
+        model, opt, step, make_batch = build(name, args.device)
+        batch = make_batch(r["batch"])
+        for _ in range(3):
+            step(batch)
+        ms, n, err = profiler_kernels_ms(step, batch)
+        ref = {"kernels_ms": None if ms is None else round(ms, 3), "events": n}
+        if err:
+            ref["error"] = err
+        if ms:
+            ref["layer_sum_err_pct"] = pct(r["layer_sum_ms"], ms)
+            if r.get("all_ops_kernel_ms") is not None:
+                ref["all_ops_err_pct"] = pct(r["all_ops_kernel_ms"], ms)
+            ref["kernels_over_measured"] = round(ms / r["measured_ms"], 4)
+        r["profiler"] = ref
+        print(json.dumps({"case": r["case"], "profiler": ref}), flush=True)
+        del model, opt, step, batch
+
+
 def pct(x: float | None, ref: float) -> float | None:
     return None if x is None else round(100 * (x / ref - 1), 2)
 
@@ -97,6 +163,8 @@ def main() -> int:
             print(f"{name}: {type(e).__name__}: {e}", flush=True)
             continue
         print(json.dumps(rows[-1]), flush=True)
+    if args.device == "cuda":
+        profiler_pass(rows, args)
     report(rows, args)
     return 0
 
@@ -119,6 +187,7 @@ def check(spec: str, args) -> dict:
     source = doc.get("timing_source")
     trace_notes = doc.get("notes", [])
     layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
+    all_ops_ms = iteration_kernels_ms(doc) if source in ("cupti", "cuda_events") or args.stand_in else None
     del t, doc
     sparse = sparse_check(step, batch, b, it, args.device)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
@@ -142,7 +211,8 @@ def check(spec: str, args) -> dict:
         del model, opt, step, fc
     return dict(case=spec, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
                 ops=len(ops), ops_with_device_time=timed, layer_sum_ms=round(layers_ms, 3),
-                layer_sum_err_pct=pct(layers_ms, measured), gpu_probe_forecast_ms=on_target and round(on_target, 3),
+                layer_sum_err_pct=pct(layers_ms, measured),
+                all_ops_kernel_ms=None if all_ops_ms is None else round(all_ops_ms, 3), gpu_probe_forecast_ms=on_target and round(on_target, 3),
                 gpu_probe_err_pct=pct(on_target, measured),
                 gpu_sparse_forecast_ms=on_target_sparse and round(on_target_sparse, 3),
                 gpu_sparse_err_pct=pct(on_target_sparse, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
@@ -206,13 +276,14 @@ def sparse_check(step, batch, b: int, full: dict, device: str) -> dict:
 
 def report(rows: list, args) -> None:
     import torch
-    print(f"{'case':13} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'timed ops':>10} "
+    print(f"{'case':13} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'all ops':>8} {'timed ops':>10} "
           f"{'on device':>10} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
     for r in rows:
         def f(x, w, p=2):
             return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
         print(f"{r['case']:13} {r['batch']:5d} {r['measured_ms']:8.2f}±{r['iqr_ms']:<4.2f} {f(r['layer_sum_ms'], 10)} "
-              f"{f(r['layer_sum_err_pct'], 7, 1)} {r['ops_with_device_time']:4d}/{r['ops']:<5d} "
+              f"{f(r['layer_sum_err_pct'], 7, 1)} {f(r.get('all_ops_kernel_ms'), 8)} "
+              f"{r['ops_with_device_time']:4d}/{r['ops']:<5d} "
               f"{f(r['gpu_probe_forecast_ms'], 10)} {f(r['gpu_probe_err_pct'], 7, 1)} "
               f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
     print(f"\n{'case':13} {'timed layers':>12} {'ops with device time':>21} {'chosen layers ms':>17} {'in full':>8} "
@@ -225,6 +296,21 @@ def report(rows: list, args) -> None:
               f"{s['chosen_ms']:17.3f} {s['chosen_in_full_ms']:8.3f} {'-' if e is None else f'{e:.1f}':>6} "
               f"{s['all_timed_over_untraced']:21.3f} {s['sparse_over_untraced']:7.3f} "
               f"{'-' if g is None else f'{g:.1f}':>22}")
+    prof = [r for r in rows if r.get("profiler")]
+    if prof:
+        print(f"\ndevice time of one step: torch.profiler's kernels (median of 3 profiled steps) against gpucast's")
+        print(f"{'case':13} {'measured ms':>11} {'profiler ms':>11} {'of step':>8} {'gpucast all ops':>15} {'err %':>6} "
+              f"{'layer sum':>9} {'err %':>6}")
+        for r in prof:
+            p = r["profiler"]
+            if p["kernels_ms"] is None:
+                print(f"{r['case']:13} {r['measured_ms']:11.2f}  torch.profiler did not run: {p.get('error', '')}")
+                continue
+            def g(x, w, d=2):
+                return f"{x:{w}.{d}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+            print(f"{r['case']:13} {r['measured_ms']:11.2f} {p['kernels_ms']:11.3f} {p['kernels_over_measured']:8.3f} "
+                  f"{g(r.get('all_ops_kernel_ms'), 15, 3)} {g(p.get('all_ops_err_pct'), 6, 1)} "
+                  f"{r['layer_sum_ms']:9.3f} {g(p.get('layer_sum_err_pct'), 6, 1)}")
     print(json.dumps({"bench": "gpu_step_time_check", "target": args.target, "device": args.device,
                       "torch": torch.__version__, "cases": rows}))
 
