@@ -653,16 +653,9 @@ bool is_half(const OpRecord& op) {
 std::vector<LayerCost> layer_costs(const Trace& t) {
   const int64_t n = static_cast<int64_t>(t.ops.size());
   auto valid = [&](int64_t i) { return i >= 0 && i < n; };
-  auto is_step = [](const OpRecord& op) {
-    return op.scope == Scope::UserScope && op.depth == 0 && op.name.rfind("Optimizer.step#", 0) == 0;
-  };
-  std::vector<const OpRecord*> steps;
-  for (const OpRecord& op : t.ops) {
-    if (is_step(op)) steps.push_back(&op);
-  }
-  std::sort(steps.begin(), steps.end(), [](auto* a, auto* b) { return a->end_seq < b->end_seq; });
-  const uint64_t lo = steps.size() >= 2 ? steps[steps.size() - 2]->end_seq : 0;
-  const uint64_t hi = steps.empty() ? ~uint64_t{0} : steps.back()->end_seq;
+  const std::vector<uint64_t> ends = iteration_ends(t);
+  const uint64_t lo = ends.size() >= 2 ? ends[ends.size() - 2] : 0;
+  const uint64_t hi = ends.empty() ? ~uint64_t{0} : ends.back();
   auto in_window = [&](const OpRecord& op) { return op.start_seq > lo && op.end_seq <= hi && op.complete; };
 
   Children children;
@@ -686,7 +679,7 @@ std::vector<LayerCost> layer_costs(const Trace& t) {
   };
   for (int64_t i = 0; i < n; ++i) {
     const OpRecord& op = t.ops[i];
-    if (!in_window(op) || is_step(op)) continue;
+    if (!in_window(op) || is_optimizer_step(op)) continue;
     const bool top = op.parent < 0;
     if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {
       const size_t l = layer(op.module.empty() ? kOutside : op.module);

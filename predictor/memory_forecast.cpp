@@ -113,13 +113,10 @@ int64_t initial_ref(size_t i) { return -2 - static_cast<int64_t>(i); }
 Stream extract(const Trace& t, const std::string& device, const std::unordered_set<uint64_t>& exclude) {
   Stream s;
   // Iteration boundaries: the end of each optimizer step.
-  std::vector<uint64_t> ends;
+  const std::vector<uint64_t> ends = iteration_ends(t);
   uint64_t zero_grad_start = 0, zero_grad_end = 0, first_backward = ~uint64_t{0};
   for (const OpRecord& op : t.ops) {
-    if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
-      ends.push_back(op.end_seq);
-      if (op.name.find("Adam") != std::string::npos) s.adam = true;
-    }
+    if (is_optimizer_step(op) && op.name.find("Adam") != std::string::npos) s.adam = true;
     if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.zero_grad#", 0) == 0 && zero_grad_start == 0) {
       zero_grad_start = op.start_seq;
       zero_grad_end = op.end_seq;

@@ -176,13 +176,9 @@ bool launches_nothing(const std::string& name) {
 IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   IterationTiming it;
   it.batch = batch;
-  std::vector<const OpRecord*> steps;
-  for (const OpRecord& op : t.ops) {
-    if (op.scope == Scope::UserScope && op.depth == 0 && op.name.rfind("Optimizer.step#", 0) == 0) steps.push_back(&op);
-  }
-  std::sort(steps.begin(), steps.end(), [](auto* a, auto* b) { return a->end_seq < b->end_seq; });
-  const uint64_t lo = steps.size() >= 2 ? steps[steps.size() - 2]->end_seq : 0;
-  const uint64_t hi = steps.empty() ? ~uint64_t{0} : steps.back()->end_seq;
+  const std::vector<uint64_t> ends = iteration_ends(t);
+  const uint64_t lo = ends.size() >= 2 ? ends[ends.size() - 2] : 0;
+  const uint64_t hi = ends.empty() ? ~uint64_t{0} : ends.back();
   bool device = false;
   int64_t first_ns = -1, last_ns = -1;
   std::map<std::string, size_t> index;
@@ -246,7 +242,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     if (op.device_ns >= 0) device = true;
     if (is_im2col_conv(op.name)) ++it.im2col_conv_ops;
     const bool top = op.parent < 0;
-    if (op.scope == Scope::UserScope && op.name.rfind("Optimizer.step#", 0) == 0 && op.depth == 0) {
+    if (is_optimizer_step(op)) {
       it.optimizer_ns += duration(op);
       count(op, -2);
     } else if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {

@@ -1,5 +1,6 @@
 #include "gpucast/trace.h"
 
+#include <algorithm>
 #include <array>
 
 #include "gpucast/error.h"
@@ -39,4 +40,30 @@ Value::Kind value_kind_from_string(std::string_view s) {
   return parse_enum<Value::Kind>(kKindNames, s, "value kind");
 }
 
+bool is_optimizer_step(const OpRecord& op) {
+  return op.scope == Scope::UserScope && op.depth == 0 && op.name.rfind("Optimizer.step#", 0) == 0;
+}
+
+std::vector<uint64_t> iteration_ends(const Trace& t) {
+  std::vector<std::pair<uint64_t, uint64_t>> steps;  // (end, start)
+  std::vector<uint64_t> backward;                    // start_seq of backward ops
+  for (const OpRecord& op : t.ops) {
+    if (is_optimizer_step(op)) {
+      steps.emplace_back(op.end_seq, op.start_seq);
+    } else if (op.phase == Phase::Backward) {
+      backward.push_back(op.start_seq);
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  std::sort(backward.begin(), backward.end());
+  std::vector<uint64_t> ends;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    if (k + 1 < steps.size()) {
+      auto next = std::upper_bound(backward.begin(), backward.end(), steps[k].first);
+      if (next == backward.end() || *next >= steps[k + 1].second) continue;  // the next step ends this iteration
+    }
+    ends.push_back(steps[k].first);
+  }
+  return ends;
+}
 }  // namespace gpucast

@@ -3,7 +3,10 @@
 gpucast traces the first iteration by itself (from the first forward of a module to the end of the first
 optimizer step), forecasts the run, and, before the second iteration commits its memory, warns once when the
 forecast reserved bytes plus what the allocator does not count exceed warn_fraction of the capacity; with
-on_risk:raise it raises OutOfMemoryRisk from the optimizer's step post-hook instead. Each forecast is
+on_risk:raise it raises OutOfMemoryRisk from the optimizer's step post-hook instead. Where that optimizer does
+not hold every parameter that has a gradient (a step that runs several optimizers, one after the other), the
+iteration ends at the step of the optimizer that completes them, or else at the next forward of a module
+(whose pre-hook then warns or raises, before that forward runs). Each forecast is
 appended as one JSON line to the file named by GPUCAST_LOG. Internal errors become one warning and training
 goes on.
 """
@@ -20,7 +23,7 @@ import torch
 import torch.optim.optimizer as _optimizer_module
 
 from ._forecast import SCHEMA_VERSION, MemoryForecast, run_forecaster
-from ._trace import _flatten, trace
+from ._trace import _flatten, compiling, trace
 
 _ops = torch.ops.gpucast
 
@@ -84,6 +87,9 @@ class _AutoSession:
         self.batch = 1
         self.done = False
         self.forecast: MemoryForecast | None = None
+        self.root: torch.nn.Module | None = None  # the first module called: the model
+        self.stepped: set[int] = set()  # ids of the parameters the optimizers stepped so far held
+        self.deferred = False  # an optimizer stepped, another may follow: end at the next forward at the latest
         m = torch.nn.modules.module
         self.handles = [m.register_module_forward_pre_hook(self._on_forward),
                         _optimizer_module.register_optimizer_step_post_hook(self._on_step_end)]
@@ -94,12 +100,21 @@ class _AutoSession:
         self._unhook()
 
     def _on_forward(self, module, args) -> None:
+        if compiling():  # inside a function torch.compile traces: nothing to do there (see _trace.compiling)
+            return
         if self.done:
             self._unhook()  # safe here: PyTorch iterates over a copy of the forward pre-hooks
+            return
+        if self.deferred:  # the first forward after the optimizers stepped: the iteration has ended
+            try:
+                self._end_iteration()  # may raise OutOfMemoryRisk (on_risk:raise), before this forward runs
+            finally:
+                self._unhook()
             return
         if self.trace is not None:
             return
         try:
+            self.root = module
             self.batch = _batch_size_of(args)
             self.trace = trace()
             self.trace.__enter__()
@@ -109,11 +124,27 @@ class _AutoSession:
             self._fail(e)
 
     def _on_step_end(self, optimizer, args, kwargs) -> None:
+        if compiling():  # inside a function torch.compile traces: nothing to do there (see _trace.compiling)
+            return
         if self.done or self.trace is None:
             return
-        self.done = True
         try:
-            # Inside PyTorch's loop over optimizer hooks: stop recording, unhook at the next forward.
+            self.stepped.update(id(p) for g in optimizer.param_groups for p in g["params"])
+            if self.root is not None and any(p.grad is not None and id(p) not in self.stepped
+                                             for p in self.root.parameters()):
+                self.deferred = True  # another optimizer holds the rest: its step ends the iteration
+                return
+        except Exception as e:  # noqa: BLE001 - fail open
+            self._fail(e)
+            return
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        self.done = True
+        self.deferred = False
+        try:
+            # Inside PyTorch's loop over optimizer hooks (or a module's forward pre-hooks): stop recording,
+            # unhook at the next forward.
             self.trace._finish(unhook=False)
             self.forecast = self._forecast(self.trace.result)
             self._log(self.forecast)

@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -317,26 +317,23 @@ def _to_cpu(obj: Any) -> Any:
 class _State:
     """The model's and optimizer's state (and the RNG's), saved before the probes and restored after."""
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizers: list):
+        self.model, self.optimizers = model, optimizers
         self.rng = torch.get_rng_state()
         self.model_state = None
         self.grads = None
-        self.optimizer_state = None
         # Copies live on the CPU, so that a GPU's baseline holds the job's memory only.
         if model is not None:
             self.model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
-        if optimizer is not None:
-            self.optimizer_state = _to_cpu(copy.deepcopy(optimizer.state_dict()))
+        self.optimizer_states = [_to_cpu(copy.deepcopy(o.state_dict())) for o in optimizers]
 
     def own_ptrs(self) -> list[int]:
         """Storages of the copies, so the forecast does not count them as the job's."""
         objs = [self.rng]
         if self.model_state is not None:
             objs += list(self.model_state.values()) + [g for g in self.grads if g is not None]
-        if self.optimizer_state is not None:
-            objs.append(self.optimizer_state["state"])
+        objs += [st["state"] for st in self.optimizer_states]
         return _storage_ptrs(objs)
 
     def restore(self):
@@ -345,9 +342,9 @@ class _State:
             self.model.load_state_dict(self.model_state)
             for p, g in zip(self.model.parameters(), self.grads):
                 p.grad = None if g is None else g.to(p.device, copy=True)
-        if self.optimizer is not None:
+        for o, st in zip(self.optimizers, self.optimizer_states):
             # load_state_dict may keep the given tensors (the step counts): hand it a copy.
-            self.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+            o.load_state_dict(copy.deepcopy(st))
 
 
 def _device_of(batch: Any) -> str:
@@ -367,8 +364,8 @@ def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safe
 
 
 def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch_size: int, *,
-             model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
+             model: torch.nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
              link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
@@ -378,7 +375,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
     traces `iterations` iterations (2: the first, which creates optimizer state, and a steady one). With
     `model` and `optimizer`, their state (and the RNG's) is restored after the probes; without them, a
-    warning says that the probes changed it. `target` is "cpu" (this host's CPU allocator bytes) or a
+    warning says that the probes changed it. A step that runs several optimizers (one for some parameters,
+    another for the rest) takes them all as a list: optimizer=[opt_a, opt_b]; steps with no backward pass
+    between them are one iteration's optimizer. `target` is "cpu" (this host's CPU allocator bytes) or a
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
@@ -454,8 +453,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
 
-    state = _State(model, optimizer)
-    if model is None or optimizer is None:
+    optimizers = _optimizer_list(optimizer)
+    state = _State(model, optimizers)
+    if model is None or not optimizers:
         warnings.warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
                       "state; pass model= and optimizer= to have them restored", stacklevel=2)
     forecaster = torch.classes.gpucast.MemoryForecaster()
@@ -727,7 +727,24 @@ def _prior(target: str, time_fraction: float, timings: list, every_layer: bool =
     return r["peak_gflops"] * 1e9, r["mem_gbps"] * 1e9
 
 
+def _optimizer_list(optimizer) -> list:
+    """forecast's optimizer= as a list: none, one, or a list or tuple of them (each with state_dict and
+    load_state_dict); TypeError naming what was given otherwise."""
+    if optimizer is None:
+        return []
+    many = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for i, o in enumerate(many):
+        if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None))):
+            where = f"optimizer[{i}]" if isinstance(optimizer, (list, tuple)) else "optimizer"
+            raise TypeError(f"forecast: {where} must be a torch.optim.Optimizer (or a list of them), got "
+                            f"{type(o).__name__}")
+    return many
+
+
 def _optimizer_name(optimizer) -> str:
+    """The optimizer as the graph network knows it (sgd, adam, adamw, other); a list: the first one's."""
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = optimizer[0] if optimizer else None
     name = type(optimizer).__name__.lower() if optimizer is not None else ""
     return name if name in ("sgd", "adam", "adamw") else "other"
 

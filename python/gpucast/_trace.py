@@ -16,6 +16,10 @@ import torch
 import torch.optim.optimizer as _optimizer_module
 
 _ops = torch.ops.gpucast
+# True while TorchDynamo traces a function (torch.compile): the global hooks below then do nothing, so that the
+# compiled graph holds none of their bookkeeping (Dynamo cannot trace it, and the compile would fail); the ops of
+# a compiled region are recorded under the module that called it.
+compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _format_value(key: str, value: Any) -> str:
@@ -120,6 +124,8 @@ class _Hooks:
         return path
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
+        if compiling():
+            return
         st = self._stack()
         if st and st[0][0] is module:
             # The outermost module called again while its entries are still open: an exception left its last
@@ -152,6 +158,8 @@ class _Hooks:
         self._module_paths = False
 
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if compiling():
+            return
         st = self._stack()
         for i in range(len(st) - 1, -1, -1):
             if st[i][0] is module:  # above it: modules an exception left, caught inside this one's forward
@@ -159,12 +167,16 @@ class _Hooks:
                 return
 
     def optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if compiling():
+            return
         self._optimizers[id(optimizer)] = optimizer
         params = [p for g in optimizer.param_groups for p in g["params"]]
         _tag(params, "parameter")
         _tag([p.grad for p in params if p.grad is not None], "gradient")
 
     def optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if compiling():
+            return
         states = []
         for s in optimizer.state.values():
             _flatten(s, states)

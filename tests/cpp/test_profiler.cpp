@@ -389,3 +389,48 @@ TEST(SparseTiming, SequenceMarksSetClearAndWrap) {
 
 }  // namespace
 }  // namespace gpucast
+
+namespace gpucast {
+namespace {
+
+// Iterations end at the last of the optimizer steps that no backward op separates.
+TEST(IterationEnds, StepsBackToBackEndOneIterationAndABackwardPassBetweenThemTwo) {
+  auto trace = [](std::initializer_list<std::pair<const char*, Phase>> ops) {
+    Trace t;
+    uint64_t seq = 1;
+    for (auto [name, phase] : ops) {
+      OpRecord o;
+      o.id = static_cast<int64_t>(t.ops.size());
+      o.name = name;
+      const bool user = std::string(name).rfind("Optimizer.", 0) == 0;
+      o.scope = user ? Scope::UserScope : phase == Phase::Backward ? Scope::BackwardFunction : Scope::Function;
+      o.phase = phase;
+      o.start_seq = seq++;
+      o.end_seq = seq++;
+      t.ops.push_back(o);
+    }
+    return t;
+  };
+  const auto F = Phase::Forward, B = Phase::Backward, O = Phase::Optimizer;
+  // Two iterations, each: forward, backward, AdamW's step then SGD's (a zero_grad between them).
+  const Trace two = trace({{"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#AdamW.step", O},
+                           {"Optimizer.zero_grad#SGD.zero_grad", O}, {"Optimizer.step#SGD.step", O},
+                           {"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#AdamW.step", O},
+                           {"Optimizer.step#SGD.step", O}});
+  EXPECT_EQ(iteration_ends(two), (std::vector<uint64_t>{10, 18}));
+  // A GAN's turns: a backward pass before each optimizer's step.
+  const Trace gan = trace({{"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#Adam.step", O},
+                           {"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#Adam.step", O}});
+  EXPECT_EQ(iteration_ends(gan), (std::vector<uint64_t>{6, 12}));
+  EXPECT_EQ(iteration_ends(trace({{"aten::linear", F}, {"AddmmBackward0", B}})), std::vector<uint64_t>{});
+  // A nested step (an optimizer stepping inside another's step) is not an iteration's end.
+  Trace nested = trace({{"AddmmBackward0", B}, {"Optimizer.step#Lookahead.step", O}});
+  OpRecord inner = nested.ops.back();
+  inner.depth = 1;
+  inner.name = "Optimizer.step#AdamW.step";
+  nested.ops.push_back(inner);
+  EXPECT_EQ(iteration_ends(nested), std::vector<uint64_t>{4});
+}
+
+}  // namespace
+}  // namespace gpucast

@@ -86,6 +86,67 @@ def test_cpu_forecast_equals_the_measured_run(name, batch, optimizer):
     assert breakdown_total == measured
 
 
+def two_optimizers(batch_size=None):
+    """The zoo GPT with AdamW on its blocks and SGD with momentum on the rest, stepping one after the other."""
+    torch.manual_seed(0)
+    case = zoo.CASES["gpt"]
+    model = case.make_model()
+    blocks = [p for n, p in model.named_parameters() if ".blocks." in f".{n}"]
+    rest = [p for n, p in model.named_parameters() if ".blocks." not in f".{n}"]
+    opts = [torch.optim.AdamW(blocks), torch.optim.SGD(rest, lr=0.01, momentum=0.9)]
+
+    def step(batch):
+        inputs, targets = batch
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        case.loss_fn(model(inputs), targets).backward()
+        for o in opts:
+            o.step()
+    return case, model, opts, step
+
+
+def forecast_and_measure_two_optimizers(batch):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        case, model, opts, step = two_optimizers()
+        for _ in range(3):
+            b = case.make_batch(batch)
+            step(b)
+            del b
+        del case, model, opts, step
+    measured = profiler_peak(prof)
+    case, model, opts, step = two_optimizers()
+    fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opts, target="cpu")
+    return [measured, fc.memory.peak_allocated_bytes, fc.memory.scaled, fc.time.step_ms > 0,
+            len(fc.time.per_layer)]
+
+
+def test_two_optimizers_stepping_in_turn_are_one_iteration():
+    # Before, the iteration was taken between the last two optimizer steps: the second optimizer's step alone,
+    # no layers, and the memory forecast saw two iterations in one.
+    measured, allocated, scaled, timed, layers = run_fresh("forecast_and_measure_two_optimizers(24)")
+    assert scaled and timed
+    assert allocated == measured
+    assert layers == 24
+
+
+def test_probes_restore_every_optimizer_given():
+    case, model, opts, step = two_optimizers()
+    step(case.make_batch(4))
+    before = [json.dumps({k: v["momentum_buffer"].sum().item() if "momentum_buffer" in v else v["step"].item()
+                          for k, v in o.state_dict()["state"].items()}) for o in opts]
+    gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opts)
+    after = [json.dumps({k: v["momentum_buffer"].sum().item() if "momentum_buffer" in v else v["step"].item()
+                         for k, v in o.state_dict()["state"].items()}) for o in opts]
+    assert after == before
+
+
+def test_an_optimizer_that_is_not_one_is_named():
+    case, model, opts, step = two_optimizers()
+    with pytest.raises(TypeError, match=r"^forecast: optimizer\[1\] must be a torch.optim.Optimizer \(or a list "
+                                        r"of them\), got int$"):
+        gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=[opts[0], 3])
+
+
 def test_probes_restore_model_and_optimizer_state():
     case, model, opt, step = fresh("gpt")
     step(case.make_batch(4))

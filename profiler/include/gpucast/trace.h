@@ -148,4 +148,14 @@ struct Trace {
   std::vector<std::string> notes;  // backends unavailable, fallbacks taken
 };
 
+// A top-level optimizer step: the user scope "Optimizer.step#<class>.step" at depth 0.
+bool is_optimizer_step(const OpRecord& op);
+
+// Where each training iteration of a trace ends (OpRecord::end_seq of its last optimizer step), in order. Steps
+// with no backward op between them end one iteration together, at the last of them: several optimizers stepping
+// one after the other (one for some parameters, another for the rest) are one iteration's optimizer, not an
+// iteration each. Optimizers that step in turn with a backward pass before each (a GAN's discriminator, then its
+// generator) end an iteration each. Empty: no optimizer step.
+std::vector<uint64_t> iteration_ends(const Trace& t);
+
 }  // namespace gpucast
