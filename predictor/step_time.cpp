@@ -233,7 +233,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     }
   };
   for (const OpRecord& op : t.ops) {
-    if (op.start_seq <= lo || op.end_seq > hi || !op.complete) continue;
+    if (op.start_seq <= lo || op.end_seq > hi || !op.complete || is_iteration_end_marker(op)) continue;
     const int64_t inherited = op.parent >= 0 && static_cast<size_t>(op.parent) < owner.size()
                                   ? owner[static_cast<size_t>(op.parent)]
                                   : -3;

@@ -44,15 +44,26 @@ bool is_optimizer_step(const OpRecord& op) {
   return op.scope == Scope::UserScope && op.depth == 0 && op.name.rfind("Optimizer.step#", 0) == 0;
 }
 
+bool is_iteration_end_marker(const OpRecord& op) {
+  return op.scope == Scope::UserScope && op.depth == 0 && op.name == kIterationEndMarker;
+}
+
 std::vector<uint64_t> iteration_ends(const Trace& t) {
+  std::vector<uint64_t> markers;
   std::vector<std::pair<uint64_t, uint64_t>> steps;  // (end, start)
   std::vector<uint64_t> backward;                    // start_seq of backward ops
   for (const OpRecord& op : t.ops) {
-    if (is_optimizer_step(op)) {
+    if (is_iteration_end_marker(op)) {
+      markers.push_back(op.end_seq);
+    } else if (is_optimizer_step(op)) {
       steps.emplace_back(op.end_seq, op.start_seq);
     } else if (op.phase == Phase::Backward) {
       backward.push_back(op.start_seq);
     }
+  }
+  if (!markers.empty()) {
+    std::sort(markers.begin(), markers.end());
+    return markers;
   }
   std::sort(steps.begin(), steps.end());
   std::sort(backward.begin(), backward.end());

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ._trace import _flatten, trace
+from ._trace import _flatten, mark_iteration_end, trace
 
 SCHEMA_VERSION = 1
 
@@ -482,9 +482,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             gc.collect()  # garbage freed during a probe would change what it records
             batch = make_batch(b) if length is None else make_batch(b, length)
             probe_device = _device_of(batch)
-            with trace() as t:
+            with trace(model=model) as t:
                 for _ in range(iterations):
                     step(batch)
+                    mark_iteration_end()
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
                 largest_probe = t.result.handle  # the design is in increasing batch size
@@ -498,7 +499,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 # trace then takes device timers around those layers only.
                 timed_layers = list(torch.ops.gpucast.choose_timed_layers(
                     structure, float(time_fraction), time_budget=float(time_budget)))
-            timing = _steady_timing(step, batch, b, structure, timed_layers) if timed else structure
+            timing = _steady_timing(step, batch, b, structure, timed_layers, model=model) if timed else structure
             timings.append(timing if length is None else _with_seq(timing, length))
             del batch, t
             state.restore()
@@ -507,12 +508,13 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
             gc.collect()
             batch = make_batch(b)
-            with trace() as t:  # what the memory trace does for the other probes: first steps, and the structure
+            with trace(model=model) as t:  # what the memory trace does for the other probes: first steps, structure
                 for _ in range(iterations):
                     step(batch)
+                    mark_iteration_end()
             structure = t.result.handle.iteration_timing(b)
             del t
-            timings.append(_steady_timing(step, batch, b, structure, timed_layers))
+            timings.append(_steady_timing(step, batch, b, structure, timed_layers, model=model))
             del batch
             state.restore()
 
@@ -629,7 +631,7 @@ def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target:
 
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,
                    timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: tuple = (3, 9),
-                   budget_s: float = 0.1) -> str:
+                   budget_s: float = 0.1, model: torch.nn.Module | None = None) -> str:
     """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
     created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
     untraced iterations (the last one's time sizes what follows), then untraced and traced iterations in
@@ -642,7 +644,7 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
     machine in one run or two does not move it).
     What needs shapes and allocations (FLOPs, bytes, gradient and output bytes, the layer graph) comes from
     `structure`: the iteration timing of the full trace of the same step. timed_layers: sparse timing
-    (gpucast.trace's timed_layers)."""
+    (gpucast.trace's timed_layers). model: forecast's, for the traces' module paths (gpucast.trace's model)."""
     cuda = any(t.is_cuda for t in _flatten(batch, []))
 
     def once() -> int:
@@ -662,8 +664,10 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
     for _ in range(max(count, runs)):
         times.append(once())
         if len(light) < count:
-            with trace(timed_layers=timed_layers, record_shapes=False, memory=False, nested_ops=False) as t:
+            with trace(timed_layers=timed_layers, model=model, record_shapes=False, memory=False,
+                       nested_ops=False) as t:
                 step(batch)
+                mark_iteration_end()
             light.append(t.result.handle.iteration_timing(b))
             del t
     d = json.loads(torch.ops.gpucast.median_timing(light))

@@ -21,6 +21,16 @@ _ops = torch.ops.gpucast
 # a compiled region are recorded under the module that called it.
 compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
+# Recorded after each call of the training step inside gpucast.forecast's traces: the trace's iterations end there
+# (profiler/include/gpucast/trace.h: iteration_ends), whatever optimizers the step runs and in whatever order.
+ITERATION_END = "gpucast.iteration_end"
+
+
+def mark_iteration_end() -> None:
+    """Inside a trace: an iteration of the training step ended here (the user scope ITERATION_END)."""
+    with torch.profiler.record_function(ITERATION_END):
+        pass
+
 
 def _format_value(key: str, value: Any) -> str:
     if isinstance(value, bool):
@@ -90,10 +100,15 @@ def _module_calls(use_c: bool = True) -> tuple:
 class _Hooks:
     """Global module and optimizer hooks installed for the duration of one trace."""
 
-    def __init__(self, module_paths: bool, tags: bool = True):
+    def __init__(self, module_paths: bool, tags: bool = True, model: torch.nn.Module | None = None):
         self._local = threading.local()
         self._tags = tags  # tags categorize memory events: without them (memory off), no tagging at all
-        self._paths: dict[int, dict[int, str]] = {}
+        self._paths: dict[int, dict[int, str]] = {}  # root module id -> {module id: path} of its modules
+        self._roots: dict[int, tuple[str, dict[int, str]]] = {}  # a module called outermost: its path, its root's paths
+        self._root_names: dict[str, int] = {}  # root name -> the root module's id (two roots of a class: "X#2")
+        if model is not None:
+            self._paths[id(model)] = self._named(model, type(model).__name__)
+            self._root_names[type(model).__name__] = id(model)
         self._seen: dict[int, torch.nn.Module] = {}
         self._optimizers: dict[int, torch.optim.Optimizer] = {}
         self._handles: list = []
@@ -107,17 +122,35 @@ class _Hooks:
             st = self._local.stack = []
         return st
 
+    @staticmethod
+    def _named(root: torch.nn.Module, name: str) -> dict[int, str]:
+        return {id(m): (f"{name}.{n}" if n else name) for n, m in root.named_modules()}
+
+    def _outermost(self, module: torch.nn.Module) -> tuple[str, dict[int, str]]:
+        """A module called outside any other: its path in the model (trace's model=) or in a root called before,
+        else a root of its own, named by its class ("Sequential", then "Sequential#2" for another of the class)."""
+        for paths in self._paths.values():
+            path = paths.get(id(module))
+            if path is not None:
+                return path, paths
+        name = base = type(module).__name__
+        n = 1
+        while self._root_names.get(name, id(module)) != id(module):
+            n += 1
+            name = f"{base}#{n}"
+        self._root_names[name] = id(module)
+        paths = self._paths[id(module)] = self._named(module, name)
+        return name, paths
+
     def _path_of(self, module: torch.nn.Module) -> str:
         """Module path: the root's class name, then the names of named_modules() ("GPT.blocks.0.mlp")."""
         st = self._stack()
         if not st:
-            root = type(module).__name__
-            paths = self._paths.get(id(module))
-            if paths is None:
-                paths = {id(m): (f"{root}.{n}" if n else root) for n, m in module.named_modules()}
-                self._paths[id(module)] = paths
-            self._local.root_paths = paths
-            return root
+            found = self._roots.get(id(module))
+            if found is None:
+                found = self._roots[id(module)] = self._outermost(module)
+            self._local.root_paths = found[1]
+            return found[0]
         path = getattr(self._local, "root_paths", {}).get(id(module))
         if path is None:  # not a submodule of the outermost module: nest under the caller
             path = f"{st[-1][1]}.{type(module).__name__}"
@@ -360,15 +393,21 @@ class trace:
     timed_layers: sparse timing, a list of layers (module paths as the trace names them, e.g. "GPT.blocks.0.mlp.0",
     or "(outside modules)"): device timers (CUPTI, CUDA events) are taken only around their ops, their backward
     and the optimizer step, and the step-time forecast uses only their times (CPU clocks time every op); None:
-    every layer.
+    every layer. model: the training's model; modules called outside any other module (a GAN's generator, then
+    its discriminator) are named by their path in it ("ModuleDict.G.0"); without it, by their path in a module
+    called before, else as roots of their own, by class ("Sequential", then "Sequential#2" for another).
     After the block, ``t`` gives the recorded Trace's views: t.ops, t.allocations, t.summary(), ...
     """
 
-    def __init__(self, timed_layers: Sequence[str] | None = None, **options: Any):
+    def __init__(self, timed_layers: Sequence[str] | None = None, model: torch.nn.Module | None = None,
+                 **options: Any):
         if timed_layers is not None and (isinstance(timed_layers, str) or
                                          not all(isinstance(x, str) for x in timed_layers)):
             raise ValueError(f"gpucast.trace: timed_layers should be a list of layer names (str), got "
                              f"{timed_layers!r}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"gpucast.trace: model should be a torch.nn.Module, got {type(model).__name__}")
+        self._model = model
         self._timed_layers = list(timed_layers or [])
         self._options = _format_options(options)
         _ops.check_trace_options(self._options)  # ValueError naming the option, before anything runs
@@ -378,7 +417,7 @@ class trace:
         self._trace: Trace | None = None
 
     def __enter__(self) -> "trace":
-        self._hooks = _Hooks(self._module_paths, tags=self._memory)
+        self._hooks = _Hooks(self._module_paths, tags=self._memory, model=self._model)
         self._hooks.install()
         options = self._options
         if torch.autograd.profiler._is_profiler_enabled and "external_profiler" not in options:

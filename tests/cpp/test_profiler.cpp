@@ -402,7 +402,7 @@ TEST(IterationEnds, StepsBackToBackEndOneIterationAndABackwardPassBetweenThemTwo
       OpRecord o;
       o.id = static_cast<int64_t>(t.ops.size());
       o.name = name;
-      const bool user = std::string(name).rfind("Optimizer.", 0) == 0;
+      const bool user = std::string(name).rfind("Optimizer.", 0) == 0 || std::string(name).rfind("gpucast.", 0) == 0;
       o.scope = user ? Scope::UserScope : phase == Phase::Backward ? Scope::BackwardFunction : Scope::Function;
       o.phase = phase;
       o.start_seq = seq++;
@@ -430,6 +430,11 @@ TEST(IterationEnds, StepsBackToBackEndOneIterationAndABackwardPassBetweenThemTwo
   inner.name = "Optimizer.step#AdamW.step";
   nested.ops.push_back(inner);
   EXPECT_EQ(iteration_ends(nested), std::vector<uint64_t>{4});
+  // gpucast.forecast's markers after each call of the step: the GAN's turns are one iteration.
+  const Trace marked = trace({{"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#Adam.step", O},
+                              {"aten::linear", F}, {"AddmmBackward0", B}, {"Optimizer.step#Adam.step", O},
+                              {"gpucast.iteration_end", F}, {"aten::linear", F}, {"gpucast.iteration_end", F}});
+  EXPECT_EQ(iteration_ends(marked), (std::vector<uint64_t>{14, 18}));
 }
 
 }  // namespace

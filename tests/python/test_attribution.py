@@ -195,3 +195,31 @@ def test_module_scopes_close_after_an_exception(use_c):
     assert linears == ["_Catches.bad.inner", "_Catches.good", "_Raises.inner", "_Raises.inner",
                        "_Catches.bad.inner", "_Catches.good"]
     assert [o.module for o in t.ops if o.name == "aten::relu"] == [""]
+
+
+def two_roots():
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    disc = torch.nn.Sequential(torch.nn.Linear(8, 1))
+    return gen, disc, torch.nn.ModuleDict({"G": gen, "D": disc})
+
+
+def linear_modules(t):
+    return [op.module for op in t.result.ops if op.name == "aten::linear"]
+
+
+def test_modules_called_outside_any_other_are_named_apart():
+    gen, disc, _ = two_roots()
+    with gpucast.trace() as t:
+        disc(gen(torch.ones(2, 4)))
+        disc(torch.ones(2, 8))
+        gen[0](torch.ones(2, 4))  # a submodule of a root called before: its path there
+    assert linear_modules(t) == ["Sequential.0", "Sequential#2.0", "Sequential#2.0", "Sequential.0"]
+
+
+def test_the_model_names_the_modules_called_outside_it():
+    gen, disc, model = two_roots()
+    with gpucast.trace(model=model) as t:
+        disc(gen(torch.ones(2, 4)))
+    assert linear_modules(t) == ["ModuleDict.G.0", "ModuleDict.D.0"]
+    with pytest.raises(ValueError, match=r"^gpucast.trace: model should be a torch.nn.Module, got str$"):
+        gpucast.trace(model="ModuleDict")

@@ -370,3 +370,54 @@ def test_gpu_target_from_cpu_probes_models_cudnn_convolution_workspaces(monkeypa
         mem()
     with pytest.raises(ValueError, match=r"forecast: conv_workspace must be a number of bytes of at least 0, got -1"):
         mem(conv_workspace=-1)
+
+
+def gan():
+    """A GAN's step: the discriminator's loss, backward and step, then the generator's (Adam each)."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    disc = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LeakyReLU(0.2), torch.nn.Linear(256, 1))
+    model = torch.nn.ModuleDict({"G": gen, "D": disc})
+    opts = [torch.optim.Adam(disc.parameters()), torch.optim.Adam(gen.parameters())]
+    bce = torch.nn.BCEWithLogitsLoss()
+
+    def step(batch):
+        real, z = batch
+        opts[0].zero_grad(set_to_none=True)
+        fake = gen(z)
+        n = real.shape[0]
+        (bce(disc(real), torch.ones(n, 1)) + bce(disc(fake.detach()), torch.zeros(n, 1))).backward()
+        opts[0].step()
+        opts[1].zero_grad(set_to_none=True)
+        bce(disc(fake), torch.ones(n, 1)).backward()
+        opts[1].step()
+    return model, opts, step
+
+
+def gan_batch(n):
+    return torch.randn(n, 64), torch.randn(n, 32)
+
+
+def forecast_and_measure_gan(batch):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, opts, step = gan()
+        for _ in range(3):
+            b = gan_batch(batch)
+            step(b)
+            del b
+        del model, opts, step
+    measured = profiler_peak(prof)
+    model, opts, step = gan()
+    fc = gpucast.forecast(step, gan_batch, batch, model=model, optimizer=opts, target="cpu")
+    largest = json.loads(fc.timings[-1])
+    ops = {lay["layer"]: lay["forward_ops_all"] for lay in largest["layers"]}
+    return [measured, fc.memory.peak_allocated_bytes, ops["ModuleDict.G.0"], ops["ModuleDict.D.0"]]
+
+
+def test_a_gan_step_is_one_iteration_of_both_optimizers():
+    # forecast marks the end of each call of the step in its traces: the iteration holds the discriminator's and
+    # the generator's passes (before, only the generator's: the iteration ended at each optimizer step that
+    # followed a backward pass, and the step time came out half the real one).
+    measured, allocated, gen_ops, disc_ops = run_fresh("forecast_and_measure_gan(256)")
+    assert allocated == measured
+    assert disc_ops == 3 * gen_ops  # the discriminator runs three times per iteration, the generator once

@@ -151,11 +151,17 @@ struct Trace {
 // A top-level optimizer step: the user scope "Optimizer.step#<class>.step" at depth 0.
 bool is_optimizer_step(const OpRecord& op);
 
-// Where each training iteration of a trace ends (OpRecord::end_seq of its last optimizer step), in order. Steps
-// with no backward op between them end one iteration together, at the last of them: several optimizers stepping
-// one after the other (one for some parameters, another for the rest) are one iteration's optimizer, not an
-// iteration each. Optimizers that step in turn with a backward pass before each (a GAN's discriminator, then its
-// generator) end an iteration each. Empty: no optimizer step.
+// The user scope gpucast.forecast records after each call of the training step inside its traces (depth 0, no
+// ops inside): where an iteration ends, whatever optimizers the step runs.
+inline constexpr std::string_view kIterationEndMarker = "gpucast.iteration_end";
+bool is_iteration_end_marker(const OpRecord& op);
+
+// Where each training iteration of a trace ends (OpRecord::end_seq), in order. A trace with iteration-end markers
+// (kIterationEndMarker) ends one at each. Otherwise at the optimizer steps: steps with no backward op between
+// them end one iteration together, at the last of them, so that several optimizers stepping one after the other
+// (one for some parameters, another for the rest) are one iteration's optimizer, not an iteration each;
+// optimizers that step in turn with a backward pass before each (a GAN's discriminator, then its generator) end
+// an iteration each there. Empty: neither markers nor optimizer steps.
 std::vector<uint64_t> iteration_ends(const Trace& t);
 
 }  // namespace gpucast
