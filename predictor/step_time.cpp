@@ -556,7 +556,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   // Layers in the forward order of the largest probe (most samples, or tokens); their points over all probes.
   const IterationTiming& ref = *std::max_element(probes.begin(), probes.end(),
                                                  [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
-  if (P.pp > static_cast<int64_t>(ref.layers.size())) {
+  if (P.pp > 1 && P.pp > static_cast<int64_t>(ref.layers.size())) {
     GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,
                        ref.layers.size());
   }

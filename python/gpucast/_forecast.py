@@ -471,7 +471,14 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
         warm = make_batch(*[x for x in design[0] if x is not None])
         for _ in range(iterations):
-            step(warm)
+            try:
+                step(warm)
+            except RuntimeError as e:
+                if torch.is_grad_enabled():
+                    raise
+                raise RuntimeError(f"forecast: the training step failed with gradients disabled (forecast was "
+                                   f"called under torch.no_grad() or torch.inference_mode(); call it outside "
+                                   f"them): {e}") from e
         del warm
         state.restore()
         show = sys.stderr.isatty()  # progress on a terminal, quiet otherwise
@@ -779,6 +786,9 @@ def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, 
                          f"{', '.join(map(str, _SHIPPED_GNN_BATCHES))}; a rank's batch of {tf.per_rank_batch} is "
                          f"outside {lo}-{hi}")
         return
+    if not tf.per_layer:
+        tf.correction = "none: no layer in the iteration (its forward and backward ran inside the optimizer's step?)"
+        return
     graph = step_graph(timings, tf, optimizer_name, cpu_rates())
     world = graph["global"]["world"]
     if world > 1:
@@ -838,6 +848,12 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn, seq_len)
+    if not tf.per_layer:
+        msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
+               "forward and backward inside its step, whose time is then the optimizer's, the probes' mean, and is "
+               "not scaled to the batch")
+        tf.notes.insert(0, msg)
+        warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
     if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
         # No device timer recorded the probes' kernels (the trace's notes say why): their host clocks measure
         # the launches, which on a GPU neither scale with the batch nor add up to the kernels' time.

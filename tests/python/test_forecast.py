@@ -421,3 +421,36 @@ def test_a_gan_step_is_one_iteration_of_both_optimizers():
     measured, allocated, gen_ops, disc_ops = run_fresh("forecast_and_measure_gan(256)")
     assert allocated == measured
     assert disc_ops == 3 * gen_ops  # the discriminator runs three times per iteration, the generator once
+
+
+def test_a_step_that_needs_gradients_under_no_grad_says_so():
+    case, model, opt, step = fresh("mlp")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"^forecast: the training step failed with gradients "
+                                        r"disabled \(forecast was called under torch.no_grad\(\) or "
+                                        r"torch.inference_mode\(\); call it outside them\): element 0 of tensors"):
+        gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt)
+
+
+def test_a_closure_optimizer_is_forecast_and_says_its_step_time_is_not_scaled():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(batch):
+        x, y = batch
+
+        def closure():
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            return loss
+        opt.step(closure)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fc = gpucast.forecast(step, lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))), 32, model=model,
+                              optimizer=opt)
+    assert fc.time.per_layer == [] and fc.time.step_ms > 0
+    assert fc.time.notes[0].startswith("no layer ran outside the optimizer's step: an optimizer that takes a closure")
+    assert any("no layer ran outside the optimizer's step" in str(w.message) for w in seen)
