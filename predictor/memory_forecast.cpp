@@ -326,8 +326,37 @@ Fit proportional_fit(int64_t bytes, Category c, double batch) {
   return f;
 }
 
-// Probes that run the same ops are matched allocation by allocation up to this many unmatched ones.
+// Probes that run the same ops are matched allocation by allocation, top-level op by top-level op, up to this many
+// unmatched ones in one op; an op beyond it keeps its allocations unmatched.
 constexpr int64_t kMaxUnmatchedAllocations = 2048;
+
+// For each entry of a stream, the ordinal of the top-level op it happened in (parent < 0, in start order: the
+// ordinals op_sequence_difference compares): the op it names, or for an entry that names none (a parallel
+// kernel's worker threads run no op), the op of the entry before it.
+std::vector<int64_t> entry_segments(const Stream& st, const Trace& t) {
+  const int64_t n = static_cast<int64_t>(t.ops.size());
+  std::vector<int64_t> ordinal(t.ops.size(), -1);
+  int64_t next = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.ops[static_cast<size_t>(i)].parent < 0) ordinal[static_cast<size_t>(i)] = next++;
+  }
+  std::vector<int64_t> seg;
+  seg.reserve(st.entries.size());
+  int64_t current = -1;
+  for (const Entry& e : st.entries) {
+    if (e.op >= 0 && e.op < n) {
+      int64_t o = e.op;
+      for (int guard = 0; guard < 4096; ++guard) {  // up to the outermost op (a malformed parent link ends it)
+        const int64_t parent = t.ops[static_cast<size_t>(o)].parent;
+        if (parent < 0 || parent >= n || parent == o) break;
+        o = parent;
+      }
+      current = ordinal[static_cast<size_t>(o)];
+    }
+    seg.push_back(current);
+  }
+  return seg;
+}
 
 // Least squares over {1, b, L, b L, b L^2}; linear = exact at every probe.
 Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l, const std::vector<double>& s) {
@@ -753,35 +782,57 @@ class Forecaster {
         for (size_t k = 0; k < s.entries.size(); ++k) match[i][k] = static_cast<int64_t>(k);
         continue;
       }
-      // Allocations only: frees follow the reference's.
-      std::vector<uint64_t> mine, theirs;
-      std::vector<int64_t> mine_at, theirs_at;
+      // Allocations only (frees follow the reference's), top-level op by top-level op: the probes run the same
+      // top-level ops, and a kernel that allocates by the batch (a parallel kernel's buffers per chunk of work)
+      // then moves no match into another op.
+      const std::vector<int64_t> seg_mine = entry_segments(streams_[i], *in_.probes[i]);
+      const std::vector<int64_t> seg_ref = entry_segments(s, *in_.probes[ref]);
+      struct Side {
+        std::vector<uint64_t> keys;
+        std::vector<int64_t> at;
+      };
+      std::map<int64_t, std::pair<Side, Side>> ops;  // top-level op -> (this probe's, the reference's)
+      int64_t mine_total = 0, theirs_total = 0;
       for (size_t k = 0; k < streams_[i].entries.size(); ++k) {
         if (!streams_[i].entries[k].alloc) continue;
-        mine.push_back(allocation_key(streams_[i].entries[k], *in_.probes[i]));
-        mine_at.push_back(static_cast<int64_t>(k));
+        Side& side = ops[seg_mine[k]].first;
+        side.keys.push_back(allocation_key(streams_[i].entries[k], *in_.probes[i]));
+        side.at.push_back(static_cast<int64_t>(k));
+        ++mine_total;
       }
       for (size_t k = 0; k < s.entries.size(); ++k) {
         if (!s.entries[k].alloc) continue;
-        theirs.push_back(ref_keys[k]);
-        theirs_at.push_back(static_cast<int64_t>(k));
-      }
-      const std::vector<int64_t> m = match_sequences(mine, theirs, kMaxUnmatchedAllocations);
-      if (m.empty() && !theirs.empty()) {
-        out_.scaled = false;
-        out_.warnings.push_back(fmt::format(
-            "probes at batch {} and {} run the same ops but differ in more than {} allocations ({}): the forecast "
-            "is not scaled: it repeats the batch-{} probe",
-            in_.probe_batch[i], in_.probe_batch[ref], kMaxUnmatchedAllocations, kernel_diffs[i], in_.probe_batch[ref]));
-        continue;
+        Side& side = ops[seg_ref[k]].second;
+        side.keys.push_back(ref_keys[k]);
+        side.at.push_back(static_cast<int64_t>(k));
+        ++theirs_total;
       }
       match[i].assign(s.entries.size(), -1);
-      int64_t matched = 0;
-      for (size_t j = 0; j < m.size(); ++j) {
-        if (m[j] < 0) continue;
-        match[i][static_cast<size_t>(theirs_at[j])] = mine_at[static_cast<size_t>(m[j])];
-        ++matched;
+      int64_t matched = 0, beyond = 0;
+      for (const auto& [op, sides] : ops) {
+        const auto& [mine, theirs] = sides;
+        if (theirs.keys.empty() || mine.keys.empty()) continue;
+        const std::vector<int64_t> m = match_sequences(mine.keys, theirs.keys, kMaxUnmatchedAllocations);
+        if (m.empty()) {
+          ++beyond;
+          continue;
+        }
+        for (size_t j = 0; j < m.size(); ++j) {
+          if (m[j] < 0) continue;
+          match[i][static_cast<size_t>(theirs.at[j])] = mine.at[static_cast<size_t>(m[j])];
+          ++matched;
+        }
       }
+      if (matched == 0 && theirs_total > 0) {
+        out_.scaled = false;
+        out_.warnings.push_back(fmt::format(
+            "probes at batch {} and {} run the same ops but no allocation matches between them ({}): the forecast "
+            "is not scaled: it repeats the batch-{} probe",
+            in_.probe_batch[i], in_.probe_batch[ref], kernel_diffs[i], in_.probe_batch[ref]));
+        match[i].clear();
+        continue;
+      }
+      const int64_t theirs_size = theirs_total;
       out_.notes.push_back(fmt::format(
           "probes at batch {} and {} run the same ops with other kernels inside some ({}; cuDNN and cuBLAS choose "
           "by size, large reductions stage through a buffer{}): {} of the batch-{} probe's {} allocations matched "
@@ -790,8 +841,13 @@ class Forecaster {
           uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref])
               ? ", PyTorch's CPU convolution leaves im2col at batch 16 for 1x1 stride-1 kernels on one thread"
               : "",
-          matched, in_.probe_batch[ref], theirs.size(), static_cast<int64_t>(mine.size()) - matched,
-          in_.probe_batch[i]));
+          matched, in_.probe_batch[ref], theirs_size, mine_total - matched, in_.probe_batch[i]));
+      if (beyond > 0) {
+        out_.notes.push_back(fmt::format(
+            "{} top-level op(s) differ in more than {} allocations between the probes at batch {} and {}: their "
+            "allocations in the batch-{} probe scale in proportion to the batch where no other probe matches them",
+            beyond, kMaxUnmatchedAllocations, in_.probe_batch[i], in_.probe_batch[ref], in_.probe_batch[ref]));
+      }
     }
     if (!out_.scaled) {
       usable = {ref};

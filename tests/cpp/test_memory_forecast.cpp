@@ -59,7 +59,10 @@ struct Recorder {
 
 // extra: one more allocation (extra_bytes, freed at once) inside aten::mm, as another kernel would make;
 // extra_op: one more top-level op (aten::relu) after it, as other control flow would run.
-Trace probe(int64_t b, int iterations, bool extra = false, int64_t extra_bytes = 64, bool extra_op = false) {
+// chunks: that many 8-byte buffers per sample inside aten::mm, each freed at once, on threads that run no op (a
+// parallel kernel's workers allocating per chunk of the batch).
+Trace probe(int64_t b, int iterations, bool extra = false, int64_t extra_bytes = 64, bool extra_op = false,
+            int64_t chunks = 0) {
   Recorder r;
   r.tag(0x10, Category::Parameter);
   r.tag(0x20, Category::Input);
@@ -70,6 +73,10 @@ Trace probe(int64_t b, int iterations, bool extra = false, int64_t extra_bytes =
     r.end(z);
     int64_t mm = r.op("aten::mm", Scope::Function, Phase::Forward);
     r.ev(act, 400 * b, mm, Phase::Forward);
+    for (int64_t c = 0; c < chunks * b; ++c) {
+      r.ev(0xA00, 8, -1, Phase::Forward);
+      r.ev(0xA00, -8, -1, Phase::Forward);
+    }
     if (extra) {
       r.ev(0x900, extra_bytes, mm, Phase::Forward);
       r.ev(0x900, -extra_bytes, mm, Phase::Forward);
@@ -161,6 +168,38 @@ TEST(MemoryForecast, ProbesThatRunOtherKernelsAreMatchedOpByOp) {
             "aten::mm (no module) against allocation in MmBackward0 (no module); cuDNN and cuBLAS choose by size, "
             "large reductions stage through a buffer): 5 of the batch-8 probe's 5 allocations matched op by op, 2 "
             "of the batch-4 probe's without a match");
+}
+
+TEST(MemoryForecast, AllocationsCountedByTheBatchAreMatchedWithinTheirOp) {
+  // 300 buffers per sample inside aten::mm: 1200 more at batch 8 than at batch 4 in each iteration, 2400 in all,
+  // beyond the 2048 unmatched allocations one matching may leave, but 1200 within each top-level op. Before, the
+  // forecast gave up scaling and repeated the batch-8 probe.
+  std::vector<Trace> t = {probe(2, 2, false, 64, false, 300), probe(4, 2, false, 64, false, 300),
+                          probe(8, 2, false, 64, false, 300)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_TRUE(f.warnings.empty());
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
+  ASSERT_GE(f.notes.size(), 2u);
+  EXPECT_EQ(f.notes[0],
+            "probes at batch 2 and 8 run the same ops with other kernels inside some (memory event 1201: allocation "
+            "in MmBackward0 (no module) against allocation in <no op> (no module); cuDNN and cuBLAS choose by size, "
+            "large reductions stage through a buffer): 1205 of the batch-8 probe's 4805 allocations matched op by "
+            "op, 0 of the batch-2 probe's without a match");
+  // 600 per sample: 3600 and 2400 more in each aten::mm at batch 8 than at batch 2 and 4, beyond 2048: those ops'
+  // allocations in the batch-8 probe (its activation, 400 bytes per sample, among them) scale in proportion to
+  // the batch, and the other ops' match.
+  t = {probe(2, 2, false, 64, false, 600), probe(4, 2, false, 64, false, 600), probe(8, 2, false, 64, false, 600)};
+  f = run(t, {2, 4, 8}, 64);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
+  ASSERT_EQ(f.notes.size(), 4u);
+  EXPECT_EQ(f.notes[0].substr(f.notes[0].find("): ")),
+            "): 3 of the batch-8 probe's 9605 allocations matched op by op, 2402 of the batch-2 probe's without a "
+            "match");
+  EXPECT_EQ(f.notes[3],
+            "2 top-level op(s) differ in more than 2048 allocations between the probes at batch 4 and 8: their "
+            "allocations in the batch-8 probe scale in proportion to the batch where no other probe matches them");
 }
 
 TEST(MemoryForecast, AnAllocationOnlyTheLargestProbeMakesScalesWithTheBatch) {
