@@ -453,6 +453,7 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("trace_options_help() -> str", [] {
     return gpucast::Config("gpucast.trace() options", gpucast::trace_config_keys()).describe();
   });
+  m.def("owned_storages() -> int[]", [] { return gpucast::owned_storages(); });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
   m.def("context() -> str[]", [] {
     auto c = gpucast::current_context();

@@ -353,4 +353,12 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
   return r;
 }
 
+std::vector<int64_t> owned_storages() {
+  OwnedStorages& r = owned_storage_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<int64_t> out;
+  for (const auto& [model, ptrs] : r.by_model) out.insert(out.end(), ptrs.begin(), ptrs.end());
+  return out;
+}
+
 }  // namespace gpucast

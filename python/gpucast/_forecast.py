@@ -329,12 +329,13 @@ class _State:
         self.optimizer_states = [_to_cpu(copy.deepcopy(o.state_dict())) for o in optimizers]
 
     def own_ptrs(self) -> list[int]:
-        """Storages of the copies, so the forecast does not count them as the job's."""
+        """Storages of the copies, and of gpucast's loaded learned models (the step graph network's weights, loaded
+        at a forecast and kept), so the forecast does not count them as the job's."""
         objs = [self.rng]
         if self.model_state is not None:
             objs += list(self.model_state.values()) + [g for g in self.grads if g is not None]
         objs += [st["state"] for st in self.optimizer_states]
-        return _storage_ptrs(objs)
+        return _storage_ptrs(objs) + list(torch.ops.gpucast.owned_storages())
 
     def restore(self):
         torch.set_rng_state(self.rng)

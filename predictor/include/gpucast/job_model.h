@@ -66,4 +66,8 @@ struct TrainResult {
 TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::vector<TrainingJob>& val,
                             const TrainOptions& options, const std::string& out_path);
 
+// The data pointers of the storages gpucast's loaded learned models hold (the job model's and the step graph
+// network's parameters and buffers, loaded once per process): gpucast's own memory, not the training job's.
+std::vector<int64_t> owned_storages();
+
 }  // namespace gpucast

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "gpucast/error.h"
 #include "gpucast/job_features.h"
@@ -100,8 +101,33 @@ class WeightsHeader {
   nlohmann::json h_;
 };
 
+// The storages (data pointers) of the tensors each loaded model holds, its parameters and buffers: gpucast's own
+// memory, which the memory forecast leaves out of what a traced job holds (owned_storages() in job_model.h).
+struct OwnedStorages {
+  std::mutex mu;
+  std::map<const void*, std::vector<int64_t>> by_model;
+};
+inline OwnedStorages& owned_storage_registry() {
+  static OwnedStorages registry;
+  return registry;
+}
+template <typename Net>
+void remember_storages(const void* model, Net& net) {
+  std::vector<int64_t> ptrs;
+  for (const auto& t : net->parameters()) ptrs.push_back(reinterpret_cast<int64_t>(t.storage().data()));
+  for (const auto& t : net->buffers()) ptrs.push_back(reinterpret_cast<int64_t>(t.storage().data()));
+  OwnedStorages& r = owned_storage_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.by_model[model] = std::move(ptrs);
+}
+inline void forget_storages(const void* model) {
+  OwnedStorages& r = owned_storage_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.by_model.erase(model);
+}
+
 // The model in `path` (load(path) the first time, and after the file changed); null with *why set to the load
-// error when it does not load.
+// error when it does not load. Its tensors' storages are remembered (remember_storages) while it is cached.
 template <typename Model>
 std::shared_ptr<const Model> cached_model(const std::string& path,
                                           std::shared_ptr<const Model> (*load)(const std::string&), std::string* why) {
@@ -133,6 +159,8 @@ std::shared_ptr<const Model> cached_model(const std::string& path,
   } restore{gen, rng};
   try {
     std::shared_ptr<const Model> model = load(path);
+    if (auto old = cache.find(path); old != cache.end()) forget_storages(old->second.second.get());
+    remember_storages(model.get(), model->net);
     cache[path] = {mtime, model};
     return model;
   } catch (const std::exception& e) {
