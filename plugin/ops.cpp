@@ -413,7 +413,7 @@ TORCH_LIBRARY(gpucast, m) {
     std::string out;
     for (const auto& d : gpucast::device_table()) {
       out += d.name + "\t" + std::to_string(d.capacity_bytes) + "\t" + std::to_string(d.compute_capability) + "\t" +
-             std::to_string(d.context_bytes) + "\t" + d.source + "\n";
+             std::to_string(d.context_bytes) + "\t" + d.source + "\t" + d.default_link + "\n";
     }
     return out;
   });

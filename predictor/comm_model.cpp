@@ -118,6 +118,7 @@ const std::vector<Interconnect>& interconnect_table() {
       {"nvlink3", {9.0, 218400.0}, "A100 SXM4 NVLink 3 (600 GB/s per GPU): ring fitted to vTrain's A100 4-GPU nccl-tests table"},
       {"nvlink4", {9.0, 327600.0}, "H100 SXM NVLink 4 (900 GB/s per GPU): nvlink3's fit scaled by 900/600"},
       {"nvlink5", {9.0, 655200.0}, "B200 NVLink 5 (1800 GB/s per GPU): nvlink3's fit scaled by 1800/600"},
+      {"pcie3", {10.0, 10000.0}, "PCIe 3.0 x16 (16 GB/s per direction), nominal nccl-tests bus bandwidth"},
       {"pcie4", {10.0, 20000.0}, "PCIe 4.0 x16 (32 GB/s per direction), nominal nccl-tests bus bandwidth"},
       {"pcie5", {10.0, 40000.0}, "PCIe 5.0 x16 (64 GB/s per direction), nominal nccl-tests bus bandwidth"},
       {"ib-hdr", {15.0, 23000.0}, "InfiniBand HDR 200 Gb/s, one NIC per GPU, nominal nccl-tests bus bandwidth"},

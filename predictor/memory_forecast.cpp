@@ -21,17 +21,26 @@ namespace gpucast {
 // ---------------------------------------------------------------------------------------------------
 // Device table. Capacities are the totals the driver reports (nvidia-smi memory.total); context bytes are
 // typical CUDA 12/13 contexts with lazy module loading and PyTorch's kernels, measured values vary by a few
-// hundred MiB with the driver: override with capacity= when you know yours.
+// hundred MiB with the driver: override with capacity= when you know yours. Default links: the GPU's usual
+// node (DGX / HGX A100, H100, H200: 8 GPUs on NVLink 3 / 4 and one InfiniBand HDR / NDR NIC per GPU; the PCIe
+// cards: 8 per node over PCIe and 100 Gb/s Ethernet).
 
 const std::vector<DeviceSpec>& device_table() {
   static const std::vector<DeviceSpec> table = {
-      {"A100-40GB", 40960 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (40 GB HBM2); nvidia-smi 40960 MiB"},
-      {"A100-80GB", 81920 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (80 GB HBM2e); nvidia-smi 81920 MiB"},
-      {"H100-80GB", 81559 * kMiB, 90, 560 * kMiB, "NVIDIA H100 SXM datasheet (80 GB HBM3); nvidia-smi 81559 MiB"},
-      {"H200-141GB", 143771 * kMiB, 90, 560 * kMiB, "NVIDIA H200 datasheet (141 GB HBM3e); nvidia-smi 143771 MiB"},
-      {"L4", 23034 * kMiB, 89, 420 * kMiB, "NVIDIA L4 datasheet (24 GB GDDR6); nvidia-smi 23034 MiB"},
-      {"V100-32GB", 32768 * kMiB, 70, 420 * kMiB, "NVIDIA V100 datasheet (32 GB HBM2); nvidia-smi 32768 MiB"},
-      {"RTX-4090", 24564 * kMiB, 89, 420 * kMiB, "NVIDIA GeForce RTX 4090 specifications (24 GB GDDR6X); nvidia-smi 24564 MiB"},
+      {"A100-40GB", 40960 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (40 GB HBM2); nvidia-smi 40960 MiB",
+       "intra:nvlink3,gpus_per_node:8,inter:ib-hdr"},
+      {"A100-80GB", 81920 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (80 GB HBM2e); nvidia-smi 81920 MiB",
+       "intra:nvlink3,gpus_per_node:8,inter:ib-hdr"},
+      {"H100-80GB", 81559 * kMiB, 90, 560 * kMiB, "NVIDIA H100 SXM datasheet (80 GB HBM3); nvidia-smi 81559 MiB",
+       "intra:nvlink4,gpus_per_node:8,inter:ib-ndr"},
+      {"H200-141GB", 143771 * kMiB, 90, 560 * kMiB, "NVIDIA H200 datasheet (141 GB HBM3e); nvidia-smi 143771 MiB",
+       "intra:nvlink4,gpus_per_node:8,inter:ib-ndr"},
+      {"L4", 23034 * kMiB, 89, 420 * kMiB, "NVIDIA L4 datasheet (24 GB GDDR6); nvidia-smi 23034 MiB",
+       "intra:pcie4,gpus_per_node:8,inter:eth-100g"},
+      {"V100-32GB", 32768 * kMiB, 70, 420 * kMiB, "NVIDIA V100 datasheet (32 GB HBM2); nvidia-smi 32768 MiB",
+       "intra:pcie3,gpus_per_node:8,inter:eth-100g"},
+      {"RTX-4090", 24564 * kMiB, 89, 420 * kMiB, "NVIDIA GeForce RTX 4090 specifications (24 GB GDDR6X); nvidia-smi 24564 MiB",
+       "intra:pcie4,gpus_per_node:8,inter:eth-100g"},
   };
   return table;
 }
@@ -1366,6 +1375,16 @@ MemoryForecast forecast_memory(const MemoryForecastInput& input) {
   const auto t0 = std::chrono::steady_clock::now();
   MemoryForecast out;
   Forecaster(input, out).run();
+  // Rules applied at every batch the largest-batch search simulates say so once: each note and warning once, in
+  // the order first given.
+  for (std::vector<std::string>* lines : {&out.notes, &out.warnings}) {
+    std::unordered_set<std::string> seen;
+    std::vector<std::string> once;
+    for (std::string& line : *lines) {
+      if (seen.insert(line).second) once.push_back(std::move(line));
+    }
+    *lines = std::move(once);
+  }
   out.forecast_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return out;

@@ -16,10 +16,10 @@ import sys
 def _devices(args) -> int:
     import gpucast
     rows = gpucast.devices()
-    print(f"{'name':<12} {'capacity':>12} {'cc':>5} {'context':>9}  source")
+    print(f"{'name':<12} {'capacity':>12} {'cc':>5} {'context':>9}  {'default link (parallel forecasts)':<44} source")
     for d in rows:
         print(f"{d['name']:<12} {d['capacity_bytes'] / 2**20:>8,.0f} MiB {d['compute_capability']:>5.1f} "
-              f"{d['context_bytes'] / 2**20:>5.0f} MiB  {d['source']}")
+              f"{d['context_bytes'] / 2**20:>5.0f} MiB  {d['default_link']:<44} {d['source']}")
     print()
     print("step time from CPU probes (gpu_rates table):")
     print(f"{'name':<12} {'fp32':>7} {'tf32':>7} {'16-bit':>7} {'memory':>10}  efficiencies fitted on")

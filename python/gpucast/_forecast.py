@@ -37,12 +37,13 @@ def gpu_rates(path: str = "") -> list[dict]:
 
 
 def devices() -> list[dict]:
-    """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source."""
+    """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source, default_link
+    (the GPU's usual node in the link grammar, assumed for parallel forecasts without link=)."""
     rows = []
     for line in torch.ops.gpucast.device_table().splitlines():
-        name, cap, cc, ctx, source = line.split("\t")
+        name, cap, cc, ctx, source, default_link = line.split("\t")
         rows.append({"name": name, "capacity_bytes": int(cap), "compute_capability": int(cc) / 10,
-                     "context_bytes": int(ctx), "source": source})
+                     "context_bytes": int(ctx), "source": source, "default_link": default_link})
     return rows
 
 
@@ -50,6 +51,23 @@ _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "in
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
               "drift_memory", "ddp_overhead_us")
+
+
+def _default_link(link: dict | str | None, target: str) -> dict | str | None:
+    """link, or where none is given for a GPU target, that GPU's usual node from the device table."""
+    if link is not None or target == "cpu":
+        return link
+    for d in devices():
+        if d["name"].lower() == target.lower():
+            return d["default_link"] or None
+    return None
+
+
+def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str) -> None:
+    used = _default_link(link, target)
+    if link is None and used and tf.dp * tf.tp * tf.pp > 1:
+        tf.notes.insert(0, f"link: {target}'s usual node assumed ({used}, the device table's default); pass link= "
+                           f"(gpucast.calibrate() on the job's process group, or a topology) for another")
 
 
 def _format_link(link: dict | str | None) -> str:
@@ -222,13 +240,15 @@ class Forecast:
         prior = _prior(self.target, min(fraction, budget), self.timings, every)
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size,
                                                     _format_parallel(parallel, self.buffer_bytes),
-                                                    _format_link(link), float(time_scale), fraction,
+                                                    _format_link(_default_link(link, self.target)),
+                                                    float(time_scale), fraction,
                                                     str(design), 0, *prior,
                                                     **_gpu_pricing(self.target, self.probe_device),
                                                     seq_len=int(length or 0), every_layer=every,
                                                     time_budget=budget)
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
+        _note_default_link(tf, link, self.target)
         return tf
 
     def to_dict(self) -> dict:
@@ -405,7 +425,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     its step under 1 s), and the communication of `parallel` (DDP / ZeRO buckets overlapped with backward, FSDP
     gathers with prefetch, tensor-parallel all-reduces, the 1F1B pipeline and its bubble) over `link`: what
     gpucast.calibrate() returns (alpha_us, bytes_per_us), or the topology in the configuration grammar, e.g.
-    "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()). With time_fraction < 1
+    "intra:nvlink4,gpus_per_node:8,inter:ib-ndr" (names from gpucast.interconnects()); without it, a GPU
+    target's usual node (gpucast.devices()'s default_link, and a note says so). With time_fraction < 1
     only that fraction of the layers is timed (stratified by kind, D-optimal over FLOPs, bytes and ops within
     each kind, chosen on the first probe's structure; its timing traces take device timers around those layers
     only: timed_layers of gpucast.trace) and keeps its measured times; the others are predicted by per-kind
@@ -839,7 +860,8 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         return None
     try:
         text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel, buffer_bytes),
-                                                    _format_link(link), float(time_scale), float(time_fraction),
+                                                    _format_link(_default_link(link, target)), float(time_scale),
+                                                    float(time_fraction),
                                                     "d-optimal", 0, *_prior(target, time_fraction, timings), **pricing,
                                                     seq_len=int(seq_len or 0))
     except (ValueError, RuntimeError) as e:
@@ -849,6 +871,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn, seq_len)
+    _note_default_link(tf, link, target)
     if not tf.per_layer:
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
                "forward and backward inside its step, whose time is then the optimizer's, the probes' mean, and is "

@@ -25,9 +25,10 @@ def test_devices_lists_the_table():
     assert out.returncode == 0, out.stderr
     memory, rates = out.stdout.split("\n\n")
     lines = memory.splitlines()
-    assert lines[0].split() == ["name", "capacity", "cc", "context", "source"]
+    assert lines[0].split() == ["name", "capacity", "cc", "context", "default", "link", "(parallel", "forecasts)",
+                                "source"]
     assert [ln.split()[0] for ln in lines[1:]] == [d["name"] for d in gpucast.devices()]
-    assert "H100-80GB      81,559 MiB   9.0   560 MiB" in out.stdout
+    assert "H100-80GB      81,559 MiB   9.0   560 MiB  intra:nvlink4,gpus_per_node:8,inter:ib-ndr " in out.stdout
     lines = rates.splitlines()
     assert lines[0] == "step time from CPU probes (gpu_rates table):"
     assert [ln.split()[0] for ln in lines[2:]] == [g["name"] for g in gpucast.gpu_rates()]

@@ -69,6 +69,21 @@ def test_ddp_buckets_over_a_link():
                                  "communication is not counted"]
 
 
+def test_a_gpu_target_without_a_link_takes_its_usual_node():
+    case = zoo.CASES["mlp"]
+    model, opt, step, _ = build(case, "adamw")
+    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="H100-80GB",
+                          parallel=dict(dp=16))
+    given = fc.step_time(64, parallel=dict(dp=16), link="intra:nvlink4,gpus_per_node:8,inter:ib-ndr")
+    assert fc.time.notes[0] == ("link: H100-80GB's usual node assumed (intra:nvlink4,gpus_per_node:8,inter:ib-ndr, "
+                                "the device table's default); pass link= (gpucast.calibrate() on the job's process "
+                                "group, or a topology) for another")
+    assert fc.time.comm_ms == given.comm_ms > 0
+    assert not any(n.startswith("link:") for n in given.notes)
+    assert [d["default_link"] for d in gpucast.devices() if d["name"] == "V100-32GB"] == [
+        "intra:pcie3,gpus_per_node:8,inter:eth-100g"]
+
+
 def test_ddp_broadcasts_the_models_buffers(tmp_path):
     case = zoo.CASES["cnn"]  # BatchNorm: running statistics and batch counts
     model, opt, step, _ = build(case, "adamw")
@@ -218,7 +233,7 @@ def test_gpu_rates_table():
                               "late_samples, late_gap_us, overlap, memory_contention, "
                               "memory_contention_samples, compute_contention, balance, sync_wait_us, "
                               "drift_compute, drift_memory, ddp_overhead_us), got {'alpha': 1}"),
-    (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, "
+    (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])
 def test_bad_step_time_input(kw, message):

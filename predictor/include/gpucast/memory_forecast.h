@@ -27,6 +27,9 @@ struct DeviceSpec {
   int compute_capability = 0;    // 90 for 9.0
   int64_t context_bytes = 0;     // CUDA context and kernels: held outside the caching allocator
   std::string source;            // where the numbers come from
+  // The usual node of this GPU, in the link grammar (comm_model.h): what a forecast with data, tensor or pipeline
+  // parallelism over this target assumes for its collectives when neither link= nor a calibration is given.
+  std::string default_link;
 };
 
 const std::vector<DeviceSpec>& device_table();
