@@ -848,7 +848,7 @@ TEST(StepTime, TopologyPicksTheLinkOfEachGroup) {
   EXPECT_EQ(t.inter.bytes_per_us, 46000.0);
   EXPECT_EQ(Topology::parse("").link_for(2, 1), nullptr);
   EXPECT_EQ(err([] { Topology::parse("intra:nvlink9"); }),
-            "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie4, pcie5, ib-hdr, ib-ndr, "
+            "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, pcie5, ib-hdr, ib-ndr, "
             "eth-100g");
   EXPECT_EQ(err([] { Topology::parse("alpha_us:5"); }), "link: 'alpha_us' and 'bytes_per_us' go together; got only 'alpha_us'");
   EXPECT_EQ(err([] { Topology::parse("alpha_us:5,bytes_per_us:fast"); }),
