@@ -147,7 +147,8 @@ def main() -> int:
     ap.add_argument("--cases", default="gpt,cnn,resnet18")
     ap.add_argument("--save-timings", metavar="DIR",
                     help="save each forecast's probe timings (fc.timings) as DIR/<case>_<variant>.json, to replay "
-                         "the step-time forecast elsewhere")
+                         "the step-time forecast elsewhere, and the traced iteration with the measured step as "
+                         "DIR/<case>_trace.json.gz")
     ap.add_argument("--stand-in", action="store_true",
                     help="rehearsal on the CPU: device timing through gpucast's CPU-clock stand-in for CUPTI")
     args = ap.parse_args()
@@ -188,6 +189,7 @@ def check(spec: str, args) -> dict:
     trace_notes = doc.get("notes", [])
     layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
     all_ops_ms = iteration_kernels_ms(doc) if source in ("cupti", "cuda_events") or args.stand_in else None
+    save_trace(args, spec, doc, measured)
     del t, doc
     sparse = sparse_check(step, batch, b, it, args.device)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
@@ -217,6 +219,19 @@ def check(spec: str, args) -> dict:
                 gpu_sparse_forecast_ms=on_target_sparse and round(on_target_sparse, 3),
                 gpu_sparse_err_pct=pct(on_target_sparse, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
                 cpu_probe_err_pct=pct(from_cpu, measured), sparse=sparse, trace_notes=trace_notes)
+
+
+def save_trace(args, name: str, doc: dict, measured_ms: float) -> None:
+    """The traced steady iteration (every op's host clocks and device time) beside the untraced step's median, as
+    DIR/<case>_trace.json.gz: what a model of the launch queue (the device waiting on the host's launches) is
+    fitted and checked on elsewhere."""
+    if not args.save_timings:
+        return
+    import gzip
+    import os
+    os.makedirs(args.save_timings, exist_ok=True)
+    with gzip.open(os.path.join(args.save_timings, f"{name.replace('@', '_b')}_trace.json.gz"), "wt") as f:
+        json.dump({"case": name, "measured_ms": measured_ms, "trace": doc}, f)
 
 
 def save_timings(args, name: str, batch: int, variant: str, fc) -> None:
