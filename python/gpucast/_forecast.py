@@ -577,6 +577,13 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if conv_skipped:
         memory.notes.append(f"cuDNN: workspaces not measured at the target batch for {', '.join(conv_skipped)}: the "
                             f"probes' are kept for those calls")
+    for o in optimizers:
+        if isinstance(o, torch.optim.LBFGS):
+            size = o.param_groups[0].get("history_size", 100)
+            memory.warnings.append(
+                f"LBFGS keeps the directions of up to {size} past updates (history_size), one more pair each inner "
+                f"iteration: its state grows over the run's first steps beyond what the probes' {iterations} "
+                f"iteration(s) held, and the forecast peak leaves that growth out")
     for w in memory.warnings:
         warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
