@@ -25,14 +25,7 @@ def fresh(name, optimizer="adamw"):
 
 def measured_peak(name, batch, iterations=3, optimizer="adamw"):
     """CPU-allocator bytes held at the run's peak, from torch.profiler events recorded before the model exists."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        case, model, opt, step = fresh(name, optimizer)
-        for _ in range(iterations):
-            b = case.make_batch(batch)
-            step(b)
-            del b
-        del case, model, opt, step
-    return profiler_peak(prof)
+    return measured_run_peak(lambda: fresh(name, optimizer), zoo.CASES[name].make_batch, batch, iterations)
 
 
 def profiler_peak(prof):
@@ -49,6 +42,19 @@ def profiler_peak(prof):
         held += b
         peak = max(peak, held)
     return peak
+
+
+def measured_run_peak(build, make_batch, batch, iterations=3):
+    """CPU-allocator bytes held at the peak of `iterations` steps of what build() returns (its last item the step
+    function), from torch.profiler events recorded before build() runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        built = build()
+        for _ in range(iterations):
+            b = make_batch(batch)
+            built[-1](b)
+            del b
+        del built
+    return profiler_peak(prof)
 
 
 def run_fresh(call: str):
@@ -106,14 +112,7 @@ def two_optimizers(batch_size=None):
 
 
 def forecast_and_measure_two_optimizers(batch):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        case, model, opts, step = two_optimizers()
-        for _ in range(3):
-            b = case.make_batch(batch)
-            step(b)
-            del b
-        del case, model, opts, step
-    measured = profiler_peak(prof)
+    measured = measured_run_peak(two_optimizers, zoo.CASES["gpt"].make_batch, batch)
     case, model, opts, step = two_optimizers()
     fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opts, target="cpu")
     return [measured, fc.memory.peak_allocated_bytes, fc.memory.scaled, fc.time.step_ms > 0,
@@ -399,14 +398,7 @@ def gan_batch(n):
 
 
 def forecast_and_measure_gan(batch):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, opts, step = gan()
-        for _ in range(3):
-            b = gan_batch(batch)
-            step(b)
-            del b
-        del model, opts, step
-    measured = profiler_peak(prof)
+    measured = measured_run_peak(gan, gan_batch, batch)
     model, opts, step = gan()
     fc = gpucast.forecast(step, gan_batch, batch, model=model, optimizer=opts, target="cpu")
     largest = json.loads(fc.timings[-1])
@@ -483,14 +475,7 @@ def vit_batch(n):
 
 
 def forecast_and_measure_vit_bf16(batch):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, opt, step = vit_bf16()
-        for _ in range(3):
-            b = vit_batch(batch)
-            step(b)
-            del b
-        del model, opt, step
-    measured = profiler_peak(prof)
+    measured = measured_run_peak(vit_bf16, vit_batch, batch)
     model, opt, step = vit_bf16()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
