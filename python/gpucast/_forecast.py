@@ -386,7 +386,8 @@ def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safe
 
 def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch_size: int, *,
              model: torch.nn.Module | None = None,
-             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
+             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+             target: str = "cpu", parallel: dict | None = None, probe_batch_sizes: Iterable[int] = (2, 4, 8),
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
              link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
