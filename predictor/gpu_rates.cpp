@@ -197,7 +197,8 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
   double layers = 0;
   for (LayerTiming& l : out.layers) {
     l.forward_ns = gpu_layer_ns(l, gpu, Phase::Forward, precision);
-    l.backward_ns = gpu_layer_ns(l, gpu, Phase::Backward, precision);
+    const bool backward = layer_runs_backward(probe, l);
+    l.backward_ns = backward ? gpu_layer_ns(l, gpu, Phase::Backward, precision) : 0.0;
     layers += l.forward_ns + l.backward_ns;
     // The kernels' overheads: what tensor parallelism leaves whole on every rank.
     l.forward_fixed_ns = l.backward_fixed_ns = 0;
@@ -206,7 +207,7 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
     };
     for (const CostPart& p : parts_of(l)) {
       l.forward_fixed_ns += kernels(p, Phase::Forward);
-      l.backward_fixed_ns += kernels(p, Phase::Backward);
+      if (backward) l.backward_fixed_ns += kernels(p, Phase::Backward);
     }
   }
   double bytes = probe.optimizer_bytes;

@@ -476,6 +476,11 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
 }
 
 // The device time of a timing's layers and optimizer step (its kernels', with device clocks).
+bool layer_runs_backward(const IterationTiming& it, const LayerTiming& l) {
+  return l.backward_ops_all > 0 ||
+         std::none_of(it.layers.begin(), it.layers.end(), [](const LayerTiming& x) { return x.backward_ops_all > 0; });
+}
+
 static double kernel_ns(const IterationTiming& p) {
   double ns = p.optimizer_ns;
   for (const LayerTiming& l : p.layers) ns += l.forward_ns + l.backward_ns;
@@ -637,9 +642,13 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     // model's guard against extrapolation prices one layer the same way at every batch size.
     std::unordered_map<std::string, LayerCost> reach;
     for (const LayerTiming& l : ref.layers) reach.emplace(l.layer, layer_cost(l));
-    auto price = [&](const LayerTiming& l) {
+    // A layer without a backward pass in the probe (its parameters frozen, no input needing a gradient) costs
+    // nothing there, whatever its kind's backward model says.
+    auto price = [&](const IterationTiming& p, const LayerTiming& l) {
       const auto r = reach.find(l.layer);
-      return model.predict(layer_cost(l), r == reach.end() ? nullptr : &r->second);
+      LayerPrediction pr = model.predict(layer_cost(l), r == reach.end() ? nullptr : &r->second);
+      if (!layer_runs_backward(p, l)) pr.backward_ns = 0;
+      return pr;
     };
     f.timed_layers = static_cast<int64_t>(chosen.size());
     // Each probe's "other": its wall time less the optimizer, the timed layers and the modelled ones; over the
@@ -656,7 +665,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
         if (timed[l.layer]) {
           layers += l.forward_ns + l.backward_ns;
         } else {
-          const LayerPrediction pr = price(l);
+          const LayerPrediction pr = price(p, l);
           layers += pr.forward_ns + pr.backward_ns;
         }
       }
@@ -669,7 +678,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     for (const IterationTiming& p : probes) {
       for (const LayerTiming& l : p.layers) {
         if (timed[l.layer]) continue;
-        const LayerPrediction pr = price(l);
+        const LayerPrediction pr = price(p, l);
         model_pts[l.layer].first.push_back(sized(p, pr.forward_ns));
         model_pts[l.layer].second.push_back(sized(p, pr.backward_ns));
         model_source[l.layer] = pr.source;

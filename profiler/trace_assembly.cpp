@@ -24,13 +24,25 @@ struct PtrKeyHash {
 namespace detail {
 
 void link_backward(Trace& trace) {
-  // (forward thread, sequence number) -> innermost forward op; later starts win ties.
+  // (forward thread, sequence number) -> the forward op that created the node. Every op records the number the
+  // next node will take, so the ops that create none (no input needing a gradient: a frozen layer) share it with
+  // the next op that creates one: the creator is in the latest outermost op holding the number (its chain of ops
+  // nested in one another), and innermost there; later starts win ties.
+  std::vector<int64_t> head(trace.ops.size());
+  for (size_t i = 0; i < trace.ops.size(); ++i) {  // parents come before the ops inside them
+    const int64_t p = trace.ops[i].parent;
+    head[i] = p >= 0 && static_cast<size_t>(p) < i && trace.ops[p].scope == Scope::Function ? head[p]
+                                                                                           : static_cast<int64_t>(i);
+  }
   std::unordered_map<uint64_t, std::unordered_map<int64_t, int64_t>> fwd;
   for (const OpRecord& op : trace.ops) {
     if (op.scope != Scope::Function || op.seq_nr < 0 || op.bwd_node >= 0 || op.phase == Phase::Backward) continue;
     auto& slot = fwd[op.thread];
     auto it = slot.find(op.seq_nr);
-    if (it == slot.end() || trace.ops[it->second].depth <= op.depth) slot[op.seq_nr] = op.id;
+    if (it == slot.end() || head[it->second] < head[op.id] ||
+        (head[it->second] == head[op.id] && trace.ops[it->second].depth <= op.depth)) {
+      slot[op.seq_nr] = op.id;
+    }
   }
   for (OpRecord& op : trace.ops) {
     if (op.scope != Scope::BackwardFunction) continue;

@@ -172,6 +172,22 @@ TEST(GpuRates, PricesAProbesIteration) {
   EXPECT_DOUBLE_EQ(price_on_gpu(with_bytes, g).optimizer_ns, 2e6);
 }
 
+TEST(GpuRates, ALayerWithoutABackwardPassCostsNothingThere) {
+  // net.act recorded no backward op where net.fc recorded some: frozen, it runs no backward.
+  IterationTiming frozen = probe(2);
+  frozen.layers[0].backward_ops_all = 3;
+  const IterationTiming p = price_on_gpu(frozen, table_gpu());
+  EXPECT_DOUBLE_EQ(p.layers[0].backward_ns, 160e6 + 20e3);
+  EXPECT_EQ(p.layers[1].backward_ns, 0);
+  EXPECT_EQ(p.layers[1].backward_fixed_ns, 0);
+  EXPECT_DOUBLE_EQ(p.layers[1].forward_fixed_ns, 10e3);
+  EXPECT_FALSE(layer_runs_backward(frozen, frozen.layers[1]));
+  EXPECT_TRUE(layer_runs_backward(frozen, frozen.layers[0]));
+  // No backward op recorded for any layer (a trace without forward/backward links): every layer runs one.
+  EXPECT_TRUE(layer_runs_backward(probe(2), probe(2).layers[1]));
+  EXPECT_GT(price_on_gpu(probe(2), table_gpu()).layers[1].backward_ns, 0);
+}
+
 TEST(GpuRates, ExtrapolatesTheWorkThenPricesIt) {
   const IterationTiming w = work_at_batch({probe(1), probe(2)}, 64);
   EXPECT_EQ(w.batch, 64);

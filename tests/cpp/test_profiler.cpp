@@ -106,6 +106,41 @@ TEST_F(AssemblyTest, LinksBackwardNodesToInnermostForwardOp) {
   EXPECT_EQ(t.counters.unlinked_backward, 1);
 }
 
+// A frozen layer's ops create no node: they record the number the next node takes. Forward thread 1:
+// batch_norm > native_batch_norm (a frozen norm, seq 4, deeper), then conv2d > convolution (seq 4, the node
+// ConvolutionBackward0 is created inside), then relu (seq 5). The node links to the convolution, not to the deeper
+// norm before it.
+TEST(BackwardLinks, OpsThatCreateNoNodeShareTheNextNodesNumberAndLoseTheLink) {
+  AssemblyInput in;
+  RawThread fwd;
+  fwd.thread = 1;
+  fwd.ops.push_back(op("aten::batch_norm", Scope::Function, Phase::Forward, 1, 8, -1, 4, 0));
+  fwd.ops.push_back(op("aten::_batch_norm_impl_index", Scope::Function, Phase::Forward, 2, 7, 0, 4, 1));
+  fwd.ops.push_back(op("aten::native_batch_norm", Scope::Function, Phase::Forward, 3, 6, 1, 4, 2));
+  fwd.ops.push_back(op("aten::conv2d", Scope::Function, Phase::Forward, 9, 14, -1, 4, 0));
+  fwd.ops.push_back(op("aten::convolution", Scope::Function, Phase::Forward, 10, 13, 3, 4, 1));
+  fwd.ops.push_back(op("aten::relu", Scope::Function, Phase::Forward, 15, 16, -1, 5, 0));
+  for (int i = 0; i < 3; ++i) fwd.ops[i].module = "Net.frozen_bn";
+  for (int i = 3; i < 5; ++i) fwd.ops[i].module = "Net.head_conv";
+  fwd.ops[5].module = "Net.act";
+  RawThread bwd;
+  bwd.thread = 2;
+  OpRecord relu_node = op("ReluBackward0", Scope::BackwardFunction, Phase::Backward, 20, 21, -1, 5, 0);
+  relu_node.fwd_thread = 1;
+  OpRecord conv_node = op("ConvolutionBackward0", Scope::BackwardFunction, Phase::Backward, 22, 25, -1, 4, 0);
+  conv_node.fwd_thread = 1;
+  bwd.ops.push_back(relu_node);
+  bwd.ops.push_back(conv_node);
+  in.threads.push_back(std::move(fwd));
+  in.threads.push_back(std::move(bwd));
+  Trace t = assemble_trace(std::move(in));
+  ASSERT_EQ(t.ops[7].name, "ConvolutionBackward0");
+  EXPECT_EQ(t.ops[7].fwd_op, 4);  // aten::convolution: innermost of the latest outermost op with seq 4
+  EXPECT_EQ(t.ops[7].module, "Net.head_conv");
+  EXPECT_EQ(t.ops[6].fwd_op, 5);
+  EXPECT_EQ(t.counters.linked_backward, 2);
+}
+
 TEST_F(AssemblyTest, PairsAllocationsAndAssignsCategories) {
   Trace t = assemble_trace(std::move(in));
   ASSERT_EQ(t.events.size(), 5u);

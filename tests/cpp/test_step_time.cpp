@@ -722,6 +722,30 @@ TEST(StepTime, ProbesTracedWithChosenLayersBringTheirChoice) {
             "step time: the probes were traced with none of their layers timed");
 }
 
+TEST(StepTime, AnUntimedLayerWithoutABackwardPassIsPredictedWithoutOne) {
+  // Net.b timed; Net.a untimed and, in the second set of probes, frozen: no backward op recorded for it.
+  std::vector<IterationTiming> probes, frozen;
+  for (int64_t b : {2, 4}) {
+    Trace t = make_trace(1000 * b, 256 * b);
+    t.timed_layers = {"Net.b"};
+    probes.push_back(iteration_timing(t, b));
+    frozen.push_back(probes.back());
+    frozen.back().layers[0].backward_ns = 0;
+    frozen.back().layers[0].backward_ops_all = 0;
+  }
+  ASSERT_EQ(probes[0].layers[0].layer, "Net.a");
+  EXPECT_EQ(probes[0].layers[0].backward_ops_all, 1);
+  StepTimeOptions o;
+  o.batch_size = 8;
+  const StepTimeForecast f = forecast_step_time(probes, o), g = forecast_step_time(frozen, o);
+  ASSERT_EQ(g.per_layer.size(), 2u);
+  EXPECT_NE(g.per_layer[0].source, "measured");
+  EXPECT_GT(f.per_layer[0].backward_ms, 0);
+  EXPECT_EQ(g.per_layer[0].backward_ms, 0);
+  EXPECT_DOUBLE_EQ(g.per_layer[0].forward_ms, f.per_layer[0].forward_ms);
+  EXPECT_DOUBLE_EQ(g.per_layer[1].backward_ms, f.per_layer[1].backward_ms);
+}
+
 TEST(StepTime, ChoosesTheLayersToTimeByName) {
   const IterationTiming it = probes_with_outputs().back();
   ASSERT_EQ(it.layers.size(), 2u);

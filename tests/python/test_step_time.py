@@ -543,3 +543,33 @@ def test_step_time_scales_by_sequence_length():
         plain.step_time(16, seq_len=64)
     with pytest.raises(ValueError, match=r"step_time: seq_len must be an integer of at least 1, got 0"):
         fc.step_time(16, seq_len=0)
+
+
+def test_frozen_layers_are_forecast_without_a_backward_pass():
+    # Fine-tuning a head: the first two layers frozen, so their backward never runs. The untimed frozen layer's
+    # kind model would give it one (the forecast of a frozen ResNet-18 backbone doubled the step).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 10))
+    for p in [*model[0].parameters(), *model[1].parameters()]:
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    def make_batch(n):
+        g = torch.Generator().manual_seed(n)
+        return torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    fc = gpucast.forecast(step, make_batch, 64, model=model, optimizer=opt, time_fraction=0.25, gnn=None)
+    layers = {x["layer"]: x for x in fc.time.per_layer}
+    assert [layers[n]["source"] for n in ("Sequential.0", "Sequential.1")] == ["measured", "prior"]
+    for frozen in ("Sequential.0", "Sequential.1"):
+        assert layers[frozen]["backward_ms"] == 0 and layers[frozen]["grad_bytes"] == 0
+        assert layers[frozen]["forward_ms"] > 0
+    assert layers["Sequential.2"]["backward_ms"] > 0
+    assert layers["Sequential.2"]["grad_bytes"] == 64 * 10 * 4

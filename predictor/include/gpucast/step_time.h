@@ -119,6 +119,12 @@ double fit_size(const std::vector<SizedValue>& pts, double batch, double seq = 0
 // The last complete iteration of a trace (between the last two optimizer steps; the whole trace with one).
 IterationTiming iteration_timing(const Trace& t, int64_t batch);
 
+// Whether `l` ran a backward pass in `it`: false for a layer with no recorded backward op in an iteration whose
+// other layers have some (frozen parameters and no input needing a gradient: fine-tuning a head); predicted and
+// GPU-priced backward times of such a layer are 0. An iteration with no backward op attributed to any layer (a
+// trace recorded without forward/backward links) says true for every layer.
+bool layer_runs_backward(const IterationTiming& it, const LayerTiming& l);
+
 // Times from a light trace (no shapes, no memory events: the tracer's cost per op is about half) joined with the
 // structure of the same step from a full trace: each layer of `timing` takes from the layer of the same name in
 // `structure` what needs shapes or allocations (cost kind, FLOPs, bytes, cost ops, output and gradient bytes)
