@@ -714,7 +714,7 @@ std::vector<LayerCost> layer_costs(const Trace& t) {
     if (a.category != Category::Gradient || !valid(a.alloc_op)) continue;
     const OpRecord& op = t.ops[a.alloc_op];
     if (op.start_seq <= lo || op.end_seq > hi) continue;
-    const int64_t node = op.scope == Scope::BackwardFunction ? op.id : op.bwd_node;
+    const int64_t node = gradient_node(t, op);
     layer(module_of_forward(valid(node) ? t.ops[node].fwd_op : -1));
   }
   for (size_t l = 0; l < out.size(); ++l) {

@@ -281,7 +281,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     if (a.category != Category::Gradient || a.alloc_op < 0) continue;
     const OpRecord& op = t.ops[a.alloc_op];
     if (op.start_seq <= lo || op.end_seq > hi) continue;
-    int64_t node = op.scope == Scope::BackwardFunction ? op.id : op.bwd_node;
+    const int64_t node = gradient_node(t, op);
     const int64_t fwd = node >= 0 ? t.ops[node].fwd_op : -1;
     layer(fwd >= 0 && !t.ops[fwd].module.empty() ? t.ops[fwd].module : kOutside).grad_bytes += a.block_bytes;
   }

@@ -48,6 +48,26 @@ bool is_iteration_end_marker(const OpRecord& op) {
   return op.scope == Scope::UserScope && op.depth == 0 && op.name == kIterationEndMarker;
 }
 
+int64_t gradient_node(const Trace& t, const OpRecord& op) {
+  const auto n_ops = static_cast<int64_t>(t.ops.size());
+  auto linked = [&](int64_t n) {
+    return n >= 0 && n < n_ops && t.ops[static_cast<size_t>(n)].scope == Scope::BackwardFunction &&
+           t.ops[static_cast<size_t>(n)].fwd_op >= 0;
+  };
+  const int64_t own = op.scope == Scope::BackwardFunction ? op.id : op.bwd_node;
+  if (linked(own) || op.phase != Phase::Backward) return own;
+  const int64_t from = own >= 0 && own < op.id ? own : op.id;
+  for (int64_t i = from - 1, seen = 0; i >= 0 && seen < 256; --i) {
+    const OpRecord& p = t.ops[static_cast<size_t>(i)];
+    if (p.thread != op.thread) continue;
+    if (p.phase != Phase::Backward) break;
+    ++seen;
+    const int64_t n = p.scope == Scope::BackwardFunction ? p.id : p.bwd_node;
+    if (linked(n)) return n;
+  }
+  return own;
+}
+
 std::vector<uint64_t> iteration_ends(const Trace& t) {
   std::vector<uint64_t> markers;
   std::vector<std::pair<uint64_t, uint64_t>> steps;  // (end, start)

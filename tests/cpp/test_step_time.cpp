@@ -746,6 +746,60 @@ TEST(StepTime, AnUntimedLayerWithoutABackwardPassIsPredictedWithoutOne) {
   EXPECT_DOUBLE_EQ(g.per_layer[1].backward_ms, f.per_layer[1].backward_ms);
 }
 
+TEST(StepTime, GradientsMadeOutsideANodeBelongToTheNodeBeforeThem) {
+  // Autograd's engine reduces a broadcast bias's gradient (aten::sum) outside any node, right after the node that
+  // produced it; AccumulateGrad, linked to no forward op, may copy a gradient. Both belong to Net.b's node.
+  Trace t;
+  auto add = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t parent, int64_t node,
+                 int64_t fwd) {
+    OpRecord o;
+    o.id = static_cast<int64_t>(t.ops.size());
+    o.name = name;
+    o.scope = scope;
+    o.phase = phase;
+    o.module = module;
+    o.parent = parent;
+    o.bwd_node = node;
+    o.fwd_op = fwd;
+    o.depth = parent >= 0 ? 1 : 0;
+    o.start_seq = 10 * static_cast<uint64_t>(o.id) + 1;
+    o.end_seq = o.start_seq + (parent >= 0 || scope == Scope::BackwardFunction ? 8 : 1);
+    o.start_ns = static_cast<int64_t>(o.start_seq) * 100;
+    o.end_ns = static_cast<int64_t>(o.end_seq) * 100;
+    t.ops.push_back(o);
+    return o.id;
+  };
+  auto grad = [&](int64_t op, int64_t bytes) {
+    Allocation a;
+    a.category = Category::Gradient;
+    a.alloc_op = op;
+    a.block_bytes = bytes;
+    t.allocations.push_back(a);
+  };
+  const int64_t fa = add("aten::linear", Scope::Function, Phase::Forward, "Net.a", -1, -1, -1);
+  const int64_t fb = add("aten::linear", Scope::Function, Phase::Forward, "Net.b", -1, -1, -1);
+  const int64_t nb = add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", -1, -1, fb);
+  grad(add("aten::mm", Scope::Function, Phase::Backward, "", nb, nb, -1), 1000);
+  const int64_t sum = add("aten::sum", Scope::Function, Phase::Backward, "", -1, -1, -1);
+  grad(sum, 40);
+  const int64_t acc = add("torch::autograd::AccumulateGrad", Scope::BackwardFunction, Phase::Backward, "", -1, -1, -1);
+  grad(add("aten::clone", Scope::Function, Phase::Backward, "", acc, acc, -1), 64);
+  const int64_t na = add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", -1, -1, fa);
+  grad(add("aten::mm", Scope::Function, Phase::Backward, "", na, na, -1), 100);
+  add("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer, "", -1, -1, -1);
+  EXPECT_EQ(gradient_node(t, t.ops[sum]), nb);
+  EXPECT_EQ(gradient_node(t, t.ops[acc + 1]), nb);
+  EXPECT_EQ(gradient_node(t, t.ops[na + 1]), na);
+  EXPECT_EQ(gradient_node(t, t.ops[fb]), -1);  // a forward op keeps its own (none)
+  const IterationTiming it = iteration_timing(t, 1);
+  ASSERT_EQ(it.layers.size(), 3u);  // AccumulateGrad's own time: outside modules
+  EXPECT_EQ(it.layers[0].layer, "Net.a");
+  EXPECT_EQ(it.layers[0].grad_bytes, 100);
+  EXPECT_EQ(it.layers[1].grad_bytes, 1000 + 40 + 64);
+  EXPECT_EQ(it.layers[2].layer, "(outside modules)");
+  EXPECT_EQ(it.layers[2].grad_bytes, 0);
+}
+
 TEST(StepTime, ChoosesTheLayersToTimeByName) {
   const IterationTiming it = probes_with_outputs().back();
   ASSERT_EQ(it.layers.size(), 2u);

@@ -33,9 +33,11 @@ def test_time_fields_and_timeline(tmp_path):
     assert {"GPT.blocks.0.attn.qkv", "GPT.blocks.1.mlp.2", "GPT.head"} <= set(layers)
     assert sum(x["forward_ms"] for x in t.per_layer) == pytest.approx(t.forward_ms)
     assert all(x["forward_ms"] >= 0 and x["backward_ms"] >= 0 for x in t.per_layer)
-    # Gradient bytes: every parameter's gradient, attributed to its layer.
+    # Gradient bytes: every parameter's gradient, attributed to its layer (biases too, whose gradients autograd's
+    # engine reduces outside their node).
     assert sum(x["grad_bytes"] for x in t.per_layer) >= 4 * sum(
         p.numel() for p in zoo.CASES["gpt"].make_model().parameters())
+    assert [x["grad_bytes"] for x in t.per_layer if x["layer"] == "(outside modules)"] == [0]
     # The probes' times come from light traces; FLOPs, bytes and the layer graph from each probe's full trace.
     for x in map(json.loads, fc.timings):
         layer = {y["layer"]: y for y in x["layers"]}
@@ -572,4 +574,6 @@ def test_frozen_layers_are_forecast_without_a_backward_pass():
         assert layers[frozen]["backward_ms"] == 0 and layers[frozen]["grad_bytes"] == 0
         assert layers[frozen]["forward_ms"] > 0
     assert layers["Sequential.2"]["backward_ms"] > 0
-    assert layers["Sequential.2"]["grad_bytes"] == 64 * 10 * 4
+    # The weight's gradient and the bias's (which autograd's engine reduces outside the node): the layer's.
+    assert layers["Sequential.2"]["grad_bytes"] == (64 * 10 + 10) * 4
+    assert layers["(outside modules)"]["grad_bytes"] == 0

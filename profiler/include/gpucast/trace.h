@@ -164,4 +164,11 @@ bool is_iteration_end_marker(const OpRecord& op);
 // an iteration each there. Empty: neither markers nor optimizer steps.
 std::vector<uint64_t> iteration_ends(const Trace& t);
 
+// The backward node whose gradient an op in backward allocated: the node it runs in, where that node is linked to
+// a forward op. Otherwise (autograd's engine reduces a broadcast bias's gradient, or sums a shared weight's two
+// contributions, outside any node, right after the node that produced it; AccumulateGrad is linked to no forward
+// op) the latest linked node that ran before it on its thread, among the 256 ops before it while backward lasts.
+// -1 where there is none; an op outside backward keeps its own node (or -1).
+int64_t gradient_node(const Trace& t, const OpRecord& op);
+
 }  // namespace gpucast
