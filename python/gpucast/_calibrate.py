@@ -125,10 +125,13 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     matmuls first and enters the all-reduce when its own burst ends, so the ranks arrive apart and the early ones
     sleep in the collective. Waking a sleeping thread on a host whose cores are shared (a virtual machine, other
     processes) sometimes costs a scheduler tick, milliseconds for a collective of microseconds; a median hides
-    how often that happens, the mean carries it. Each sample is timed from the last rank's arrival where the
-    ranks share this host's monotonic clock (LOCAL_WORLD_SIZE, else the world size, equal to the world size, and
-    that clock finer than a microsecond): the wait for the last rank is sync_wait_us's share, counted once.
-    Otherwise from the rank's own arrival, on the finest clock.
+    how often that happens, the mean carries it. Each sample is timed from the last rank's arrival to the last
+    rank's exit where the ranks share this host's monotonic clock (LOCAL_WORLD_SIZE, else the world size, equal
+    to the world size, and that clock finer than a microsecond): the wait for the last rank is sync_wait_us's
+    share, counted once, and the ranks leave apart (one's threads wake later), the next collective waiting for
+    the last. Where the ranks' threads (LOCAL_WORLD_SIZE times torch.get_num_threads()) are more than the cores,
+    up to each rank's own exit instead (a late exit there is time sharing, which the contention factors count).
+    Without that shared clock, from the rank's own arrival to its own exit, on the finest clock.
     Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
     sample (by default eight 256 x 256 matmuls). Returns the samples and the bursts' mean duration in microseconds
     over every rank (how long the group sat idle before each collective)."""
@@ -150,11 +153,22 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
             t1 = clock()
             if i:
                 arrive[i - 1, j], done[i - 1, j] = t0, t1
-    agreed = torch.tensor([1 if shared else 0], dtype=torch.int32)  # every rank takes the same branch
+    # Up to the last rank's exit where the ranks' threads fit the cores: ranks leave a CPU collective apart (one's
+    # threads wake later), and in a training loop the next collective waits for the one that left last. Where
+    # they do not fit, a rank leaves late because the others' compute holds the cores, which the compute's
+    # contention factors (at least threads / cores) already count: up to the rank's own exit.
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    fits = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) * torch.get_num_threads() <= cores
+    agreed = torch.tensor([1 if shared else 0, 1 if shared and fits else 0], dtype=torch.int32)  # the same branch
     wait(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True), "an all-reduce of the clocks")
-    if agreed.item():
+    if agreed[0].item():
         last = arrive.clone()
         wait(dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce of the arrivals")
+        if agreed[1].item():
+            wait(dist.all_reduce(done, op=dist.ReduceOp.MAX, group=group, async_op=True), "an all-reduce of the exits")
         arrive = torch.minimum(last, done)
     total = torch.cat([(done - arrive).sum(dim=0), busy])
     wait(dist.all_reduce(total, group=group, async_op=True), "an all-reduce of the samples")

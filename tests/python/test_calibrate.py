@@ -33,6 +33,21 @@ if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longe
     if rank == 0:
         print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples], "gap_us": gap}}), flush=True)
     os._exit(0)
+if {mode!r}.startswith("slow_exit"):  # rank 1 leaves each all-reduce 50 ms after rank 0
+    import datetime
+    if {mode!r} == "slow_exit_oversubscribed":  # both ranks' threads fill every core, twice over
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from gpucast import _calibrate
+    sizes = (2**16, 2**20)
+    def wait(work, what):
+        assert work.wait(datetime.timedelta(seconds=60)) is not False, what
+        if rank == 1:
+            time.sleep(0.05)
+    samples, gap = _calibrate._after_compute(sizes, [torch.ones(s // 4) for s in sizes], 3, None, wait, 2,
+                                        burst=lambda: None)
+    if rank == 0:
+        print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples], "gap_us": gap}}), flush=True)
+    os._exit(0)
 try:
     r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
     out = r
@@ -101,7 +116,8 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
-    # The samples are timed from the last rank's arrival (the ranks share this host's clock): rank 1's 200 ms
+    # The samples are timed from the last rank's arrival to the last rank's exit (the ranks share this host's
+    # clock): rank 1's 200 ms
     # delay before each all-reduce is the lag sync_wait_us accounts for, not the collective's time. Timed from
     # rank 0's own arrival, the mean over both ranks would be at least 100 ms.
     r = run_pair(tmp_path, "late", 60)
@@ -109,6 +125,20 @@ def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
     assert all(0 < s["us"] < 100e3 for s in r["samples"]), r["samples"]
     # The idle spell before each sample: the mean burst over both ranks, 0 and 200 ms.
     assert 100e3 <= r["gap_us"] < 110e3, r["gap_us"]
+
+
+def test_the_samples_last_until_the_last_rank_leaves(tmp_path):
+    # Rank 1 leaves every all-reduce 50 ms after rank 0 (and so also arrives at the next one 50 ms later): in a
+    # training loop the next collective waits for it, so each sample runs from the last arrival to the last exit,
+    # at least 50 ms. Up to the mean exit over both ranks it would be about 25 ms.
+    r = run_pair(tmp_path, "slow_exit", 60)
+    assert [s["bytes"] for s in r["samples"]] == [2**16, 2**20]
+    if len(os.sched_getaffinity(0)) >= 2:  # one thread per rank: the ranks' threads fit the cores
+        assert all(50e3 <= s["us"] < 100e3 for s in r["samples"]), r["samples"]
+    # With more threads than cores a late exit is time sharing, which the contention factors count: each rank's
+    # own exit, about 25 ms on average over the two.
+    r = run_pair(tmp_path, "slow_exit_oversubscribed", 60)
+    assert all(25e3 <= s["us"] < 50e3 for s in r["samples"]), r["samples"]
 
 
 def test_a_collective_that_hangs_times_out(tmp_path):
