@@ -475,12 +475,12 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
   return out;
 }
 
-// The device time of a timing's layers and optimizer step (its kernels', with device clocks).
 bool layer_runs_backward(const IterationTiming& it, const LayerTiming& l) {
   return l.backward_ops_all > 0 ||
          std::none_of(it.layers.begin(), it.layers.end(), [](const LayerTiming& x) { return x.backward_ops_all > 0; });
 }
 
+// The device time of a timing's layers and optimizer step (its kernels', with device clocks).
 static double kernel_ns(const IterationTiming& p) {
   double ns = p.optimizer_ns;
   for (const LayerTiming& l : p.layers) ns += l.forward_ns + l.backward_ns;

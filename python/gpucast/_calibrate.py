@@ -136,8 +136,8 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     sample (by default eight 256 x 256 matmuls). Returns the samples and the bursts' mean duration in microseconds
     over every rank (how long the group sat idle before each collective)."""
     burst = burst or _matmuls(8)
-    shared = (int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) == ranks
-              and time.get_clock_info("monotonic").resolution <= 1e-6)
+    local = _local_ranks(ranks)
+    shared = local == ranks and time.get_clock_info("monotonic").resolution <= 1e-6
     clock = time.monotonic if shared else time.perf_counter
     arrive = torch.zeros(repeats, len(sizes), dtype=torch.float64)
     done = torch.zeros(repeats, len(sizes), dtype=torch.float64)
@@ -157,11 +157,7 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     # threads wake later), and in a training loop the next collective waits for the one that left last. Where
     # they do not fit, a rank leaves late because the others' compute holds the cores, which the compute's
     # contention factors (at least threads / cores) already count: up to the rank's own exit.
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    fits = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) * torch.get_num_threads() <= cores
+    fits = local * torch.get_num_threads() <= _cores()
     agreed = torch.tensor([1 if shared else 0, 1 if shared and fits else 0], dtype=torch.int32)  # the same branch
     wait(dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group, async_op=True), "an all-reduce of the clocks")
     if agreed[0].item():
@@ -175,6 +171,19 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     scale = 1e6 / (ranks * repeats)
     return ([(float(size), total[j].item() * scale) for j, size in enumerate(sizes)],
             total[-1].item() * scale / len(sizes))
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _local_ranks(ranks: int) -> int:
+    """The ranks on this host: LOCAL_WORLD_SIZE, else the world size."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
 
 
 _COPY_MIB = (1, 4, 16, 64)
@@ -253,11 +262,8 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         f = torch.tensor([all_copy / alone_copy, all_mm / alone_mm, balance]
                          + [med[f"{m}_all"] / med[f"{m}_alone"] for m in copies], dtype=torch.float64)
     wait(dist.broadcast(f, 0, group=group, async_op=True), "a broadcast")
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    cores = _cores()
+    local = _local_ranks(ranks)
     # More threads than cores share them in time: at least that factor, however the short measurement fell.
     share = local * torch.get_num_threads() / cores
     return {"memory_contention": round(max(f[0].item(), share, 1.0), 4),
