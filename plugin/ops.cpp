@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 
+#include <algorithm>
 #include <map>
 #include <optional>
 
@@ -118,6 +119,26 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
     for (const auto& kv : ws) conv_workspaces[kv.key()] = kv.value();
   }
   std::map<std::string, int64_t> conv_workspaces;
+  // Keys: the op's index in the largest probe's trace, as text.
+  void set_op_workspaces(const c10::Dict<std::string, int64_t>& ws, int64_t per_rank_batch) {
+    translate([&] {
+      std::map<int64_t, int64_t> parsed;
+      for (const auto& kv : ws) {
+        const std::string& key = kv.key();
+        const bool digits = !key.empty() && key.size() <= 18 &&
+                            std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+        if (!digits || kv.value() < 0) {
+          GPUCAST_USER_ERROR("set_op_workspaces: expected an op's index in the largest probe's trace (digits) "
+                             "mapped to bytes (at least 0), got '{}': {}", key, kv.value());
+        }
+        parsed[std::stoll(key)] = kv.value();
+      }
+      op_workspaces = std::move(parsed);
+      op_workspace_batch = per_rank_batch;
+    });
+  }
+  std::map<int64_t, int64_t> op_workspaces;
+  int64_t op_workspace_batch = 0;
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction,
@@ -140,6 +161,8 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.conv_workspace_bytes = conv_workspace;
       in.cudnn_conv_wscap = cudnn_conv_wscap;
       in.conv_workspaces = conv_workspaces;
+      in.op_workspaces = op_workspaces;
+      in.op_workspace_batch = op_workspace_batch;
       for (int64_t p : exclude) in.exclude_ptrs.push_back(static_cast<uint64_t>(p));
       return memory_forecast_to_json(forecast_memory(in));
     });
@@ -248,6 +271,7 @@ TORCH_LIBRARY(gpucast, m) {
       .def("add_probe_seq", &MemoryForecasterHolder::add_probe_seq)
       .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
       .def("set_conv_workspaces", &MemoryForecasterHolder::set_conv_workspaces)
+      .def("set_op_workspaces", &MemoryForecasterHolder::set_op_workspaces)
       .def("run", &MemoryForecasterHolder::run);
   m.def("predict_job(str job_json, str? weights=None) -> str",
         [](const std::string& text, std::optional<std::string> weights) {

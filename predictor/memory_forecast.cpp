@@ -959,6 +959,7 @@ class Forecaster {
     }
     if (s.iterations < 2) synthesize_steady_iteration(p, s);
     apply_parallel(p, par);
+    if (!gpu && batch == in_.op_workspace_batch && !in_.op_workspaces.empty()) replace_op_scratch(p);
     if (gpu && in_.probe_device == "cpu") add_device_allocations(p, s);
     else if (gpu) mark_conv_calls(p);
     return p;
@@ -1229,6 +1230,72 @@ class Forecaster {
     }
   }
 
+  // CPU target: each matrix-multiply call with a scratch measured at this batch (op_workspaces) has what it
+  // allocates and frees inside left out, and one block of the measured bytes allocated and freed after its
+  // last remaining entry, over what it returns. A call: the op itself or the nearest enclosing op measured; its
+  // instances in each iteration apart.
+  void replace_op_scratch(Planned& p) {
+    const std::vector<OpRecord>& ops = model_.trace->ops;
+    const auto n = static_cast<int64_t>(ops.size());
+    if (op_call_of_.size() != ops.size()) {
+      op_call_of_.assign(ops.size(), kNone);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t k = j, depth = 0; k >= 0 && k < n && depth < 64; k = ops[k].parent, ++depth) {
+          if (in_.op_workspaces.count(k) != 0) op_call_of_[j] = k;  // the outermost measured one
+        }
+      }
+    }
+    auto call_of = [&](const Entry& e) -> std::pair<int64_t, int> {
+      if (e.op < 0 || e.op >= n || op_call_of_[e.op] == kNone) return {kNone, 0};
+      return {op_call_of_[e.op], e.iteration};
+    };
+    std::map<int64_t, std::pair<int64_t, int>> alloc_call;  // ref -> call instance that allocated it
+    for (const Entry& e : p.entries) {
+      if (e.alloc && call_of(e).first != kNone) alloc_call[e.ref] = call_of(e);
+    }
+    std::unordered_set<int64_t> scratch;  // allocated and freed inside the same call instance
+    for (const Entry& e : p.entries) {
+      if (e.alloc) continue;
+      auto it = alloc_call.find(e.ref);
+      if (it != alloc_call.end() && it->second == call_of(e)) scratch.insert(e.ref);
+    }
+    std::map<std::pair<int64_t, int>, size_t> last;  // call instance -> its last remaining entry
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      if (call_of(e).first != kNone && scratch.count(e.ref) == 0) last[call_of(e)] = i;
+    }
+    std::vector<uint8_t> after(p.entries.size(), 0);
+    for (const auto& [call, i] : last) after[i] = 1;
+    constexpr int64_t kOpWorkspaceRef = int64_t{1} << 51;
+    int64_t next = kOpWorkspaceRef, calls = 0, largest = 0, dropped = 0;
+    std::vector<Entry> out;
+    out.reserve(p.entries.size() + 2 * last.size());
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      if (scratch.count(e.ref) != 0) {
+        dropped += e.alloc && e.iteration == 1 ? 1 : 0;
+        continue;
+      }
+      out.push_back(e);
+      if (after[i] == 0) continue;
+      const int64_t ws = in_.op_workspaces.at(call_of(e).first);
+      if (e.iteration == 1) ++calls;
+      largest = std::max(largest, ws);
+      if (ws <= 0) continue;
+      out.push_back(Entry{true, next, ws, Category::Temporary, e.phase, e.op, e.iteration});
+      out.push_back(Entry{false, next, 0, Category::Temporary, e.phase, e.op, e.iteration});
+      ++next;
+    }
+    p.entries = std::move(out);
+    // Said where it changed something: a scratch measured, or the probes' left out.
+    if (op_scratch_noted_ || calls == 0 || (largest == 0 && dropped == 0)) return;
+    op_scratch_noted_ = true;
+    out_.notes.push_back(fmt::format(
+        "matrix multiplies: the scratch of {} call(s) per iteration measured at batch {} (up to {} per call) "
+        "replaces the probes' ({} allocation(s) per iteration)",
+        calls, in_.op_workspace_batch, format_bytes(largest), dropped));
+  }
+
   // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
   void add_device_allocations(Planned& p, const Stream& s) {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
@@ -1364,6 +1431,8 @@ class Forecaster {
   bool notes_added_ = false;
   int64_t conv_workspace_ = -1;           // cuDNN workspace per convolution call; -1 unknown
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
+  std::vector<int64_t> op_call_of_;       // per op of the reference trace: its measured call (replace_op_scratch())
+  bool op_scratch_noted_ = false;
   std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
   int64_t conv_scratch_ = 0;              // CPU scratch allocations left out of the first iteration
   int64_t probe_conv_workspace_ = -1;     // GPU probes: the largest workspace of a call in the reference probe

@@ -488,7 +488,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     reach_probes = []  # a timing-only probe nearer a target far beyond the probes
     timed_layers = None  # sparse timing: the layers the timing traces time (None: every layer)
     largest_probe = None  # the largest probe's trace (batch scaling only)
+    previous_probe = None  # the one before it, and both batches
+    probe_batches: list = []
     conv_skipped: list = []
+    op_skipped: list = []
     try:
         # An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls
         # (optimizer defaults, kernels' scratch) would otherwise make the first probe differ from the others.
@@ -518,7 +521,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     mark_iteration_end()
             if length is None:
                 forecaster.add_probe(t.result.handle, b)
+                previous_probe = largest_probe
                 largest_probe = t.result.handle  # the design is in increasing batch size
+                probe_batches.append(b)
             else:
                 forecaster.add_probe_seq(t.result.handle, b, length)
             structure = t.result.handle.iteration_timing(b)
@@ -566,6 +571,18 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 if ws:
                     forecaster.set_conv_workspaces(ws)
             del doc
+        if (target == "cpu" and probe_device == "cpu" and previous_probe is not None
+                and probe_batches[-1] != probe_batches[-2]):
+            # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's
+            # measured at the target batch.
+            from . import _op_workspace
+            p = parallel or {}
+            per_rank = max(1, batch_size // (int(p.get("dp", 1)) * int(p.get("micro_batches", 1))))
+            ws, op_skipped = _op_workspace.measure_quietly(json.loads(largest_probe.to_json()),
+                                                  json.loads(previous_probe.to_json()), probe_batches[-1],
+                                                  probe_batches[-2], per_rank)
+            if ws:
+                forecaster.set_op_workspaces(ws, per_rank)
     finally:
         state.restore()
         if sys.stderr.isatty():
@@ -575,6 +592,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         forecaster.set_target_seq(seq_len)
     memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
                             state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
+    if op_skipped:
+        shown = ", ".join(op_skipped[:3]) + (f" and {len(op_skipped) - 3} more" if len(op_skipped) > 3 else "")
+        memory.notes.append(f"matrix multiplies: scratch not measured at the target batch for {shown}: the "
+                            f"probes', scaled, is kept for those calls")
     if conv_skipped:
         memory.notes.append(f"cuDNN: workspaces not measured at the target batch for {', '.join(conv_skipped)}: the "
                             f"probes' are kept for those calls")

@@ -444,6 +444,69 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
   EXPECT_EQ(run_conv("H100-80GB", 4096, "3").conv_workspace_bytes, 4096);  // conv_workspace wins
 }
 
+// conv_probe's step as a linear layer: aten::addmm inside aten::linear, aten::mm inside AddmmBackward0, each with
+// its scratch (1024 b and 3072 b bytes, allocated and freed inside the call).
+Trace mm_probe(int64_t b) {
+  Recorder r;
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
+  r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
+  const int64_t linear = r.op("aten::linear", Scope::Function, Phase::Forward);
+  const int64_t addmm = r.op("aten::addmm", Scope::Function, Phase::Forward, linear);
+  r.ev(0x100, 2048 * b, addmm, Phase::Forward);
+  r.ev(0x800, 1024 * b, addmm, Phase::Forward);
+  r.ev(0x800, -1024 * b, addmm, Phase::Forward);
+  r.end(addmm);
+  r.end(linear);
+  const int64_t node = r.op("AddmmBackward0", Scope::BackwardFunction, Phase::Backward);
+  const int64_t mm = r.op("aten::mm", Scope::Function, Phase::Backward, node);
+  r.ev(0x900, 3072 * b, mm, Phase::Backward);  // scratch before the output, freed before it returns
+  r.ev(0x900, -3072 * b, mm, Phase::Backward);
+  r.ev(0x200, 1024, mm, Phase::Backward);
+  r.end(mm);
+  r.ev(0x100, -2048 * b, node, Phase::Backward);
+  r.end(node);
+  r.tag(0x200, Category::Gradient);
+  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x300, 1024, st, Phase::Optimizer);
+  r.end(st);
+  r.tag(0x300, Category::OptimizerState);
+  return r.finish(100 * b);
+}
+
+TEST(MemoryForecast, CpuTargetTakesTheMatrixMultipliesScratchMeasuredAtTheTargetBatch) {
+  static const std::vector<Trace> t = {mm_probe(2), mm_probe(4), mm_probe(8)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = "cpu";
+  const Trace& ref = t.back();
+  auto index_of = [&](const std::string& name) {
+    for (size_t i = 0; i < ref.ops.size(); ++i) {
+      if (ref.ops[i].name == name) return static_cast<int64_t>(i);
+    }
+    return int64_t{-1};
+  };
+  // The probes' scratch, scaled: the backward multiply's 3072 x 64 before its 1024-byte output, in iteration 2
+  // with the parameter, the input, the optimizer state and the activation held.
+  const int64_t held = 1000 + 6400 + 1024 + 2048 * 64;
+  EXPECT_EQ(forecast_memory(in).peak_allocated_bytes, held + 3072 * 64);
+  // Measured at batch 64: none in the forward call, 5000 bytes in the backward one, over its output.
+  in.op_workspaces = {{index_of("aten::addmm"), 0}, {index_of("aten::mm"), 5000}};
+  in.op_workspace_batch = 64;
+  const MemoryForecast f = forecast_memory(in);
+  EXPECT_EQ(f.peak_allocated_bytes, held + 1024 + 5000);
+  EXPECT_EQ(f.peak_op, "aten::mm");
+  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
+                      "matrix multiplies: the scratch of 2 call(s) per iteration measured at batch 64 (up to 4.88 KiB "
+                      "per call) replaces the probes' (2 allocation(s) per iteration)"),
+            f.notes.end());
+  // Measured at another batch: the probes' scratch is kept.
+  in.op_workspace_batch = 32;
+  EXPECT_EQ(forecast_memory(in).peak_allocated_bytes, held + 3072 * 64);
+}
+
 // The forecast input for three probes on cuda:0 at batch 2, 4, 8, for an H100 at batch 64.
 MemoryForecastInput gpu_input(const std::vector<Trace>& t) {
   MemoryForecastInput in;

@@ -486,10 +486,58 @@ def forecast_and_measure_vit_bf16(batch):
 def test_bfloat16_attention_whose_buffers_count_by_the_batch_is_scaled():
     # Under CPU autocast, the flash attention's backward allocates buffers per chunk of the batch on its worker
     # threads (360 at batch 2, 1,440 at batch 8): matched top-level op by top-level op, the probes scale (before,
-    # 4,332 unmatched allocations in one matching gave up scaling: 95,900,512 bytes against 126,527,880).
+    # 4,332 unmatched allocations in one matching gave up scaling: 95,900,512 bytes against 126,527,880). On CPUs
+    # with AVX-512 BF16, oneDNN's bfloat16 multiplies take a scratchpad sized by their blocking (a weight
+    # gradient's: 197,760 bytes at batch 16, 865,408 at 32): measured at the target batch, the forecast is the
+    # measured peak (before: 536,576 bytes short at batch 32, exact at 16).
     measured, allocated, scaled, seen = run_fresh("forecast_and_measure_vit_bf16(32)")
     assert scaled and seen == []
-    assert abs(allocated - measured) / measured < 0.001
+    assert allocated == measured
+
+
+def _mm(shapes, strides, dtype="bfloat16", device="cpu", parent=-1, name="aten::mm"):
+    return {"name": name, "parent": parent, "module": "Net.fc",
+            "inputs": [{"kind": "tensor", "shape": s, "strides": st, "dtype": dtype, "device": device}
+                       for s, st in zip(shapes, strides)] + [{"kind": "scalar", "value": 1.0}]}
+
+
+def test_matrix_multiplies_are_run_at_the_target_batchs_shapes():
+    from gpucast import _op_workspace
+    # Batch 4 and 8 (17 tokens per sample), for batch 33: a weight gradient (its operand transposed), an addmm with a bias,
+    # a call inside another (measured with it), a multiply on the GPU (not the CPU kernels'), and one whose
+    # rows do not grow by a whole number per sample.
+    def doc(b):
+        rows = 17 * b
+        return {"ops": [_mm([[192, rows], [rows, 192]], [[1, 192], [192, 1]]),
+                        _mm([[576], [rows, 192], [192, 576]], [[1], [192, 1], [1, 192]], name="aten::addmm"),
+                        _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], parent=1),
+                        _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], device="cuda:0"),
+                        _mm([[rows + (b == 8), 8], [8, 8]], [[8, 1], [8, 1]])]
+                        + [{"name": "aten::relu"}] * b}  # other ops, as many as the batch: not matched
+    different = doc(4)
+    different["ops"] = different["ops"][1:]
+    assert _op_workspace.matmul_calls(doc(8), different, 8, 4, 33) == (
+        {}, ["every call (the probes' matrix multiplies differ: 4 and 3 calls)"])
+    calls, skipped = _op_workspace.matmul_calls(doc(8), doc(4), 8, 4, 33)
+    assert calls == {0: ("aten::mm", [([192, 561], [1, 192], "bfloat16"), ([561, 192], [192, 1], "bfloat16")]),
+                     1: ("aten::addmm", [([576], [1], "bfloat16"), ([561, 192], [192, 1], "bfloat16"),
+                                         ([192, 576], [1, 192], "bfloat16")])}
+    assert skipped == ["aten::mm of Net.fc (its shapes do not scale with the batch)"]
+    # Each distinct call runs once; operands over the limit are not allocated.
+    ws, not_measured = _op_workspace.measure({0: calls[0], 5: calls[0], 1: calls[1]}, max_bytes=431_000)
+    assert sorted(ws) == ["0", "5"] and ws["0"] == ws["5"] >= 0
+    assert not_measured == ["aten::addmm [[576], [561, 192], [192, 576]] (operands of 437760 bytes at the target "
+                            "batch)"]
+
+
+def test_matrix_multiply_scratch_keys_must_be_op_indices():
+    f = torch.classes.gpucast.MemoryForecaster()
+    with pytest.raises(ValueError, match=r"set_op_workspaces: expected an op's index in the largest probe's trace "
+                                         r"\(digits\) mapped to bytes \(at least 0\), got 'fc': 12"):
+        f.set_op_workspaces({"fc": 12}, 8)
+    with pytest.raises(ValueError, match=r"got '3': -1"):
+        f.set_op_workspaces({"3": -1}, 8)
+    f.set_op_workspaces({"3": 0, "17": 4096}, 8)
 
 
 def forecast_after_another(first, first_batch, name, batch):

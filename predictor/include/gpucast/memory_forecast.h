@@ -67,6 +67,13 @@ struct MemoryForecastInput {
   // "<module>|backward" (the module of the call's op, its phase). Replaces what the probes' calls allocated and
   // freed inside; calls without an entry keep their probes' scratch and report the headroom.
   std::map<std::string, int64_t> conv_workspaces;
+  // CPU probes for the CPU target: the scratch each matrix-multiply call takes at the per-rank batch
+  // `op_workspace_batch` (oneDNN sizes its scratchpad by the problem's blocking, not in proportion to the batch),
+  // measured by running the call alone at that size: keyed by the call's op in the largest probe's trace (its
+  // index). At that batch the call's scratch (what it allocates and frees inside) is replaced by one block of the
+  // measured bytes over what the call returns; other batches keep the probes' scratch, scaled.
+  std::map<int64_t, int64_t> op_workspaces;
+  int64_t op_workspace_batch = 0;
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
 };
 
