@@ -104,9 +104,19 @@ def _nbytes(shape: list, strides: list, dtype: torch.dtype) -> int:
     return extent * torch.empty((), dtype=dtype).element_size()
 
 
-def measure(calls: dict, max_bytes: int = 1 << 30) -> tuple[dict, list]:
+def _flops(operands: list) -> int:
+    """Multiply-adds x 2 of a call whose last two operands are the multiplied ones ([..., m, k] @ [..., k, n])."""
+    a, b = operands[-2][0], operands[-1][0]
+    n = 2 * b[-1]
+    for d in a:
+        n *= d
+    return n
+
+
+def measure(calls: dict, max_bytes: int = 1 << 30, max_flops: int = 4 << 30) -> tuple[dict, list]:
     """{str(op index): scratch bytes} for `calls` (from matmul_calls), each distinct call run once; and the calls
-    not measured, each with why."""
+    not measured, each with why: operands over `max_bytes` are not allocated, and a call of more than
+    `max_flops` (some 0.1 s on one core) is not run, so that a forecast for a large target stays quick."""
     out: dict[str, int] = {}
     skipped: list[str] = []
     done: dict[str, int] = {}
@@ -117,6 +127,10 @@ def measure(calls: dict, max_bytes: int = 1 << 30) -> tuple[dict, list]:
             size = sum(_nbytes(s, st, d) for (s, st, _), d in zip(operands, dtypes))
             if size > max_bytes:
                 skipped.append(f"{name} {[s for s, _, _ in operands]} (operands of {size} bytes at the target batch)")
+                done[key] = -1
+                continue
+            if _flops(operands) > max_flops:
+                skipped.append(f"{name} {[s for s, _, _ in operands]} ({_flops(operands)} FLOP at the target batch)")
                 done[key] = -1
                 continue
             with torch.no_grad():

@@ -528,6 +528,9 @@ def test_matrix_multiplies_are_run_at_the_target_batchs_shapes():
     assert sorted(ws) == ["0", "5"] and ws["0"] == ws["5"] >= 0
     assert not_measured == ["aten::addmm [[576], [561, 192], [192, 576]] (operands of 437760 bytes at the target "
                             "batch)"]
+    # Nor is a call of more FLOP than the limit run: 2 x 192 x 561 x 192.
+    assert _op_workspace.measure({0: calls[0]}, max_flops=41_361_407) == (
+        {}, ["aten::mm [[192, 561], [561, 192]] (41361408 FLOP at the target batch)"])
 
 
 def test_matrix_multiply_scratch_keys_must_be_op_indices():
