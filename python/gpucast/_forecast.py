@@ -571,12 +571,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 if ws:
                     forecaster.set_conv_workspaces(ws)
             del doc
+        p = parallel or {}
         if (target == "cpu" and probe_device == "cpu" and previous_probe is not None
-                and probe_batches[-1] != probe_batches[-2]):
+                and probe_batches[-1] != probe_batches[-2] and int(p.get("tp", 1)) == 1):
             # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's
-            # measured at the target batch.
+            # measured at the target batch (under tensor parallelism the calls are split: not measured).
             from . import _op_workspace
-            p = parallel or {}
             per_rank = max(1, batch_size // (int(p.get("dp", 1)) * int(p.get("micro_batches", 1))))
             ws, op_skipped = _op_workspace.measure_quietly(json.loads(largest_probe.to_json()),
                                                   json.loads(previous_probe.to_json()), probe_batches[-1],
