@@ -489,10 +489,11 @@ def test_bfloat16_attention_whose_buffers_count_by_the_batch_is_scaled():
     # 4,332 unmatched allocations in one matching gave up scaling: 95,900,512 bytes against 126,527,880). On CPUs
     # with AVX-512 BF16, oneDNN's bfloat16 multiplies take a scratchpad sized by their blocking (a weight
     # gradient's: 197,760 bytes at batch 16, 865,408 at 32): measured at the target batch, the forecast is the
-    # measured peak (before: 536,576 bytes short at batch 32, exact at 16).
+    # measured peak there (before: 536,576 bytes short at batch 32, -0.42 %, exact at 16). Other CPUs run other
+    # kernels: within 0.1 % (+0.02 % on an earlier host without AVX-512 BF16).
     measured, allocated, scaled, seen = run_fresh("forecast_and_measure_vit_bf16(32)")
     assert scaled and seen == []
-    assert allocated == measured
+    assert abs(allocated - measured) / measured < 0.001
 
 
 def _mm(shapes, strides, dtype="bfloat16", device="cpu", parent=-1, name="aten::mm"):
