@@ -448,7 +448,9 @@ def test_a_closure_optimizer_is_forecast_and_says_its_step_time_is_not_scaled():
         "LBFGS keeps the directions of up to 100 past updates (history_size), one more pair each inner iteration: "
         "its state grows over the run's first steps beyond what the probes' 2 iteration(s) held, and the forecast "
         "peak leaves that growth out"]
-    assert fc.time.notes[0].startswith("no layer ran outside the optimizer's step: an optimizer that takes a closure")
+    assert fc.time.notes[0].startswith("the target batch is more than 3 times the largest probe: a timing probe at "
+                                       "batch 16 added")
+    assert fc.time.notes[1].startswith("no layer ran outside the optimizer's step: an optimizer that takes a closure")
     assert any("no layer ran outside the optimizer's step" in str(w.message) for w in seen)
 
 

@@ -1,4 +1,5 @@
 """Step-time forecast through gpucast.forecast(): fields, the timeline file, DDP buckets and bad input."""
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -295,15 +296,17 @@ def test_sparse_timing_reports_what_was_measured():
     measured = [x for x in t.per_layer if x["source"] == "measured"]
     assert t.timed_layers == len(measured) == -(-n // 4)  # a quarter of the layers, rounded up
     assert {x["source"] for x in t.per_layer} - {"measured"} <= {"kind", "pooled", "scaled_prior", "prior"}
-    assert t.notes[0].startswith("2 layer(s) ran other kernels in smaller probes")
-    assert t.notes[1].startswith(f"timed {len(measured)} of {n} layers (chosen before the probes were timed)")
+    assert t.notes[0] == ("the target batch is more than 3 times the largest probe: a timing probe at batch 16 "
+                          "added (its forecast step under 1 s), so that the fits extrapolate 2 times at most")
+    assert t.notes[1].startswith("2 layer(s) ran other kernels in smaller probes")
+    assert t.notes[2].startswith(f"timed {len(measured)} of {n} layers (chosen before the probes were timed)")
     # Chosen once, on the first probe: every timing trace was asked for the same layers, the measured ones.
     chosen = [[y["layer"] for y in x["layers"] if y["timed"]] for x in map(json.loads, fc.timings)]
-    assert chosen[0] == chosen[1] == chosen[2]
+    assert len(chosen) == 4 and chosen[0] == chosen[1] == chosen[2] == chosen[3]
     assert set(chosen[0]) == {x["layer"] for x in measured}
     # Other batch sizes from the same probes keep that choice; a fraction asks for all layers again (CPU clocks
     # timed every op), chosen anew by the design.
-    assert fc.step_time(32, gnn=None) == t
+    assert fc.step_time(32, gnn=None) == dataclasses.replace(t, notes=t.notes[1:])  # forecast() adds the probe's
     again = fc.step_time(32, time_fraction=1.0, gnn=None)
     assert again.timed_layers == -1 and all(x["source"] == "measured" for x in again.per_layer)  # -1: all
     assert fc.step_time(32, time_fraction=0.5, gnn=None).notes[1].startswith(
@@ -314,7 +317,7 @@ def test_a_time_budget_bounds_the_timed_layers():
     fc = forecast(batch=32, time_budget=0.3, gnn=None)
     n = len(fc.time.per_layer)
     assert 1 <= fc.time.timed_layers < n
-    assert fc.time.notes[1].startswith(f"timed {fc.time.timed_layers} of {n} layers (chosen before the probes were timed)")
+    assert fc.time.notes[2].startswith(f"timed {fc.time.timed_layers} of {n} layers (chosen before the probes were timed)")
     for bad in ({"time_budget": 0}, {"time_fraction": 1.5}, {"time_budget": "half"}):
         (name, value), = bad.items()
         with pytest.raises(ValueError, match=rf"forecast: {name} must be a number in \(0, 1\], got {value!r}"):
@@ -453,13 +456,14 @@ def test_a_timing_probe_nearer_a_far_target():
 
     fc, batches = probed(256)  # 32 times the largest probe: half the target is timed too
     assert batches == [2, 4, 8, 128]
-    assert fc.time.notes[0] == ("the target batch is more than 8 times the largest probe: a timing probe at batch 128 "
+    assert fc.time.notes[0] == ("the target batch is more than 3 times the largest probe: a timing probe at batch 128 "
                                 "added (its forecast step under 1 s), so that the fits extrapolate 2 times at most")
     assert fc.probe_batch_sizes == (2, 4, 8)
-    assert probed(64)[1] == [2, 4, 8]  # 8 times: the probes alone
-    per_rank_32 = gpucast.forecast(step, case.make_batch, 256, model=model, optimizer=opt, gnn=None,
+    assert probed(25)[1] == [2, 4, 8, 12]  # just over 3 times
+    assert probed(24)[1] == [2, 4, 8]  # 3 times: the probes alone
+    per_rank_24 = gpucast.forecast(step, case.make_batch, 192, model=model, optimizer=opt, gnn=None,
                                    parallel=dict(dp=8))
-    assert len(per_rank_32.timings) == 3  # 32 per rank: 4 times the largest probe
+    assert len(per_rank_24.timings) == 3  # 24 per rank: 3 times the largest probe
 
 
 def test_median_timing_over_light_traces():
