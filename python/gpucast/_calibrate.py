@@ -39,6 +39,13 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     step costs outside backward beyond the plain module's forward and optimizer step (a small model, plain and
     wrapped, every rank at once): the wrapper, and the collective's threads finishing on the shared cores while the
     next work runs."""
+    # The arguments first: a bad one is said before any collective runs.
+    if (repeats is not None and repeats < 1) or any(int(s) < 4 for s in sizes):
+        raise ValueError(f"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, got {sizes!r}, "
+                         f"{repeats!r}")
+    if len({int(s) for s in sizes}) < 2:
+        raise ValueError(f"gpucast.calibrate: sizes must hold at least two different sizes (the link's latency and "
+                         f"bandwidth are fitted to them), got {sizes!r}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
@@ -46,9 +53,6 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     backend = dist.get_backend(group)
     if repeats is None:
         repeats = 9 if backend == "nccl" else 27
-    if repeats < 1 or any(int(s) < 4 for s in sizes):
-        raise ValueError(f"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, got {sizes!r}, "
-                         f"{repeats!r}")
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
 

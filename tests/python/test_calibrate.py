@@ -151,3 +151,15 @@ def test_without_a_process_group():
     with pytest.raises(RuntimeError, match=r"gpucast.calibrate: torch.distributed is not initialized; call "
                                            r"torch.distributed.init_process_group"):
         gpucast.calibrate()
+
+
+def test_bad_arguments_are_said_before_any_collective():
+    # Without a process group: the arguments are checked first.
+    with pytest.raises(ValueError, match=r"gpucast.calibrate: sizes must hold at least two different sizes \(the "
+                                         r"link's latency and bandwidth are fitted to them\), got \(1048576, 1048576\)"):
+        gpucast.calibrate(sizes=(1 << 20, 1 << 20))
+    with pytest.raises(ValueError, match=r"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, "
+                                         r"got \(2, 1024\), None"):
+        gpucast.calibrate(sizes=(2, 1024))
+    with pytest.raises(ValueError, match=r"got \(1024, 4096\), 0"):
+        gpucast.calibrate(sizes=(1024, 4096), repeats=0)
