@@ -5,6 +5,7 @@ import datetime
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
             late, late_gap = _after_compute([sizes[i] for i in small], [buffers[i] for i in small], repeats, group,
                                             wait, ranks, burst=_matmuls(_LATE_MATMULS))
     del buffers
-    alpha, bw = torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks)
+    alpha, bw = _fit_link(samples, ranks)
     out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
            "samples": [{"bytes": s, "us": u} for s, u in samples]}
     if device.type == "cpu":
@@ -88,6 +89,25 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
         out.update(_host_sharing(ranks, group, wait))
         out["ddp_overhead_us"] = _ddp_overhead(ranks, group, wait)
     return out
+
+
+def _fit_link(samples: list, ranks: int) -> tuple:
+    """(alpha_us, bytes_per_us) of the ring model fitted to the samples; where a noisy host made the larger sizes
+    no slower than the smaller ones (a fit with a non-positive bandwidth), the bandwidth alone (alpha 0), with a
+    warning: the forecast interpolates between the samples within their sizes and uses the fit outside them."""
+    try:
+        return tuple(torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks))
+    except ValueError as e:
+        if "non-positive bandwidth" not in str(e):
+            raise
+    # T = x * u with u = 2(N-1)/N * S, least squares weighted by 1/T^2: x = sum(u/T) / sum(u^2/T^2).
+    n = float(ranks)
+    us = [(2.0 * (n - 1.0) / n * s, t) for s, t in samples if s > 0 and t > 0]
+    x = sum(u / t for u, t in us) / sum((u / t) ** 2 for u, t in us)
+    warnings.warn(f"gpucast.calibrate: the all-reduce samples do not grow with the size "
+                  f"({', '.join(f'{int(s)} B: {t:.0f} us' for s, t in samples)}; a noisy host?): the link's bandwidth "
+                  f"is fitted with no latency; wider sizes or more repeats give a better fit", stacklevel=3)
+    return 0.0, 1.0 / x
 
 
 # The second CPU sweep (late_samples): sizes up to 4 MiB after a burst five times the first's. What the longer

@@ -163,3 +163,19 @@ def test_bad_arguments_are_said_before_any_collective():
         gpucast.calibrate(sizes=(2, 1024))
     with pytest.raises(ValueError, match=r"got \(1024, 4096\), 0"):
         gpucast.calibrate(sizes=(1024, 4096), repeats=0)
+
+
+def test_samples_that_do_not_grow_with_the_size_fit_a_bandwidth_alone():
+    import torch
+    from gpucast import _calibrate
+    good = [(65536.0, 500.0), (1048576.0, 1400.0), (4194304.0, 4400.0)]
+    assert _calibrate._fit_link(good, 2) == tuple(torch.ops.gpucast.fit_allreduce(
+        [s for s, _ in good], [t for _, t in good], 2))
+    # A noisy host: the larger size measured faster. Ring model with no latency, 2 ranks: T = S / B, weighted by
+    # 1/T^2: 1/B = (1024/300 + 4096/200) / ((1024/300)^2 + (4096/200)^2).
+    with pytest.warns(UserWarning, match=r"gpucast.calibrate: the all-reduce samples do not grow with the size "
+                                         r"\(1024 B: 300 us, 4096 B: 200 us; a noisy host\?\): the link's bandwidth "
+                                         r"is fitted with no latency"):
+        alpha, bw = _calibrate._fit_link([(1024.0, 300.0), (4096.0, 200.0)], 2)
+    assert alpha == 0.0
+    assert bw == pytest.approx(((1024 / 300) ** 2 + (4096 / 200) ** 2) / (1024 / 300 + 4096 / 200), rel=1e-12)
