@@ -422,6 +422,13 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("validate_job(str job_json) -> str", [](const std::string& text) {
     return gpucast::translate([&] { return gpucast::job_to_json(gpucast::job_from_json(text, "job")); });
   });
+  // The parallel configuration checked (errors name the key): [dp, tp, pp, micro_batches].
+  m.def("check_parallel(str parallel) -> int[]", [](const std::string& text) {
+    return gpucast::translate([&] {
+      const gpucast::ParallelConfig p = gpucast::ParallelConfig::parse(text);
+      return std::vector<int64_t>{p.dp, p.tp, p.pp, p.micro_batches};
+    });
+  });
   m.def("fit_allreduce(float[] bytes, float[] us, int ranks) -> float[]",
         [](const std::vector<double>& bytes, const std::vector<double>& us, int64_t ranks) {
           return gpucast::translate([&] {

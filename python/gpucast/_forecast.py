@@ -472,6 +472,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             names = ", ".join(d["name"] for d in devices())
             raise ValueError(f"forecast: unknown target '{target}'; known targets: cpu, {names}")
     parallel_text = _format_parallel(parallel)
+    # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
+    dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
+    per_rank = max(1, batch_size // (dp * micro_batches))
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
@@ -563,21 +566,17 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 and conv_workspace is None):
             # cuDNN chooses again at the target batch: each convolution's workspace measured there.
             from . import _conv_workspace
-            p = parallel or {}
-            per_rank = max(1, batch_size // (int(p.get("dp", 1)) * int(p.get("micro_batches", 1))))
             doc = json.loads(largest_probe.to_json())
             if _conv_workspace.conv_calls(doc):
                 ws, conv_skipped = _conv_workspace.measure_quietly(model, doc, per_rank, probe_device)
                 if ws:
                     forecaster.set_conv_workspaces(ws)
             del doc
-        p = parallel or {}
         if (target == "cpu" and probe_device == "cpu" and previous_probe is not None
-                and probe_batches[-1] != probe_batches[-2] and int(p.get("tp", 1)) == 1):
+                and probe_batches[-1] != probe_batches[-2] and tp == 1):
             # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's
             # measured at the target batch (under tensor parallelism the calls are split: not measured).
             from . import _op_workspace
-            per_rank = max(1, batch_size // (int(p.get("dp", 1)) * int(p.get("micro_batches", 1))))
             ws, op_skipped = _op_workspace.measure_quietly(json.loads(largest_probe.to_json()),
                                                   json.loads(previous_probe.to_json()), probe_batches[-1],
                                                   probe_batches[-2], per_rank)

@@ -47,3 +47,19 @@ def test_results_before_the_trace_ends():
     t = gpucast.trace()
     with pytest.raises(RuntimeError, match="the trace is still running"):
         t.summary()
+
+
+def test_a_bad_parallel_configuration_is_said_before_the_probes_run():
+    calls = []
+
+    def step(batch):
+        calls.append(batch)
+
+    for parallel, message in ((dict(dp=0), "parallel: option 'dp' expects a positive integer, got '0'"),
+                              (dict(tp="two"), "parallel: option 'tp' expects a positive integer, got 'two'"),
+                              (dict(dp_mode="zero3"),
+                               "parallel: option 'dp_mode' expects one of ddp|zero1|zero2|fsdp, got 'zero3'")):
+        with pytest.raises(ValueError) as e:
+            gpucast.forecast(step, lambda n: n, 32, parallel=parallel)
+        assert str(e.value) == message
+    assert calls == []  # no probe ran
