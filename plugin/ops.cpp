@@ -55,6 +55,7 @@ struct TraceHolder : torch::CustomClassHolder {
 
   std::string summary(int64_t top) const { return summarize_trace(get(), static_cast<int>(top)); }
   std::string to_json() const { return trace_to_json(get()); }
+  std::string ops_json(const std::vector<std::string>& names) const { return ops_to_json(get(), names); }
   void save(const std::string& path) const {
     translate([&] { write_text_file(path, trace_to_json(get())); });
   }
@@ -254,6 +255,7 @@ TORCH_LIBRARY(gpucast, m) {
   m.class_<TraceHolder>("Trace")
       .def("summary", &TraceHolder::summary)
       .def("to_json", &TraceHolder::to_json)
+      .def("ops_json", &TraceHolder::ops_json)
       .def("save", &TraceHolder::save)
       .def("save_chrome", &TraceHolder::save_chrome)
       .def("peak_bytes", &TraceHolder::peak_bytes)

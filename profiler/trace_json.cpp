@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "gpucast/error.h"
 
@@ -121,6 +122,26 @@ std::vector<Value> values_from_json(const Reader& r, const json& a, const std::s
 }
 
 }  // namespace
+
+std::string ops_to_json(const Trace& trace, const std::vector<std::string>& names) {
+  const std::set<std::string> wanted(names.begin(), names.end());
+  json ops = json::array();
+  const auto n = static_cast<int64_t>(trace.ops.size());
+  for (const OpRecord& op : trace.ops) {
+    if (wanted.count(op.name) == 0) continue;
+    const bool has_parent = op.parent >= 0 && op.parent < n;
+    ops.push_back({{"id", op.id},
+                   {"name", op.name},
+                   {"phase", to_string(op.phase)},
+                   {"parent", op.parent},
+                   {"parent_name", has_parent ? trace.ops[static_cast<size_t>(op.parent)].name : std::string()},
+                   {"module", op.module},
+                   {"inputs", values_to_json(op.inputs)}});
+  }
+  json j;
+  j["ops"] = std::move(ops);
+  return j.dump();
+}
 
 std::string trace_to_json(const Trace& trace, int indent) {
   json j;

@@ -577,9 +577,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's
             # measured at the target batch (under tensor parallelism the calls are split: not measured).
             from . import _op_workspace
-            ws, op_skipped = _op_workspace.measure_quietly(json.loads(largest_probe.to_json()),
-                                                  json.loads(previous_probe.to_json()), probe_batches[-1],
-                                                  probe_batches[-2], per_rank)
+            ws, op_skipped = _op_workspace.measure_quietly(largest_probe, previous_probe, probe_batches[-1],
+                                                           probe_batches[-2], per_rank)
             if ws:
                 forecaster.set_op_workspaces(ws, per_rank)
     finally:

@@ -55,16 +55,21 @@ def _strides(shape: list, recorded: list) -> list:
 
 
 def _matmuls(doc: dict) -> list:
-    """(index, op) of a trace document's CPU-or-other matrix-multiply calls not nested in another, in order."""
+    """(index, op) of a trace document's matrix-multiply calls not nested in another, in order: a whole document
+    (an op's index is its position), or Trace.ops_json(_MATMULS)'s (ops with their id and their parent's name)."""
     ops = doc.get("ops", [])
     out = []
     for i, op in enumerate(ops):
         if op.get("name") not in _MATMULS:
             continue
-        parent = op.get("parent", -1)
-        if isinstance(parent, int) and 0 <= parent < len(ops) and ops[parent].get("name") in _MATMULS:
+        if "parent_name" in op:
+            parent_name = op["parent_name"]
+        else:
+            parent = op.get("parent", -1)
+            parent_name = ops[parent].get("name") if isinstance(parent, int) and 0 <= parent < len(ops) else None
+        if parent_name in _MATMULS:
             continue  # inside a call measured with it
-        out.append((i, op))
+        out.append((op.get("id", i), op))
     return out
 
 
@@ -143,10 +148,12 @@ def measure(calls: dict, max_bytes: int = 1 << 30, max_flops: int = 4 << 30) -> 
     return out, skipped
 
 
-def measure_quietly(ref_doc: dict, prev_doc: dict, ref_batch: int, prev_batch: int, batch: int) -> tuple[dict, list]:
-    """measure() of matmul_calls(); any failure leaves the forecast to the probes' scratch."""
+def measure_quietly(ref: Any, prev: Any, ref_batch: int, prev_batch: int, batch: int) -> tuple[dict, list]:
+    """measure() of matmul_calls() over two probes' traces (torch.classes.gpucast.Trace); any failure leaves the
+    forecast to the probes' scratch."""
     try:
-        calls, skipped = matmul_calls(ref_doc, prev_doc, ref_batch, prev_batch, batch)
+        calls, skipped = matmul_calls(json.loads(ref.ops_json(list(_MATMULS))),
+                                      json.loads(prev.ops_json(list(_MATMULS))), ref_batch, prev_batch, batch)
         ws, not_measured = measure(calls)
         return ws, skipped + not_measured
     except Exception as e:  # the forecast must not fail for this

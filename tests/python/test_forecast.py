@@ -562,3 +562,20 @@ def test_gpucasts_own_models_are_not_the_jobs_memory():
         "forecast_after_another('gpt', 16, 'lstm', 48)")
     assert owned > 0
     assert allocated == measured
+
+
+def test_a_trace_lists_the_ops_asked_for_alone():
+    # What the matrix-multiply measurement reads of a probe: the named ops only, with their index in the whole
+    # document and their parent's name, instead of the whole document (14 MB for a ViT-tiny probe).
+    lin = torch.nn.Linear(8, 4)
+    x = torch.ones(3, 8)
+    with gpucast.trace() as t:
+        lin(x).sum().backward()
+    whole = json.loads(t.result.to_json())["ops"]
+    some = json.loads(t.result.handle.ops_json(["aten::mm", "aten::addmm"]))["ops"]
+    expected = [(i, op["name"], op["phase"], op["parent"],
+                 whole[op["parent"]]["name"] if op["parent"] >= 0 else "", op["inputs"])
+                for i, op in enumerate(whole) if op["name"] in ("aten::mm", "aten::addmm")]
+    assert [(o["id"], o["name"], o["phase"], o["parent"], o["parent_name"], o["inputs"]) for o in some] == expected
+    assert [o["name"] for o in some] == ["aten::addmm", "aten::mm"]  # the forward, the weight's gradient
+    assert sorted(some[0]) == ["id", "inputs", "module", "name", "parent", "parent_name", "phase"]

@@ -3,12 +3,16 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "gpucast/trace.h"
 
 namespace gpucast {
 
 std::string trace_to_json(const Trace& trace, int indent = -1);
+// The ops named in `names` only, each with its id (its index), name, phase, parent (index and name), module and
+// inputs: {"ops": [...]}, a fraction of the whole document for a large trace.
+std::string ops_to_json(const Trace& trace, const std::vector<std::string>& names);
 // Throws UserError naming the position of malformed JSON, an unsupported schema_version, or the
 // missing/ill-typed field; `source` (a path, or "<string>") is named in the message.
 Trace trace_from_json(std::string_view text, std::string_view source = "<string>");
