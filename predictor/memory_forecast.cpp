@@ -119,6 +119,25 @@ struct Stream {
 
 int64_t initial_ref(size_t i) { return -2 - static_cast<int64_t>(i); }
 
+// The allocations a call frees before it returns (its scratch): refs allocated and freed by entries of the same
+// call, `call_of` naming each entry's call (`none` outside any).
+template <class Key, class CallOf>
+std::unordered_set<int64_t> freed_in_their_call(const std::vector<Entry>& entries, const Key& none, CallOf call_of) {
+  std::map<int64_t, Key> alloc_call;  // ref -> call that allocated it
+  for (const Entry& e : entries) {
+    if (!e.alloc) continue;
+    const Key k = call_of(e);
+    if (k != none) alloc_call[e.ref] = k;
+  }
+  std::unordered_set<int64_t> out;
+  for (const Entry& e : entries) {
+    if (e.alloc) continue;
+    auto it = alloc_call.find(e.ref);
+    if (it != alloc_call.end() && it->second == call_of(e)) out.insert(e.ref);
+  }
+  return out;
+}
+
 Stream extract(const Trace& t, const std::string& device, const std::unordered_set<uint64_t>& exclude) {
   Stream s;
   // Iteration boundaries: the end of each optimizer step.
@@ -1203,16 +1222,7 @@ class Forecaster {
     const std::vector<int64_t>& call = conv_call_of();
     if (call.empty()) return;
     auto call_of = [&](const Entry& e) { return e.op >= 0 && e.op < static_cast<int64_t>(call.size()) ? call[e.op] : kNone; };
-    std::unordered_map<int64_t, int64_t> alloc_call;  // ref -> convolution call that allocated it
-    for (const Entry& e : p.entries) {
-      if (e.alloc && call_of(e) != kNone) alloc_call[e.ref] = call_of(e);
-    }
-    std::unordered_set<int64_t> scratch;  // allocated and freed within the same call
-    for (const Entry& e : p.entries) {
-      if (e.alloc) continue;
-      auto it = alloc_call.find(e.ref);
-      if (it != alloc_call.end() && it->second == call_of(e)) scratch.insert(e.ref);
-    }
+    const std::unordered_set<int64_t> scratch = freed_in_their_call(p.entries, kNone, call_of);
     // The last kept allocation of each call (a call: its op and iteration).
     std::map<std::pair<int64_t, int>, size_t> last_of;
     for (size_t i = 0; i < p.entries.size(); ++i) {
@@ -1245,24 +1255,17 @@ class Forecaster {
         }
       }
     }
-    auto call_of = [&](const Entry& e) -> std::pair<int64_t, int> {
-      if (e.op < 0 || e.op >= n || op_call_of_[e.op] == kNone) return {kNone, 0};
+    using Call = std::pair<int64_t, int>;  // a call instance: its op and iteration
+    const Call none{kNone, 0};
+    auto call_of = [&](const Entry& e) -> Call {
+      if (e.op < 0 || e.op >= n || op_call_of_[e.op] == kNone) return none;
       return {op_call_of_[e.op], e.iteration};
     };
-    std::map<int64_t, std::pair<int64_t, int>> alloc_call;  // ref -> call instance that allocated it
-    for (const Entry& e : p.entries) {
-      if (e.alloc && call_of(e).first != kNone) alloc_call[e.ref] = call_of(e);
-    }
-    std::unordered_set<int64_t> scratch;  // allocated and freed inside the same call instance
-    for (const Entry& e : p.entries) {
-      if (e.alloc) continue;
-      auto it = alloc_call.find(e.ref);
-      if (it != alloc_call.end() && it->second == call_of(e)) scratch.insert(e.ref);
-    }
+    const std::unordered_set<int64_t> scratch = freed_in_their_call(p.entries, none, call_of);
     std::map<std::pair<int64_t, int>, size_t> last;  // call instance -> its last remaining entry
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
-      if (call_of(e).first != kNone && scratch.count(e.ref) == 0) last[call_of(e)] = i;
+      if (call_of(e) != none && scratch.count(e.ref) == 0) last[call_of(e)] = i;
     }
     std::vector<uint8_t> after(p.entries.size(), 0);
     for (const auto& [call, i] : last) after[i] = 1;
