@@ -556,10 +556,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             del batch
             state.restore()
 
-        for b in _kernel_probes(timings, batch_size, parallel, target, probe_device, design):
+        for b in _kernel_probes(timings, per_rank, target, probe_device, design):
             timing_probe(b)
             kernel_probes.append(b)
-        for b in _reach_probes(timings, batch_size, parallel, target, probe_device, design):
+        for b in _reach_probes(timings, per_rank, target, probe_device, design):
             timing_probe(b)
             reach_probes.append(b)
         if (largest_probe is not None and model is not None and target != "cpu" and probe_device.startswith("cuda")
@@ -629,17 +629,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     return fc
 
 
-def _timing_probe_target(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
-                         design: list) -> int | None:
+def _timing_probe_target(timings: list, per_rank: int, target: str, probe_device: str, design: list) -> int | None:
     """Each rank's batch where timing-only probes may be added (CPU probes for a CPU target, batch probes only);
     None elsewhere."""
     if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
         return None
-    p = parallel or {}
-    try:
-        return batch_size // max(1, int(p.get("dp", 1)) * int(p.get("micro_batches", 1)))
-    except (TypeError, ValueError):
-        return None  # the forecaster's parser reports the bad value, naming the key
+    return per_rank
 
 
 # PyTorch's CPU convolution runs 1x1, stride-1 kernels on one thread through im2col (thnn_conv2d) below this
@@ -647,13 +642,12 @@ def _timing_probe_target(timings: list, batch_size: int, parallel: dict | None, 
 _MKLDNN_CONV_MIN_BATCH = 16
 
 
-def _kernel_probes(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
-                   design: list) -> list:
+def _kernel_probes(timings: list, per_rank: int, target: str, probe_device: str, design: list) -> list:
     """Batch sizes to time in addition to the probes, so that every layer is timed on the kernels the target
     batch runs: where the probes' convolutions took the CPU im2col path and the per-rank target batch is at
     least 16, probes at 16 and at 24 (when the target is that large). Timing only: the memory forecast keeps
     the probes' traces."""
-    per_rank = _timing_probe_target(timings, batch_size, parallel, target, probe_device, design)
+    per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design)
     largest = max(b for b, _ in design)
     if per_rank is None or per_rank < _MKLDNN_CONV_MIN_BATCH or largest >= _MKLDNN_CONV_MIN_BATCH:
         return []
@@ -674,12 +668,11 @@ _REACH = 3
 _REACH_BUDGET_S = 1.0
 
 
-def _reach_probes(timings: list, batch_size: int, parallel: dict | None, target: str, probe_device: str,
-                  design: list) -> list:
+def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, design: list) -> list:
     """A batch size to time in addition, nearer a target far beyond the probes: half the per-rank target where the
     target is more than _REACH times the largest probe and the probes forecast the step at that half under
     _REACH_BUDGET_S."""
-    per_rank = _timing_probe_target(timings, batch_size, parallel, target, probe_device, design)
+    per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design)
     largest = max((json.loads(x)["batch"] for x in timings), default=0)
     if per_rank is None or per_rank <= _REACH * largest:
         return []

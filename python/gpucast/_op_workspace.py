@@ -55,22 +55,10 @@ def _strides(shape: list, recorded: list) -> list:
 
 
 def _matmuls(doc: dict) -> list:
-    """(index, op) of a trace document's matrix-multiply calls not nested in another, in order: a whole document
-    (an op's index is its position), or Trace.ops_json(_MATMULS)'s (ops with their id and their parent's name)."""
-    ops = doc.get("ops", [])
-    out = []
-    for i, op in enumerate(ops):
-        if op.get("name") not in _MATMULS:
-            continue
-        if "parent_name" in op:
-            parent_name = op["parent_name"]
-        else:
-            parent = op.get("parent", -1)
-            parent_name = ops[parent].get("name") if isinstance(parent, int) and 0 <= parent < len(ops) else None
-        if parent_name in _MATMULS:
-            continue  # inside a call measured with it
-        out.append((op.get("id", i), op))
-    return out
+    """(op index, op) of the matrix-multiply calls not nested in another, in order, from Trace.ops_json(_MATMULS)'s
+    document (each op with its index, id, and its parent's name)."""
+    return [(op["id"], op) for op in doc.get("ops", [])
+            if op.get("name") in _MATMULS and op.get("parent_name") not in _MATMULS]
 
 
 def matmul_calls(ref_doc: dict, prev_doc: dict, ref_batch: int, prev_batch: int, batch: int) -> tuple[dict, list]:

@@ -498,8 +498,8 @@ def test_bfloat16_attention_whose_buffers_count_by_the_batch_is_scaled():
     assert abs(allocated - measured) / measured < 0.001
 
 
-def _mm(shapes, strides, dtype="bfloat16", device="cpu", parent=-1, name="aten::mm"):
-    return {"name": name, "parent": parent, "module": "Net.fc",
+def _mm(shapes, strides, dtype="bfloat16", device="cpu", parent="", name="aten::mm"):
+    return {"name": name, "parent_name": parent, "module": "Net.fc",
             "inputs": [{"kind": "tensor", "shape": s, "strides": st, "dtype": dtype, "device": device}
                        for s, st in zip(shapes, strides)] + [{"kind": "scalar", "value": 1.0}]}
 
@@ -511,12 +511,14 @@ def test_matrix_multiplies_are_run_at_the_target_batchs_shapes():
     # rows do not grow by a whole number per sample.
     def doc(b):
         rows = 17 * b
-        return {"ops": [_mm([[192, rows], [rows, 192]], [[1, 192], [192, 1]]),
-                        _mm([[576], [rows, 192], [192, 576]], [[1], [192, 1], [1, 192]], name="aten::addmm"),
-                        _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], parent=1),
-                        _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], device="cuda:0"),
-                        _mm([[rows + (b == 8), 8], [8, 8]], [[8, 1], [8, 1]])]
-                        + [{"name": "aten::relu"}] * b}  # other ops, as many as the batch: not matched
+        ops = [_mm([[192, rows], [rows, 192]], [[1, 192], [192, 1]]),
+               _mm([[576], [rows, 192], [192, 576]], [[1], [192, 1], [1, 192]], name="aten::addmm"),
+               _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], parent="aten::addmm"),
+               _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], device="cuda:0"),
+               _mm([[rows + (b == 8), 8], [8, 8]], [[8, 1], [8, 1]])]
+        for i, op in enumerate(ops):
+            op["id"] = i  # as Trace.ops_json gives them: the op's index in the trace
+        return {"ops": ops + [{"name": "aten::relu"}] * b}  # other ops, as many as the batch: not matched
     different = doc(4)
     different["ops"] = different["ops"][1:]
     assert _op_workspace.matmul_calls(doc(8), different, 8, 4, 33) == (
