@@ -6,9 +6,11 @@ TimedLayers::TimedLayers(std::vector<std::string> layers) : layers_(std::move(la
   set_.insert(layers_.begin(), layers_.end());
 }
 
-bool op_device_timed(bool all, bool parent_timed, Phase phase, Scope scope, bool module_timed, bool seq_marked) {
+bool op_device_timed(bool all, bool parent_timed, Phase phase, Scope scope, bool module_timed, bool seq_marked,
+                     bool after_timed_node) {
   if (all || parent_timed || phase == Phase::Optimizer) return true;
   if (scope == Scope::BackwardFunction) return seq_marked;
+  if (phase == Phase::Backward) return after_timed_node;
   return phase == Phase::Forward && scope == Scope::Function && module_timed;
 }
 

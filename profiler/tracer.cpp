@@ -137,6 +137,9 @@ struct ThreadState {
   std::vector<char> module_timed;  // beside it: whether that module is a timed layer
   int backward_depth = 0;
   int optimizer_depth = 0;
+  // The last backward node this thread closed got device timers (reset where the engine's record around the
+  // next node opens): the engine's work after it, in the same record, is that node's.
+  bool last_node_timed = false;
   // Op names interned per thread, kept across traces (bounded by the number of distinct names).
   std::deque<std::string> names;
   std::unordered_map<std::string_view, int32_t> name_ids;
@@ -179,6 +182,7 @@ struct ThreadState {
     modules.clear();
     module_timed.clear();
     backward_depth = optimizer_depth = 0;
+    last_node_timed = false;
   }
   Phase phase() const {
     if (optimizer_depth > 0) return Phase::Optimizer;
@@ -369,12 +373,19 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (backward) ++ts->backward_depth;
     if (optimizer) ++ts->optimizer_depth;
     op.phase = ts->phase();  // a region's own record belongs to the region
+    // The engine's record around a node (not the node itself), and an op directly inside such a record outside
+    // its node (none open on this thread).
+    const bool engine_record = backward && op.scope != Scope::BackwardFunction;
+    const bool in_engine_record = !engine_record && op.scope == Scope::Function && ts->open_bwd_nodes.empty() &&
+                                  !ts->stack.empty() && ts->stack.back().backward;
+    if (engine_record) ts->last_node_timed = false;
     if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
     if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
       const bool module_timed = ts->module_timed.empty() ? s.outside_timed : ts->module_timed.back() != 0;
       const bool parent_timed = !ts->stack.empty() && ts->rec.ops[ts->stack.back().index].device_timed;
       op.device_timed = op_device_timed(s.timed.all(), parent_timed, op.phase, op.scope, module_timed,
-                                        op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr));
+                                        op.scope == Scope::BackwardFunction && s.marks.marked(op.seq_nr),
+                                        in_engine_record && ts->last_node_timed);
       if (op.scope == Scope::Function && op.phase == Phase::Forward) s.marks.mark(op.seq_nr, op.device_timed);
       if (op.device_timed) timer->op_begin((ts->slot << 32) | static_cast<uint64_t>(index));
     }
@@ -412,7 +423,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
       if (timer != nullptr && op.device_timed) timer->op_end((ts->slot << 32) | static_cast<uint64_t>(open.index));
       if (open.backward) --ts->backward_depth;
       if (open.optimizer) --ts->optimizer_depth;
-      if (op.scope == Scope::BackwardFunction && !ts->open_bwd_nodes.empty()) ts->open_bwd_nodes.pop_back();
+      if (op.scope == Scope::BackwardFunction && !ts->open_bwd_nodes.empty()) {
+        ts->open_bwd_nodes.pop_back();
+        ts->last_node_timed = op.device_timed;
+      }
       op.end_ns = t;
       op.end_seq = seq;
       if (stack.size() + 1 == pos) {

@@ -394,8 +394,12 @@ TEST(SparseTiming, WhichOpsGetDeviceTimers) {
   // Backward nodes by the forward op that made them, not by a module (backward runs outside module scopes).
   EXPECT_TRUE(op_device_timed(false, false, P::Backward, S::BackwardFunction, false, true));
   EXPECT_FALSE(op_device_timed(false, false, P::Backward, S::BackwardFunction, true, false));
-  // A backward op outside any node (engine bookkeeping) is not a chosen layer's.
+  // A backward op outside any node (engine bookkeeping) is not a chosen layer's...
   EXPECT_FALSE(op_device_timed(false, false, P::Backward, S::Function, true, false));
+  // ... unless it is the engine's work after a timed node, in the record around that node (a bias's gradient
+  // reduced to its shape).
+  EXPECT_TRUE(op_device_timed(false, false, P::Backward, S::Function, false, false, true));
+  EXPECT_FALSE(op_device_timed(false, false, P::Forward, S::Function, false, false, true));
   // The optimizer step, always.
   EXPECT_TRUE(op_device_timed(false, false, P::Optimizer, S::UserScope, false, false));
   EXPECT_TRUE(op_device_timed(false, false, P::Optimizer, S::Function, false, false));

@@ -800,6 +800,64 @@ TEST(StepTime, GradientsMadeOutsideANodeBelongToTheNodeBeforeThem) {
   EXPECT_EQ(it.layers[2].grad_bytes, 0);
 }
 
+// The autograd engine's record around each node, with the engine's own work after the node inside it: the
+// reduction of a broadcast bias's gradient (aten::sum) belongs to the node's layer, in CPU and device clocks.
+Trace engine_records_trace(bool device, int64_t sum_device_ns) {
+  Trace t;
+  auto add = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t parent, int64_t node,
+                 int64_t fwd, int64_t start, int64_t end, int64_t dev) {
+    OpRecord o;
+    o.id = static_cast<int64_t>(t.ops.size());
+    o.name = name;
+    o.scope = scope;
+    o.phase = phase;
+    o.module = module;
+    o.parent = parent;
+    o.bwd_node = node;
+    o.fwd_op = fwd;
+    o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
+    o.start_ns = start;
+    o.end_ns = end;
+    o.start_seq = static_cast<uint64_t>(start);
+    o.end_seq = static_cast<uint64_t>(end);
+    o.device_ns = device ? dev : -1;
+    t.ops.push_back(o);
+    return o.id;
+  };
+  constexpr const char* kWrap = "autograd::engine::evaluate_function: AddmmBackward0";
+  const int64_t fa = add("aten::linear", Scope::Function, Phase::Forward, "Net.a", -1, -1, -1, 100, 200, 10);
+  const int64_t fb = add("aten::linear", Scope::Function, Phase::Forward, "Net.b", -1, -1, -1, 300, 500, 20);
+  const int64_t wb = add(kWrap, Scope::Function, Phase::Backward, "", -1, -1, -1, 600, 1400, 70);
+  const int64_t nb = add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", wb, -1, fb, 650, 1000, 50);
+  add("aten::mm", Scope::Function, Phase::Backward, "", nb, nb, -1, 700, 900, 50);
+  add("aten::sum", Scope::Function, Phase::Backward, "", wb, -1, -1, 1100, 1300, sum_device_ns);
+  const int64_t wa = add(kWrap, Scope::Function, Phase::Backward, "", -1, -1, -1, 1500, 2000, 40);
+  add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", wa, -1, fa, 1550, 1900, 40);
+  add("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer, "", -1, -1, -1, 2100, 2200, 5);
+  return t;
+}
+
+TEST(StepTime, TheEnginesWorkAfterANodeIsTheNodesLayers) {
+  const IterationTiming cpu = iteration_timing(engine_records_trace(false, 0), 1);
+  ASSERT_EQ(cpu.layers.size(), 2u);
+  EXPECT_EQ(cpu.layers[1].layer, "Net.b");
+  EXPECT_EQ(cpu.layers[1].backward_ns, 350 + 200);  // the node and the sum after it, not the engine's record
+  EXPECT_EQ(cpu.layers[1].backward_ops_all, 3);     // the node, the mm inside it, the sum
+  EXPECT_EQ(cpu.layers[0].backward_ns, 350);
+  EXPECT_EQ(cpu.other_ops, 2);                      // the engine's two records
+  EXPECT_EQ(cpu.wall_ns, 2100);
+  EXPECT_EQ(cpu.other_ns, 2100 - (100 + 200 + 550 + 350) - 100);
+  const IterationTiming dev = iteration_timing(engine_records_trace(true, 20), 1);
+  EXPECT_EQ(dev.clock, "device");
+  EXPECT_EQ(dev.layers[1].backward_ns, 50 + 20);
+  EXPECT_EQ(dev.layers[0].backward_ns, 40);
+  EXPECT_EQ(dev.optimizer_ns, 5);
+  // A sparse trace that left the sum untimed: no time from the host's clock in a device-clock layer.
+  const IterationTiming untimed = iteration_timing(engine_records_trace(true, -1), 1);
+  EXPECT_EQ(untimed.layers[1].backward_ns, 50);
+  EXPECT_EQ(untimed.layers[1].backward_ops_all, 3);
+}
+
 TEST(StepTime, ChoosesTheLayersToTimeByName) {
   const IterationTiming it = probes_with_outputs().back();
   ASSERT_EQ(it.layers.size(), 2u);

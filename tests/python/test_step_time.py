@@ -366,15 +366,21 @@ def test_device_timers_cover_the_chosen_layers_only():
     assert doc["timing_source"] == "cpu_spans" and doc["timed_layers"] == ["MLP.net.2"]
     ops = doc["ops"]
 
-    def layer(o):  # the op's own module, or (backward) its forward op's, or its enclosing op's
-        while True:
+    def layer(o):  # the op's own module, or (backward) its forward op's, or its enclosing op's; the engine's work
+        while True:  # outside a node, in the engine's record around that node (a bias's gradient summed): the node's
             if o["phase"] == "forward" and o["module"]:
                 return o["module"]
             if o["fwd_op"] >= 0:
                 return ops[o["fwd_op"]]["module"] or "(outside modules)"
             if o["parent"] < 0:
                 return "(outside modules)"
-            o = ops[o["parent"]]
+            parent = ops[o["parent"]]
+            if parent["name"].startswith("autograd::engine::evaluate_function") and o["scope"] == "function":
+                node = [x for x in ops if x["parent"] == parent["id"] and x["scope"] == "backward_function"]
+                if node:
+                    o = node[0]
+                    continue
+            o = parent
 
     timed = [o for o in ops if o["device_ns"] >= 0]
     untimed = [o for o in ops if o["device_ns"] < 0]
@@ -385,6 +391,10 @@ def test_device_timers_cover_the_chosen_layers_only():
     mine = [o for o in ops if o["phase"] != "optimizer" and layer(o) == "MLP.net.2"
             and (o["scope"] == "backward_function" or o["phase"] == "forward")]
     assert {o["name"] for o in mine} >= {"aten::linear", "aten::addmm", "AddmmBackward0"}
+    # The engine's reduction of the layer's bias gradient, after its node: timed with it.
+    assert any(o["name"] == "aten::sum" and o["phase"] == "backward" and o["device_ns"] >= 0 and
+               layer(o) == "MLP.net.2" for o in timed)
+    assert any(o["name"] == "aten::sum" and o["phase"] == "backward" and layer(o) == "MLP.net.0" for o in untimed)
     assert all(o["device_ns"] >= 0 for o in mine)
     assert any(layer(o) == "MLP.net.0" for o in untimed) and any(layer(o) == "MLP.net.4" for o in untimed)
     # Without a choice, every op carries a device time.

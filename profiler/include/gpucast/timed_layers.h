@@ -8,7 +8,9 @@
 //   - it runs inside a timed op (its kernels are part of that op's time), or
 //   - it belongs to the optimizer step, or
 //   - it is a forward op whose innermost module is a chosen layer, or
-//   - it is a backward node made by a timed forward op (found by its sequence number, SeqMarks).
+//   - it is a backward node made by a timed forward op (found by its sequence number, SeqMarks), or
+//   - it is work of the autograd engine's for a timed node, outside it: in the engine's record around that node,
+//     after it (a broadcast bias's gradient reduced to the bias's shape, a second gradient of a tensor added).
 // Plain C++: the tracer calls these inside RecordFunction callbacks (no allocation, no exception there).
 #pragma once
 
@@ -40,8 +42,10 @@ class TimedLayers {
 };
 
 // Whether one op gets device timers (see above). module_timed: its innermost module (or "(outside modules)")
-// is timed; seq_marked: for a backward node, the forward op with its sequence number was timed.
-bool op_device_timed(bool all, bool parent_timed, Phase phase, Scope scope, bool module_timed, bool seq_marked);
+// is timed; seq_marked: for a backward node, the forward op with its sequence number was timed; after_timed_node:
+// the op runs in the engine's record around a node, outside that node, which has run and was timed.
+bool op_device_timed(bool all, bool parent_timed, Phase phase, Scope scope, bool module_timed, bool seq_marked,
+                     bool after_timed_node = false);
 
 // Which forward sequence numbers were timed, for the backward nodes they make (possibly on another thread).
 // A fixed bitmap indexed by the sequence number modulo its size: lock-free, no allocation; every forward op
