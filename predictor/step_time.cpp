@@ -244,11 +244,16 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       (unit % 2 ? l.backward_ops_all : l.forward_ops_all) += n;
     }
   };
-  // The layer of the backward node an op of the engine's outside any node works for (null: none found).
+  // The layer of the backward node an op of the engine's outside any node works for: the node that ran before it
+  // in the same record of the engine's (null: none, or one linked to no forward op: AccumulateGrad, whose post
+  // hooks are DDP's reducer).
   std::string engine_name;
   auto engine_layer = [&](const OpRecord& op) -> const std::string* {
     const int64_t node = gradient_node(t, op);
-    if (node < 0 || t.ops[static_cast<size_t>(node)].scope != Scope::BackwardFunction) return nullptr;
+    if (node < 0 || t.ops[static_cast<size_t>(node)].scope != Scope::BackwardFunction ||
+        t.ops[static_cast<size_t>(node)].parent != op.parent) {
+      return nullptr;
+    }
     const int64_t fwd = t.ops[static_cast<size_t>(node)].fwd_op;
     if (fwd < 0) return nullptr;
     engine_name = t.ops[static_cast<size_t>(fwd)].module.empty() ? kOutside : t.ops[static_cast<size_t>(fwd)].module;
@@ -295,8 +300,9 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       if (l.backward_order < 0) l.backward_order = backward_rank++;
       count(op, 2 * static_cast<int64_t>(index[name]) + 1);
     } else if (const std::string* engine = inherited == -3 && op.phase == Phase::Backward &&
-                                           op.scope == Scope::Function && !holds_node[static_cast<size_t>(op.id)] &&
-                                           (top || holds_node[static_cast<size_t>(op.parent)])
+                                           op.scope == Scope::Function && !top &&
+                                           !holds_node[static_cast<size_t>(op.id)] &&
+                                           holds_node[static_cast<size_t>(op.parent)]
                                        ? engine_layer(op)
                                        : nullptr) {
       // The engine's own work for the node that ran just before it (gradient_node): that node's layer. With

@@ -851,26 +851,37 @@ Trace engine_records_trace(bool device, int64_t sum_device_ns) {
   const int64_t nb = add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", wb, -1, fb, 650, 1000, 50);
   add("aten::mm", Scope::Function, Phase::Backward, "", nb, nb, -1, 700, 900, 50);
   add("aten::sum", Scope::Function, Phase::Backward, "", wb, -1, -1, 1100, 1300, sum_device_ns);
-  const int64_t wa = add(kWrap, Scope::Function, Phase::Backward, "", -1, -1, -1, 1500, 2000, 40);
+  const int64_t wa = add(kWrap, Scope::Function, Phase::Backward, "", -1, -1, -1, 1500, 2000, 43);
+  add("aten::mul", Scope::Function, Phase::Backward, "", wa, -1, -1, 1505, 1540, 3);  // before its node: not its
   add("AddmmBackward0", Scope::BackwardFunction, Phase::Backward, "", wa, -1, fa, 1550, 1900, 40);
+  // AccumulateGrad (linked to no forward op) and a post hook of its (DDP's reducer copying the gradient into its
+  // bucket): the rest of the step, not the layer of the node before.
+  const int64_t wacc = add("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", Scope::Function,
+                           Phase::Backward, "", -1, -1, -1, 2001, 2080, 7);
+  add("torch::autograd::AccumulateGrad", Scope::BackwardFunction, Phase::Backward, "", wacc, -1, -1, 2005, 2020, 0);
+  add("aten::copy_", Scope::Function, Phase::Backward, "", wacc, -1, -1, 2030, 2070, 7);
   add("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer, "", -1, -1, -1, 2100, 2200, 5);
   return t;
 }
 
 TEST(StepTime, TheEnginesWorkAfterANodeIsTheNodesLayers) {
   const IterationTiming cpu = iteration_timing(engine_records_trace(false, 0), 1);
-  ASSERT_EQ(cpu.layers.size(), 2u);
+  ASSERT_EQ(cpu.layers.size(), 3u);
   EXPECT_EQ(cpu.layers[1].layer, "Net.b");
   EXPECT_EQ(cpu.layers[1].backward_ns, 350 + 200);  // the node and the sum after it, not the engine's record
   EXPECT_EQ(cpu.layers[1].backward_ops_all, 3);     // the node, the mm inside it, the sum
   EXPECT_EQ(cpu.layers[0].backward_ns, 350);
-  EXPECT_EQ(cpu.other_ops, 2);                      // the engine's two records
+  EXPECT_EQ(cpu.layers[0].backward_ops_all, 1);
+  EXPECT_EQ(cpu.layers[2].layer, "(outside modules)");  // AccumulateGrad's own time, as before
+  EXPECT_EQ(cpu.layers[2].backward_ns, 15);
+  EXPECT_EQ(cpu.other_ops, 5);  // the engine's three records, the mul before a node, the copy after AccumulateGrad
   EXPECT_EQ(cpu.wall_ns, 2100);
-  EXPECT_EQ(cpu.other_ns, 2100 - (100 + 200 + 550 + 350) - 100);
+  EXPECT_EQ(cpu.other_ns, 2100 - (100 + 200 + 550 + 350 + 15) - 100);
   const IterationTiming dev = iteration_timing(engine_records_trace(true, 20), 1);
   EXPECT_EQ(dev.clock, "device");
   EXPECT_EQ(dev.layers[1].backward_ns, 50 + 20);
   EXPECT_EQ(dev.layers[0].backward_ns, 40);
+  EXPECT_EQ(dev.layers[2].backward_ns, 0);
   EXPECT_EQ(dev.optimizer_ns, 5);
   // A sparse trace that left the sum untimed: no time from the host's clock in a device-clock layer.
   const IterationTiming untimed = iteration_timing(engine_records_trace(true, -1), 1);
