@@ -89,6 +89,9 @@ struct CuptiApi {
 };
 
 constexpr size_t kBufferBytes = 8 * 1024 * 1024;
+// At most this much held in record buffers at once (about 900,000 kernel launches with their API and external
+// correlation records): a trace window left open over many iterations must not grow the process without bound.
+constexpr size_t kMaxBufferBytes = 32 * kBufferBytes;
 // External correlation records come with the API records of the launches (runtime and driver): without those
 // two kinds enabled, kernels were recorded in the first GPU runs but no external correlation was. The API
 // records themselves are read past.
@@ -99,14 +102,23 @@ constexpr CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, 
 // Completed buffers, filled by CUPTI's thread.
 std::mutex g_buffers_mu;
 std::vector<std::pair<uint8_t*, size_t>> g_buffers;
+BufferBudget g_budget(kMaxBufferBytes);
 
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
-  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
-  *size = *buffer != nullptr ? kBufferBytes : 0;
+  *buffer = nullptr;  // no buffer: CUPTI drops the records
+  *size = 0;
   *max_records = 0;
+  if (!g_budget.take(kBufferBytes)) return;
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  if (*buffer == nullptr) {
+    g_budget.give(kBufferBytes);
+    return;
+  }
+  *size = kBufferBytes;
 }
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  if (buffer == nullptr) return;
   std::lock_guard<std::mutex> g(g_buffers_mu);
   g_buffers.emplace_back(buffer, valid);
 }
@@ -125,6 +137,7 @@ class CuptiTimer final : public DeviceTimer {
       return {TimerStart::Status::Busy, api_->error(r)};
     }
     if (r != CUPTI_SUCCESS) return {TimerStart::Status::Unavailable, "cuptiSubscribe: " + api_->error(r)};
+    g_budget.clear_refused();
     r = api_->register_callbacks(&buffer_requested, &buffer_completed);
     for (CUpti_ActivityKind k : kKinds) {
       if (r == CUPTI_SUCCESS) r = api_->enable(k);
@@ -192,6 +205,7 @@ class CuptiTimer final : public DeviceTimer {
         }
       }
       std::free(buf);
+      g_budget.give(kBufferBytes);
     }
     std::vector<DeviceSpan> out;
     for (const Pending& p : pending) {
@@ -206,6 +220,11 @@ class CuptiTimer final : public DeviceTimer {
                           api_records_, external.size(), out.size(),
                           synced == cudaSuccess ? "" : fmt::format("; cudaDeviceSynchronize: {}",
                                                                    cudaGetErrorString(synced)));
+    if (const size_t refused = g_budget.refused(); refused > 0) {
+      report_ += fmt::format("; {} record buffer(s) refused at the {} MiB bound: the window's later device work "
+                             "was not recorded (a shorter trace window times it all)",
+                             refused, kMaxBufferBytes >> 20);
+    }
     return out;
   }
 

@@ -99,6 +99,23 @@ std::vector<int64_t> inclusive_device_times(const std::vector<int32_t>& parent, 
   return own;
 }
 
+bool BufferBudget::take(size_t bytes) noexcept {
+  size_t now = held_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit_ || now > limit_ - bytes) {
+      refused_.fetch_add(1, std::memory_order_relaxed);
+      return false;
+    }
+  } while (!held_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+void BufferBudget::give(size_t bytes) noexcept {
+  size_t now = held_.load(std::memory_order_relaxed);
+  while (!held_.compare_exchange_weak(now, now >= bytes ? now - bytes : 0, std::memory_order_relaxed)) {
+  }
+}
+
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans) {
   std::unordered_map<uint64_t, int64_t> out;
   for (const DeviceSpan& s : spans) out[s.op_key] += std::max<int64_t>(0, s.end_ns - s.start_ns);

@@ -380,6 +380,30 @@ TEST(SparseTiming, NoChoiceTimesEveryLayer) {
   EXPECT_EQ(some.layers(), (std::vector<std::string>{"Net.fc", "(outside modules)"}));
 }
 
+TEST(DeviceTimer, RecordBuffersAreBounded) {
+  // CUPTI's record buffers: 3 of 8 bytes fit under 25; the fourth is refused (CUPTI drops its records) until one
+  // is given back; refusals are counted for the trace's notes.
+  BufferBudget budget(25);
+  EXPECT_TRUE(budget.take(8));
+  EXPECT_TRUE(budget.take(8));
+  EXPECT_TRUE(budget.take(8));
+  EXPECT_EQ(budget.held(), 24u);
+  EXPECT_FALSE(budget.take(8));
+  EXPECT_FALSE(budget.take(8));
+  EXPECT_EQ(budget.refused(), 2u);
+  EXPECT_EQ(budget.held(), 24u);
+  budget.give(8);
+  EXPECT_TRUE(budget.take(8));
+  EXPECT_FALSE(budget.take(26));  // larger than the bound itself
+  EXPECT_EQ(budget.refused(), 3u);
+  budget.clear_refused();
+  EXPECT_EQ(budget.refused(), 0u);
+  for (int i = 0; i < 3; ++i) budget.give(8);
+  EXPECT_EQ(budget.held(), 0u);
+  budget.give(8);  // more than held: never below zero
+  EXPECT_EQ(budget.held(), 0u);
+}
+
 TEST(SparseTiming, WhichOpsGetDeviceTimers) {
   using P = Phase;
   using S = Scope;

@@ -5,6 +5,8 @@
 // says which source it used in the trace. Without a CUDA device, ops carry CPU clock times only.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -59,6 +61,26 @@ struct TimerChoice {
 // used in this process (an earlier trace's CUPTI attributed nothing to ops); empty: it may be.
 TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::unique_ptr<DeviceTimer> cupti,
                                 std::unique_ptr<DeviceTimer> events, const std::string& cupti_set_aside = "");
+
+// A bound on the memory a device-timing backend holds for its records while a trace runs (CUPTI asks for record
+// buffers as it fills them, for every kernel and API call of the window, also past the tracer's op bound): take()
+// says whether one more buffer fits, and counts the ones refused (CUPTI then drops those records). Thread-safe
+// and lock-free: CUPTI asks from its own threads and from the launching ones.
+class BufferBudget {
+ public:
+  explicit BufferBudget(size_t limit_bytes) : limit_(limit_bytes) {}
+  bool take(size_t bytes) noexcept;
+  void give(size_t bytes) noexcept;
+  size_t held() const noexcept { return held_.load(std::memory_order_relaxed); }
+  size_t refused() const noexcept { return refused_.load(std::memory_order_relaxed); }
+  size_t limit() const noexcept { return limit_; }
+  void clear_refused() noexcept { refused_.store(0, std::memory_order_relaxed); }
+
+ private:
+  const size_t limit_;
+  std::atomic<size_t> held_{0};
+  std::atomic<size_t> refused_{0};
+};
 
 // Device nanoseconds per op key (sum of its spans).
 std::unordered_map<uint64_t, int64_t> device_time_by_op(const std::vector<DeviceSpan>& spans);
