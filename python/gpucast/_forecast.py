@@ -897,8 +897,8 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     _note_default_link(tf, link, target)
     if not tf.per_layer:
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
-               "forward and backward inside its step, whose time is then the optimizer's, the probes' mean, and is "
-               "not scaled to the batch")
+               "forward and backward inside its step, whose time is then the optimizer's, the time of the probe "
+               "nearest the batch in size, not scaled to the batch")
         tf.notes.insert(0, msg)
         warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
     if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
