@@ -73,8 +73,11 @@ std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device
                   (p.scope == Scope::Function && p.name.rfind("autograd::engine::", 0) == 0);
     }
     if (op.scope == Scope::UserScope || op.name.rfind("autograd::engine::", 0) == 0) continue;
-    LayerStat& s = by_module[key(op.module)];
-    s.module = key(op.module);
+    // The engine's own work for a node (a bias's gradient summed after it) is the node's layer's.
+    const int64_t node = op.module.empty() ? engine_work_node(trace, op) : -1;
+    const std::string module = key(node >= 0 ? trace.ops[static_cast<size_t>(node)].module : op.module);
+    LayerStat& s = by_module[module];
+    s.module = module;
     ++s.ops;
     if (outermost) s.time_ns += std::max<int64_t>(op.end_ns - op.start_ns, 0);
   }

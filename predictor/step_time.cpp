@@ -216,17 +216,10 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     }
     launches[i] = !under_launch[i] && op.name.rfind("aten::", 0) == 0 && !launches_nothing(op.name);
   }
-  // The autograd engine's records around a node ("autograd::engine::evaluate_function: ..."): ops with a backward
-  // node inside them. What such a record runs outside its node (a broadcast bias's gradient reduced to the
-  // bias's shape, a second gradient of one tensor added to the first) is work for that node's layer.
-  std::vector<uint8_t> holds_node(t.ops.size(), 0);
+  // With device clocks, an op without one (left untimed by a sparse trace) adds no time where it joins a layer.
   bool device_clock = false;
   for (const OpRecord& op : t.ops) {
-    if (op.start_seq <= lo || op.end_seq > hi || !op.complete) continue;
-    device_clock = device_clock || op.device_ns >= 0;
-    if (op.scope == Scope::BackwardFunction && op.parent >= 0 && static_cast<size_t>(op.parent) < t.ops.size()) {
-      holds_node[static_cast<size_t>(op.parent)] = 1;
-    }
+    if (op.start_seq > lo && op.end_seq <= hi && op.complete) device_clock = device_clock || op.device_ns >= 0;
   }
   int64_t launching = 0;
   // An op counts with the ops inside it that a trace without nested ops counted instead of recording.
@@ -243,21 +236,6 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       LayerTiming& l = it.layers[static_cast<size_t>(unit / 2)];
       (unit % 2 ? l.backward_ops_all : l.forward_ops_all) += n;
     }
-  };
-  // The layer of the backward node an op of the engine's outside any node works for: the node that ran before it
-  // in the same record of the engine's (null: none, or one linked to no forward op: AccumulateGrad, whose post
-  // hooks are DDP's reducer).
-  std::string engine_name;
-  auto engine_layer = [&](const OpRecord& op) -> const std::string* {
-    const int64_t node = gradient_node(t, op);
-    if (node < 0 || t.ops[static_cast<size_t>(node)].scope != Scope::BackwardFunction ||
-        t.ops[static_cast<size_t>(node)].parent != op.parent) {
-      return nullptr;
-    }
-    const int64_t fwd = t.ops[static_cast<size_t>(node)].fwd_op;
-    if (fwd < 0) return nullptr;
-    engine_name = t.ops[static_cast<size_t>(fwd)].module.empty() ? kOutside : t.ops[static_cast<size_t>(fwd)].module;
-    return &engine_name;
   };
   for (const OpRecord& op : t.ops) {
     if (op.start_seq <= lo || op.end_seq > hi || !op.complete || is_iteration_end_marker(op)) continue;
@@ -299,15 +277,10 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       l.backward_ns += duration(op);
       if (l.backward_order < 0) l.backward_order = backward_rank++;
       count(op, 2 * static_cast<int64_t>(index[name]) + 1);
-    } else if (const std::string* engine = inherited == -3 && op.phase == Phase::Backward &&
-                                           op.scope == Scope::Function && !top &&
-                                           !holds_node[static_cast<size_t>(op.id)] &&
-                                           holds_node[static_cast<size_t>(op.parent)]
-                                       ? engine_layer(op)
-                                       : nullptr) {
-      // The engine's own work for the node that ran just before it (gradient_node): that node's layer. With
-      // device clocks an op left untimed (a sparse trace's untimed layer) adds no time.
-      const std::string name = *engine;
+    } else if (const int64_t node = inherited == -3 ? engine_work_node(t, op) : -1; node >= 0) {
+      // The engine's own work for the node before it, in the same record: that node's layer.
+      const OpRecord& fwd = t.ops[static_cast<size_t>(t.ops[static_cast<size_t>(node)].fwd_op)];
+      const std::string name = fwd.module.empty() ? kOutside : fwd.module;
       LayerTiming& l = layer(name);
       if (!device_clock || op.device_ns >= 0) l.backward_ns += duration(op);
       count(op, 2 * static_cast<int64_t>(index[name]) + 1);

@@ -68,6 +68,17 @@ int64_t gradient_node(const Trace& t, const OpRecord& op) {
   return own;
 }
 
+int64_t engine_work_node(const Trace& t, const OpRecord& op) {
+  const auto n_ops = static_cast<int64_t>(t.ops.size());
+  if (op.phase != Phase::Backward || op.scope != Scope::Function || op.parent < 0 || op.parent >= n_ops) return -1;
+  const OpRecord& record = t.ops[static_cast<size_t>(op.parent)];
+  if (record.scope != Scope::Function || record.name.rfind("autograd::engine::evaluate_function", 0) != 0) return -1;
+  const int64_t node = gradient_node(t, op);
+  if (node < 0 || node >= n_ops) return -1;
+  const OpRecord& nd = t.ops[static_cast<size_t>(node)];
+  return nd.scope == Scope::BackwardFunction && nd.parent == op.parent && nd.fwd_op >= 0 ? node : -1;
+}
+
 std::vector<uint64_t> iteration_ends(const Trace& t) {
   std::vector<uint64_t> markers;
   std::vector<std::pair<uint64_t, uint64_t>> steps;  // (end, start)

@@ -6,6 +6,7 @@
 
 #include "gpucast/error.h"
 #include "user_error.h"
+#include "gpucast/memory_timeline.h"
 #include "gpucast/step_time.h"
 
 namespace gpucast {
@@ -887,6 +888,25 @@ TEST(StepTime, TheEnginesWorkAfterANodeIsTheNodesLayers) {
   const IterationTiming untimed = iteration_timing(engine_records_trace(true, -1), 1);
   EXPECT_EQ(untimed.layers[1].backward_ns, 50);
   EXPECT_EQ(untimed.layers[1].backward_ops_all, 3);
+}
+
+TEST(StepTime, TheTraceSummaryCountsTheEnginesWorkInTheNodesLayer) {
+  Trace t = engine_records_trace(false, 0);
+  for (OpRecord& op : t.ops) {  // as the tracer assembles them: a node and what runs in it take its forward's module
+    if (op.scope == Scope::BackwardFunction && op.fwd_op >= 0) op.module = t.ops[op.fwd_op].module;
+    if (op.name == "aten::mm") op.module = "Net.b";
+  }
+  EXPECT_EQ(engine_work_node(t, t.ops[5]), 3);   // the sum after Net.b's node
+  EXPECT_EQ(engine_work_node(t, t.ops[7]), -1);  // the mul before Net.a's node
+  EXPECT_EQ(engine_work_node(t, t.ops[11]), -1);  // the copy after AccumulateGrad
+  EXPECT_EQ(engine_work_node(t, t.ops[4]), -1);  // inside a node
+  std::map<std::string, LayerStat> by;
+  for (const LayerStat& s : layer_stats(t, "cpu")) by[s.module] = s;
+  EXPECT_EQ(by["Net.b"].time_ns, 200 + 350 + 200);  // forward, node, the sum
+  EXPECT_EQ(by["Net.b"].ops, 4);
+  EXPECT_EQ(by["Net.a"].time_ns, 100 + 350);
+  EXPECT_EQ(by["<no module>"].time_ns, 35 + 15 + 40);
+  EXPECT_EQ(by["<no module>"].ops, 3);
 }
 
 TEST(StepTime, ChoosesTheLayersToTimeByName) {

@@ -171,4 +171,11 @@ std::vector<uint64_t> iteration_ends(const Trace& t);
 // -1 where there is none; an op outside backward keeps its own node (or -1).
 int64_t gradient_node(const Trace& t, const OpRecord& op);
 
+// The autograd engine's own work for a node: an op directly inside the engine's record around a node
+// ("autograd::engine::evaluate_function: ..."), outside and after that node (a broadcast bias's gradient reduced
+// to the bias's shape, a second gradient of a tensor added to the first). Returns that node where it is linked to
+// a forward op, else -1 (not such an op; or AccumulateGrad's record, where DDP's reducer runs as a post hook).
+// Per-layer times and summaries count such work in the node's layer.
+int64_t engine_work_node(const Trace& t, const OpRecord& op);
+
 }  // namespace gpucast
