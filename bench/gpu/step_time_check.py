@@ -8,7 +8,10 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
                   time in the iteration (layers, optimizer and the ops outside both: the loss, zero_grad)
   sparse          the same iteration traced with a quarter of the layers timed (chosen by gpucast's D-optimal
                   design: timed_layers): ops with a device time, the timed layers' device times against the same
-                  layers' in the full trace, and the traced step's wall time over the untraced one for both traces
+                  layers' in the full trace (from a one-step window, and from the second iteration of a two-step
+                  one: whether a window's first kernels carry a cost of their own), and the traced step's wall
+                  time over the untraced one for both traces; the full trace's kernel time per iteration of its
+                  two-step window (window_iterations_kernel_ms) asks the same of every op
   on device       gpucast.forecast(target=<this GPU>) with probes on the GPU (measured kernel times): fc.time.step_ms
                   against measured; again with time_fraction=0.25 (sparse timing)
   CPU probes      gpucast.forecast(target=<this GPU>) with the same model and probes on the CPU (priced from the
@@ -88,6 +91,21 @@ def iteration_kernels_ms(doc: dict) -> float | None:
     ns = [o["device_ns"] for o in ops if o.get("parent", -1) < 0 and o.get("device_ns", -1) >= 0 and
           o["start_seq"] > lo and (hi is None or o["end_seq"] <= hi)]
     return sum(ns) / 1e6 if ns else None
+
+
+def window_iterations_kernels_ms(doc: dict) -> list[float]:
+    """Every op's device time in each complete iteration of a trace window, in order (iterations end at the
+    optimizer steps): the first iteration of a CUPTI window against the next shows whether the window's first
+    kernels carry a cost of their own (a one-step timing trace would then charge it to its first layers)."""
+    ops = doc.get("ops", [])
+    ends = sorted(o["end_seq"] for o in ops if o.get("depth") == 0 and o.get("name", "").startswith("Optimizer.step#"))
+    out, lo = [], -1
+    for hi in ends:
+        ns = [o["device_ns"] for o in ops if o.get("parent", -1) < 0 and o.get("device_ns", -1) >= 0 and
+              lo < o["start_seq"] and o["end_seq"] <= hi]
+        out.append(round(sum(ns) / 1e6, 3))
+        lo = hi
+    return out
 
 
 def profiler_kernels_ms(step, batch, runs: int = 3) -> tuple[float | None, int, str]:
@@ -189,6 +207,7 @@ def check(spec: str, args) -> dict:
     trace_notes = doc.get("notes", [])
     layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
     all_ops_ms = iteration_kernels_ms(doc) if source in ("cupti", "cuda_events") or args.stand_in else None
+    per_iteration = window_iterations_kernels_ms(doc) if all_ops_ms is not None else []
     save_trace(args, spec, doc, measured)
     del t, doc
     sparse = sparse_check(step, batch, b, it, args.device)
@@ -214,7 +233,8 @@ def check(spec: str, args) -> dict:
     return dict(case=spec, batch=b, measured_ms=round(measured, 3), iqr_ms=round(iqr, 3), timing_source=source,
                 ops=len(ops), ops_with_device_time=timed, layer_sum_ms=round(layers_ms, 3),
                 layer_sum_err_pct=pct(layers_ms, measured),
-                all_ops_kernel_ms=None if all_ops_ms is None else round(all_ops_ms, 3), gpu_probe_forecast_ms=on_target and round(on_target, 3),
+                all_ops_kernel_ms=None if all_ops_ms is None else round(all_ops_ms, 3),
+                window_iterations_kernel_ms=per_iteration, gpu_probe_forecast_ms=on_target and round(on_target, 3),
                 gpu_probe_err_pct=pct(on_target, measured),
                 gpu_sparse_forecast_ms=on_target_sparse and round(on_target_sparse, 3),
                 gpu_sparse_err_pct=pct(on_target_sparse, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
@@ -279,12 +299,23 @@ def sparse_check(step, batch, b: int, full: dict, device: str) -> dict:
     ops = doc.get("ops", [])
     it = json.loads(t.result.handle.iteration_timing(b))
     mine = {l["layer"]: l["forward_ns"] + l["backward_ns"] for l in it["layers"] if l["timed"]}
+    # The same choice over a two-step window, its second iteration (iteration_timing takes the last): whether the
+    # one-step window's chosen layers carry the window's first kernels' cost.
+    sync()
+    with gpucast.trace(record_shapes=False, memory=False, timed_layers=chosen) as t2:
+        step(batch)
+        step(batch)
+    sync()
+    it2 = json.loads(t2.result.handle.iteration_timing(b))
+    second = sum(l["forward_ns"] + l["backward_ns"] for l in it2["layers"] if l["timed"])
     theirs = {l["layer"]: l["forward_ns"] + l["backward_ns"] for l in full["layers"] if l["layer"] in mine}
     both = sum(theirs.values())
     return dict(layers=len(full["layers"]), timed_layers=len(chosen), timed_layers_found=len(mine),
                 ops=len(ops), ops_with_device_time=sum(1 for o in ops if o.get("device_ns", -1) >= 0),
                 chosen_ms=round(sum(mine.values()) / 1e6, 3), chosen_in_full_ms=round(both / 1e6, 3),
                 chosen_err_pct=pct(sum(mine.values()), both) if both > 0 else None,
+                chosen_second_iteration_ms=round(second / 1e6, 3),
+                chosen_second_iteration_err_pct=pct(second, both) if both > 0 else None,
                 untraced_ms=round(untraced, 3), all_timed_over_untraced=round(all_ms / untraced, 4),
                 sparse_over_untraced=round(sparse_ms / untraced, 4))
 
@@ -302,13 +333,15 @@ def report(rows: list, args) -> None:
               f"{f(r['gpu_probe_forecast_ms'], 10)} {f(r['gpu_probe_err_pct'], 7, 1)} "
               f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
     print(f"\n{'case':13} {'timed layers':>12} {'ops with device time':>21} {'chosen layers ms':>17} {'in full':>8} "
-          f"{'err %':>6} {'traced/untraced: all':>21} {'sparse':>7} {'sparse forecast err %':>22}")
+          f"{'err %':>6} {'2nd it. %':>9} {'traced/untraced: all':>21} {'sparse':>7} {'sparse forecast err %':>22}")
     for r in rows:
         s = r["sparse"]
         e = s["chosen_err_pct"]
+        e2 = s.get("chosen_second_iteration_err_pct")
         g = r["gpu_sparse_err_pct"]
         print(f"{r['case']:13} {s['timed_layers']:5d}/{s['layers']:<6d} {s['ops_with_device_time']:10d}/{s['ops']:<10d} "
               f"{s['chosen_ms']:17.3f} {s['chosen_in_full_ms']:8.3f} {'-' if e is None else f'{e:.1f}':>6} "
+              f"{'-' if e2 is None else f'{e2:.1f}':>9} "
               f"{s['all_timed_over_untraced']:21.3f} {s['sparse_over_untraced']:7.3f} "
               f"{'-' if g is None else f'{g:.1f}':>22}")
     prof = [r for r in rows if r.get("profiler")]
