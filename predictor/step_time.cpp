@@ -179,7 +179,6 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
   const std::vector<uint64_t> ends = iteration_ends(t);
   const uint64_t lo = ends.size() >= 2 ? ends[ends.size() - 2] : 0;
   const uint64_t hi = ends.empty() ? ~uint64_t{0} : ends.back();
-  bool device = false;
   int64_t first_ns = -1, last_ns = -1;
   std::map<std::string, size_t> index;
   auto layer = [&](const std::string& name) -> LayerTiming& {
@@ -216,10 +215,13 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     }
     launches[i] = !under_launch[i] && op.name.rfind("aten::", 0) == 0 && !launches_nothing(op.name);
   }
-  // With device clocks, an op without one (left untimed by a sparse trace) adds no time where it joins a layer.
-  bool device_clock = false;
+  // Device clocks: some op of the iteration carries a device time. An op without one (left untimed by a sparse
+  // trace) then adds no time where it joins a layer.
+  bool device = false;
   for (const OpRecord& op : t.ops) {
-    if (op.start_seq > lo && op.end_seq <= hi && op.complete) device_clock = device_clock || op.device_ns >= 0;
+    if (op.start_seq > lo && op.end_seq <= hi && op.complete && !is_iteration_end_marker(op)) {
+      device = device || op.device_ns >= 0;
+    }
   }
   int64_t launching = 0;
   // An op counts with the ops inside it that a trace without nested ops counted instead of recording.
@@ -244,7 +246,6 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
                                   : -3;
     if (first_ns < 0 || op.start_ns < first_ns) first_ns = op.start_ns;
     last_ns = std::max(last_ns, op.end_ns);
-    if (op.device_ns >= 0) device = true;
     if (is_im2col_conv(op.name)) ++it.im2col_conv_ops;
     const bool top = op.parent < 0;
     if (is_optimizer_step(op)) {
@@ -282,7 +283,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
       const OpRecord& fwd = t.ops[static_cast<size_t>(t.ops[static_cast<size_t>(node)].fwd_op)];
       const std::string name = fwd.module.empty() ? kOutside : fwd.module;
       LayerTiming& l = layer(name);
-      if (!device_clock || op.device_ns >= 0) l.backward_ns += duration(op);
+      if (!device || op.device_ns >= 0) l.backward_ns += duration(op);
       count(op, 2 * static_cast<int64_t>(index[name]) + 1);
     } else {
       count(op, inherited);

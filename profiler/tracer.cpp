@@ -373,14 +373,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (backward) ++ts->backward_depth;
     if (optimizer) ++ts->optimizer_depth;
     op.phase = ts->phase();  // a region's own record belongs to the region
-    // The engine's record around a node (not the node itself), and an op directly inside such a record outside
-    // its node (none open on this thread).
-    const bool engine_record = backward && op.scope != Scope::BackwardFunction;
-    const bool in_engine_record = !engine_record && op.scope == Scope::Function && ts->open_bwd_nodes.empty() &&
-                                  !ts->stack.empty() && ts->stack.back().backward;
-    if (engine_record) ts->last_node_timed = false;
     if (op.scope == Scope::BackwardFunction) ts->open_bwd_nodes.push_back(index);
     if (DeviceTimer* timer = s.active_timer.load(std::memory_order_acquire)) {
+      // The engine's record around a node (not the node itself), and an op directly inside such a record outside
+      // its node (none open on this thread).
+      const bool engine_record = backward && op.scope != Scope::BackwardFunction;
+      const bool in_engine_record = !backward && op.scope == Scope::Function && ts->open_bwd_nodes.empty() &&
+                                    !ts->stack.empty() && ts->stack.back().backward;
+      if (engine_record) ts->last_node_timed = false;
       const bool module_timed = ts->module_timed.empty() ? s.outside_timed : ts->module_timed.back() != 0;
       const bool parent_timed = !ts->stack.empty() && ts->rec.ops[ts->stack.back().index].device_timed;
       op.device_timed = op_device_timed(s.timed.all(), parent_timed, op.phase, op.scope, module_timed,

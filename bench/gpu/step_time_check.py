@@ -79,33 +79,28 @@ def measure(step, batch, device: str, n: int = 20) -> tuple[float, float]:
     return statistics.median(times), q[2] - q[0]
 
 
-def iteration_kernels_ms(doc: dict) -> float | None:
-    """Every op's device time in the last complete iteration of a trace (the ops outside any other op: layers,
-    the optimizer, the loss and the rest), the iteration as gpucast's iteration timing takes it: from the end of
-    the first optimizer step to the end of the last. None without device times."""
-    ops = doc.get("ops", [])
-    steps = sorted((o for o in ops if o.get("depth") == 0 and o.get("name", "").startswith("Optimizer.step#")),
-                   key=lambda o: o["end_seq"])
-    lo = steps[-2]["end_seq"] if len(steps) >= 2 else -1
-    hi = steps[-1]["end_seq"] if steps else None
-    ns = [o["device_ns"] for o in ops if o.get("parent", -1) < 0 and o.get("device_ns", -1) >= 0 and
-          o["start_seq"] > lo and (hi is None or o["end_seq"] <= hi)]
-    return sum(ns) / 1e6 if ns else None
-
-
-def window_iterations_kernels_ms(doc: dict) -> list[float]:
-    """Every op's device time in each complete iteration of a trace window, in order (iterations end at the
-    optimizer steps): the first iteration of a CUPTI window against the next shows whether the window's first
-    kernels carry a cost of their own (a one-step timing trace would then charge it to its first layers)."""
+def window_iterations_kernels_ms(doc: dict) -> list[float | None]:
+    """Every op's device time in each complete iteration of a trace window, in order (the ops outside any other op:
+    layers, the optimizer, the loss and the rest; iterations end at the optimizer steps, a window without one is
+    one iteration), None for an iteration without device times. The first iteration of a CUPTI window against the
+    next shows whether the window's first kernels carry a cost of their own (a one-step timing trace would then
+    charge it to its first layers)."""
     ops = doc.get("ops", [])
     ends = sorted(o["end_seq"] for o in ops if o.get("depth") == 0 and o.get("name", "").startswith("Optimizer.step#"))
     out, lo = [], -1
-    for hi in ends:
+    for hi in ends or [None]:
         ns = [o["device_ns"] for o in ops if o.get("parent", -1) < 0 and o.get("device_ns", -1) >= 0 and
-              lo < o["start_seq"] and o["end_seq"] <= hi]
-        out.append(round(sum(ns) / 1e6, 3))
+              o["start_seq"] > lo and (hi is None or o["end_seq"] <= hi)]
+        out.append(sum(ns) / 1e6 if ns else None)
         lo = hi
     return out
+
+
+def iteration_kernels_ms(doc: dict) -> float | None:
+    """Every op's device time in the last complete iteration of a trace, the iteration as gpucast's iteration
+    timing takes it: from the end of the last optimizer step but one to the end of the last. None without device
+    times."""
+    return window_iterations_kernels_ms(doc)[-1]
 
 
 def profiler_kernels_ms(step, batch, runs: int = 3) -> tuple[float | None, int, str]:
@@ -207,7 +202,8 @@ def check(spec: str, args) -> dict:
     trace_notes = doc.get("notes", [])
     layers_ms = (sum(l["forward_ns"] + l["backward_ns"] for l in it["layers"]) + it["optimizer_ns"]) / 1e6
     all_ops_ms = iteration_kernels_ms(doc) if source in ("cupti", "cuda_events") or args.stand_in else None
-    per_iteration = window_iterations_kernels_ms(doc) if all_ops_ms is not None else []
+    per_iteration = ([None if x is None else round(x, 3) for x in window_iterations_kernels_ms(doc)]
+                     if all_ops_ms is not None else [])
     save_trace(args, spec, doc, measured)
     del t, doc
     sparse = sparse_check(step, batch, b, it, args.device)

@@ -344,6 +344,19 @@ TEST(MemoryForecast, ScalesBySequenceLength) {
 namespace gpucast {
 namespace {
 
+// The end of conv_probe's and mm_probe's step: the backward node frees the activation (2048 b bytes at 0x100),
+// the gradient at 0x200 is tagged, the first SGD step creates 1024 bytes of state.
+Trace end_backward_and_step(Recorder& r, int64_t node, int64_t b, bool input_first = false) {
+  r.ev(0x100, -2048 * b, node, Phase::Backward);
+  r.end(node);
+  r.tag(0x200, Category::Gradient);
+  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x300, 1024, st, Phase::Optimizer);
+  r.end(st);
+  r.tag(0x300, Category::OptimizerState);
+  return r.finish(100 * b, input_first);
+}
+
 // A convolution step, batch b, probed on the CPU: aten::conv2d > aten::mkldnn_convolution allocates the
 // activation (2048 b bytes) and a scratch buffer it frees before returning (1024 b); the backward node's
 // aten::convolution_backward allocates the weight's gradient (1024) and scratch of 3072 b, freed inside;
@@ -372,14 +385,7 @@ Trace conv_probe(int64_t b, bool gpu = false, bool input_first = false) {
   r.ev(0x900, 3072 * b, bwd, Phase::Backward);
   r.ev(0x900, -3072 * b, bwd, Phase::Backward);
   r.end(bwd);
-  r.ev(0x100, -2048 * b, node, Phase::Backward);
-  r.end(node);
-  r.tag(0x200, Category::Gradient);
-  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
-  r.ev(0x300, 1024, st, Phase::Optimizer);
-  r.end(st);
-  r.tag(0x300, Category::OptimizerState);
-  return r.finish(100 * b, input_first);
+  return end_backward_and_step(r, node, b, input_first);
 }
 
 Trace gpu_conv_probe(int64_t b, bool input_first = false) { return conv_probe(b, true, input_first); }
@@ -464,14 +470,7 @@ Trace mm_probe(int64_t b) {
   r.ev(0x900, -3072 * b, mm, Phase::Backward);
   r.ev(0x200, 1024, mm, Phase::Backward);
   r.end(mm);
-  r.ev(0x100, -2048 * b, node, Phase::Backward);
-  r.end(node);
-  r.tag(0x200, Category::Gradient);
-  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
-  r.ev(0x300, 1024, st, Phase::Optimizer);
-  r.end(st);
-  r.tag(0x300, Category::OptimizerState);
-  return r.finish(100 * b);
+  return end_backward_and_step(r, node, b);
 }
 
 TEST(MemoryForecast, CpuTargetTakesTheMatrixMultipliesScratchMeasuredAtTheTargetBatch) {

@@ -767,27 +767,35 @@ TEST(StepTime, AnUntimedLayerWithoutABackwardPassIsPredictedWithoutOne) {
   EXPECT_DOUBLE_EQ(g.per_layer[1].backward_ms, f.per_layer[1].backward_ms);
 }
 
+// An op appended to t, linked to its enclosing op (parent), backward node (node) and forward op (fwd); its depth
+// one more than its parent's. The caller sets its clocks.
+OpRecord& push_op(Trace& t, const char* name, Scope scope, Phase phase, const char* module, int64_t parent,
+                  int64_t node, int64_t fwd) {
+  OpRecord o;
+  o.id = static_cast<int64_t>(t.ops.size());
+  o.name = name;
+  o.scope = scope;
+  o.phase = phase;
+  o.module = module;
+  o.parent = parent;
+  o.bwd_node = node;
+  o.fwd_op = fwd;
+  o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
+  t.ops.push_back(o);
+  return t.ops.back();
+}
+
 TEST(StepTime, GradientsMadeOutsideANodeBelongToTheNodeBeforeThem) {
   // Autograd's engine reduces a broadcast bias's gradient (aten::sum) outside any node, right after the node that
   // produced it; AccumulateGrad, linked to no forward op, may copy a gradient. Both belong to Net.b's node.
   Trace t;
   auto add = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t parent, int64_t node,
                  int64_t fwd) {
-    OpRecord o;
-    o.id = static_cast<int64_t>(t.ops.size());
-    o.name = name;
-    o.scope = scope;
-    o.phase = phase;
-    o.module = module;
-    o.parent = parent;
-    o.bwd_node = node;
-    o.fwd_op = fwd;
-    o.depth = parent >= 0 ? 1 : 0;
+    OpRecord& o = push_op(t, name, scope, phase, module, parent, node, fwd);
     o.start_seq = 10 * static_cast<uint64_t>(o.id) + 1;
     o.end_seq = o.start_seq + (parent >= 0 || scope == Scope::BackwardFunction ? 8 : 1);
     o.start_ns = static_cast<int64_t>(o.start_seq) * 100;
     o.end_ns = static_cast<int64_t>(o.end_seq) * 100;
-    t.ops.push_back(o);
     return o.id;
   };
   auto grad = [&](int64_t op, int64_t bytes) {
@@ -827,22 +835,12 @@ Trace engine_records_trace(bool device, int64_t sum_device_ns) {
   Trace t;
   auto add = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t parent, int64_t node,
                  int64_t fwd, int64_t start, int64_t end, int64_t dev) {
-    OpRecord o;
-    o.id = static_cast<int64_t>(t.ops.size());
-    o.name = name;
-    o.scope = scope;
-    o.phase = phase;
-    o.module = module;
-    o.parent = parent;
-    o.bwd_node = node;
-    o.fwd_op = fwd;
-    o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
+    OpRecord& o = push_op(t, name, scope, phase, module, parent, node, fwd);
     o.start_ns = start;
     o.end_ns = end;
     o.start_seq = static_cast<uint64_t>(start);
     o.end_seq = static_cast<uint64_t>(end);
     o.device_ns = device ? dev : -1;
-    t.ops.push_back(o);
     return o.id;
   };
   constexpr const char* kWrap = "autograd::engine::evaluate_function: AddmmBackward0";
