@@ -276,6 +276,10 @@ def main():
     args = ap.parse_args()
     if args.ddp_worker:
         return ddp_worker(args)
+    # The C allocator's settings move the CPU steps (README: where the CPU runs' spread comes from): say them.
+    malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if malloc_env:
+        print("malloc settings: " + ", ".join(f"{k}={v}" for k, v in sorted(malloc_env.items())))
     rows = cpu_cases(args.cases.split(","), args.iterations, args.fraction, args.repeats)
     mre = statistics.mean(abs(r["err_pct"]) for r in rows)
     mre_plain = statistics.mean(abs(r["no_gnn_err_pct"]) for r in rows)

@@ -697,6 +697,82 @@ TEST(StepTime, SparseTimingPredictsTheUntimedLayers) {
   EXPECT_EQ(err([&] { forecast_step_time(probes, o); }), "step time: design should be d-optimal or random, got 'best'");
 }
 
+// Net.b timed, Net.a untimed with the same work: the model prices Net.a as Net.b (about flat over the batch)
+// while Net.a's time grows 400 ns per sample, so each probe's rest (wall - optimizer - timed layers) less the
+// modelled Net.a falls below zero at batch 2 and rises above it at 4 and 8.
+std::vector<IterationTiming> anchoring_probes() {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4, 8}) {
+    IterationTiming it;
+    it.batch = b;
+    it.clock = "cpu";
+    it.optimizer_ns = 500;
+    for (const char* name : {"Net.a", "Net.b"}) {
+      LayerTiming l;
+      l.layer = name;
+      l.cost_kind = "matmul";
+      l.flops = 1e6 * static_cast<double>(b);
+      l.bytes = 1e4 * static_cast<double>(b);
+      l.ops = 1;
+      l.forward_ops_all = l.backward_ops_all = 1;
+      l.timed = std::string(name) == "Net.b";
+      l.forward_ns = l.timed ? 1000 + 10 * b : 100 + 400 * b;
+      l.backward_ns = l.forward_ns;
+      it.layers.push_back(l);
+    }
+    it.wall_ns = it.optimizer_ns + 2 * (it.layers[0].forward_ns + it.layers[1].forward_ns);
+    probes.push_back(it);
+  }
+  return probes;
+}
+
+TEST(StepTime, SparseTimingAnchorsTheStepOnTheProbesRest) {
+  const std::vector<IterationTiming> probes = anchoring_probes();
+  StepTimeOptions o;
+  o.batch_size = 16;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_EQ(f.timed_layers, 1);
+  ASSERT_EQ(f.per_layer.size(), 2u);
+  EXPECT_EQ(f.per_layer[1].source, "measured");
+  EXPECT_NE(f.per_layer[0].source, "measured");
+  // The rest, 2 (100 + 400 b) ns at every probe, fitted over the batch: 12,800 + 200 ns at 16; the timed layer
+  // 2 (1000 + 160) ns; the optimizer 500 ns.
+  std::vector<SizedValue> rest;
+  for (const IterationTiming& p : probes) rest.push_back({static_cast<double>(p.batch), 0, 2.0 * (100 + 400 * p.batch)});
+  EXPECT_NEAR(fit_size(rest, 16), 13000, 1e-6);
+  EXPECT_NEAR(f.step_ms, (13000 + 2 * 1160 + 500) / 1e6, 1e-9);
+  // The untimed layer and "other" share the rest.
+  EXPECT_NEAR(f.per_layer[0].forward_ms + f.per_layer[0].backward_ms + f.other_ms, 13000 / 1e6, 1e-9);
+  EXPECT_GE(f.other_ms, 0);
+  // The tracer's correction scales every part once, the modelled layer's too.
+  o.time_scale = 0.5;
+  const StepTimeForecast half = forecast_step_time(probes, o);
+  EXPECT_NEAR(half.step_ms, f.step_ms / 2, 1e-12);
+  EXPECT_NEAR(half.per_layer[0].forward_ms, f.per_layer[0].forward_ms / 2, 1e-12);
+  EXPECT_NEAR(half.per_layer[1].forward_ms, f.per_layer[1].forward_ms / 2, 1e-12);
+}
+
+TEST(StepTime, SparseTimingScalesModelledLayersDownToTheRest) {
+  // Net.a takes less than its model says at every probe (40 ns + 4 ns per sample): the model's time at the target
+  // is more than the rest, so the modelled layer is scaled down to the rest and "other" is 0.
+  std::vector<IterationTiming> probes = anchoring_probes();
+  for (IterationTiming& p : probes) {
+    LayerTiming& a = p.layers[0];
+    a.forward_ns = a.backward_ns = 40 + 4 * p.batch;
+    p.wall_ns = p.optimizer_ns + 2 * (a.forward_ns + p.layers[1].forward_ns);
+  }
+  StepTimeOptions o;
+  o.batch_size = 16;
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_EQ(f.other_ms, 0);
+  EXPECT_NEAR(f.per_layer[0].forward_ms + f.per_layer[0].backward_ms, 2 * (40 + 4 * 16) / 1e6, 1e-9);
+  EXPECT_NEAR(f.step_ms, (2 * 104 + 2 * 1160 + 500) / 1e6, 1e-9);
+  const bool noted = std::any_of(f.notes.begin(), f.notes.end(), [](const std::string& n) {
+    return n.rfind("the untimed layers' models come to ", 0) == 0 && n.find("scaled down to it") != std::string::npos;
+  });
+  EXPECT_TRUE(noted);
+}
+
 TEST(StepTime, ProbesTracedWithChosenLayersBringTheirChoice) {
   // Traced with Net.b alone timed: its times are used, Net.a's are predicted, whatever time_fraction says.
   std::vector<IterationTiming> probes;
