@@ -724,11 +724,12 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   }
   f.other_ms = fit_size(other, b, seq) / 1e6;
   if (anchored_rest) {
-    // The rest at the target less the modelled layers; where they come to more than the rest, they are scaled
-    // down to it and "other" is 0.
+    // The rest at the target less the modelled layers; where they come to more than the rest, "other" is 0 and,
+    // with CPU clocks (the layers' times make up the wall), they are scaled down to it. Device clocks: a probe's
+    // wall is the host's where the host bounds it (small probes), while the kernels grow with the batch.
     const double rest_ms = f.other_ms;
     f.other_ms = std::max(0.0, rest_ms - untimed_ms);
-    if (untimed_ms > rest_ms && untimed_ms > 0) {
+    if (untimed_ms > rest_ms && untimed_ms > 0 && ref.clock == "cpu") {
       const double s = rest_ms / untimed_ms;
       for (auto& [name, lf] : modelled) lf.forward_ms *= s, lf.backward_ms *= s;
       f.notes.push_back(fmt::format("the untimed layers' models come to {:.3f} ms at the target, more than the "

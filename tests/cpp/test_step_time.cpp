@@ -771,6 +771,16 @@ TEST(StepTime, SparseTimingScalesModelledLayersDownToTheRest) {
     return n.rfind("the untimed layers' models come to ", 0) == 0 && n.find("scaled down to it") != std::string::npos;
   });
   EXPECT_TRUE(noted);
+  // Device clocks: a probe's wall may be the host's (it launched the kernels slower than they ran), so the
+  // modelled kernels keep their time; "other" is 0.
+  for (IterationTiming& p : probes) p.clock = "device";
+  const StepTimeForecast d = forecast_step_time(probes, o);
+  EXPECT_EQ(d.other_ms, 0);
+  EXPECT_NEAR(d.per_layer[0].forward_ms + d.per_layer[0].backward_ms, (d.step_ms - 0.0005) - 2 * 1160 / 1e6, 1e-9);
+  EXPECT_GT(d.step_ms, f.step_ms);
+  EXPECT_TRUE(std::none_of(d.notes.begin(), d.notes.end(), [](const std::string& n) {
+    return n.rfind("the untimed layers' models come to ", 0) == 0;
+  }));
 }
 
 TEST(StepTime, ProbesTracedWithChosenLayersBringTheirChoice) {
