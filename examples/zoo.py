@@ -267,7 +267,8 @@ def run_example(case_name: str, argv: Sequence[str] | None = None) -> int:
     case = CASES[case_name]
     parser = argparse.ArgumentParser(
         description=f"Train the zoo {case_name} model on the CPU; trace iteration 2 with gpucast and "
-                    "print the trace's summary.")
+                    "print the trace's summary; then forecast the step at a larger batch on this CPU, measure "
+                    "it, and forecast the run on a GPU.")
     parser.add_argument("--batch-size", type=int, default=case.default_batch,
                         help=f"samples per batch (default {case.default_batch})")
     parser.add_argument("--steps", type=int, default=3,
@@ -277,9 +278,20 @@ def run_example(case_name: str, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--save", metavar="PATH", help="write the trace as JSON (load with gpucast.load_trace)")
     parser.add_argument("--chrome", metavar="PATH", help="write the trace as a Chrome trace event file")
     parser.add_argument("--no-trace", action="store_true", help="train only; gpucast is not loaded")
+    parser.add_argument("--forecast-batch", type=int, default=4 * case.default_batch,
+                        help="after training, forecast the step at this batch on this CPU and measure it "
+                             f"(default {4 * case.default_batch}; 0: no forecasts)")
+    parser.add_argument("--target", default="H100-80GB",
+                        help="and forecast the run on this GPU (a name from `python -m gpucast devices`; "
+                             "default H100-80GB; '' for none)")
+    parser.add_argument("--dp", type=int, default=8,
+                        help="data-parallel ranks on the GPU target, each with --forecast-batch samples "
+                             "(default 8)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.threads < 1:
         parser.error("--batch-size and --threads must be at least 1")
+    if args.forecast_batch < 0 or args.dp < 1:
+        parser.error("--forecast-batch must be at least 0 and --dp at least 1")
     if args.no_trace:
         if args.save or args.chrome:
             parser.error("--save and --chrome need a trace; drop --no-trace")
@@ -292,7 +304,8 @@ def run_example(case_name: str, argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = case.make_model()
-    step = make_step(model, make_optimizer(args.optimizer, model.parameters()), case.loss_fn)
+    optimizer = make_optimizer(args.optimizer, model.parameters())
+    step = make_step(model, optimizer, case.loss_fn)
     batch = case.make_batch(args.batch_size)
 
     traced = None
@@ -312,4 +325,36 @@ def run_example(case_name: str, argv: Sequence[str] | None = None) -> int:
         if args.chrome:
             traced.save_chrome(args.chrome)
             print(f"saved Chrome trace to {args.chrome}")
+    if gpucast is not None and args.forecast_batch:
+        _forecast_and_measure(gpucast, case, model, optimizer, step, args)
     return 0
+
+
+def _forecast_and_measure(gpucast, case: Case, model: nn.Module, optimizer: torch.optim.Optimizer,
+                          step: Callable[[tuple], torch.Tensor], args: argparse.Namespace) -> None:
+    """The examples' forecasts: the step at --forecast-batch on this CPU, then measured; the run on --target."""
+    import statistics
+    import time
+    b = args.forecast_batch
+    print(f"\ngpucast.forecast: batch {b} on this CPU ({args.threads} thread(s)), from probes at small batches")
+    fc = gpucast.forecast(step, case.make_batch, b, model=model, optimizer=optimizer, target="cpu",
+                          time_fraction=0.25)
+    print(fc)
+    big = case.make_batch(b)
+    step(big)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        step(big)
+        times.append((time.perf_counter() - t0) * 1e3)
+    measured = statistics.median(times)
+    print(f"measured: the step at batch {b} takes {measured:,.1f} ms (median of 10 steps, "
+          f"{min(times):,.1f}-{max(times):,.1f}); forecast {fc.time.step_ms:,.1f} ms, "
+          f"{100 * (fc.time.step_ms - measured) / measured:+.1f} %")
+    del big
+    if args.target:
+        parallel = {"dp": args.dp} if args.dp > 1 else None
+        print(f"\ngpucast.forecast: batch {b * args.dp} on {args.target}"
+              f"{f' with {args.dp} data-parallel ranks' if args.dp > 1 else ''}, from probes on this CPU")
+        print(gpucast.forecast(step, case.make_batch, b * args.dp, model=model, optimizer=optimizer,
+                               target=args.target, parallel=parallel))

@@ -307,9 +307,15 @@ class Forecast:
                          f" backward {tm.backward_ms:,.1f}, optimizer {tm.optimizer_ms:,.1f}, other {tm.other_ms:,.1f})"
                          + (f", exposed communication {tm.exposed_comm_ms:,.1f} ms of {tm.comm_ms:,.1f}"
                             if tm.dp > 1 else ""))
-            lines += [f"  note: {n}" for n in tm.notes]
-        lines += [f"  warning: {w}" for w in m.warnings] + [f"  note: {n}" for n in m.notes]
+            lines += [f"  note: {_first_line(n)}" for n in tm.notes]
+        lines += [f"  warning: {w}" for w in m.warnings] + [f"  note: {_first_line(n)}" for n in m.notes]
         return "\n".join(lines)
+
+
+def _first_line(note: str) -> str:
+    """A note's first line: the rest (the layer models' fitted rates per kind) stays in the forecast's notes."""
+    first, _, rest = note.partition("\n")
+    return first + (" [more lines in the notes]" if rest.strip() else "")
 
 
 def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
