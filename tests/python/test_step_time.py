@@ -591,3 +591,33 @@ def test_frozen_layers_are_forecast_without_a_backward_pass():
     # The weight's gradient and the bias's (which autograd's engine reduces outside the node): the layer's.
     assert layers["Sequential.2"]["grad_bytes"] == (64 * 10 + 10) * 4
     assert layers["(outside modules)"]["grad_bytes"] == 0
+
+
+def _device_timings(batches=(4, 8, 16)):
+    """Iteration timings of three GPU probes (device clocks): one layer, 0.9 ms per sample."""
+    return [json.dumps({"batch": b, "wall_ns": 1e6 * b, "optimizer_ns": 1e5, "other_ns": 0, "clock": "device",
+                        "layers": [{"layer": "Net.a", "forward_ns": 3e5 * b, "backward_ns": 6e5 * b, "grad_bytes": 0,
+                                    "backward_order": 0}]}) for b in batches]
+
+
+def test_a_gpu_target_far_beyond_its_probes_gets_a_timing_probe_at_half_where_its_memory_fits():
+    from gpucast._forecast import _probe_fits, _reach_probes
+    t = _device_timings()
+    design = [(4, None), (8, None), (16, None)]
+    asked = []
+
+    def fits(b):
+        asked.append(b)
+        return True
+    assert _reach_probes(t, 512, "H100-80GB", "cuda:0", design, fits) == [256]
+    assert asked == [256]
+    assert _reach_probes(t, 512, "H100-80GB", "cuda:0", design, lambda b: False) == []
+    assert _reach_probes(t, 512, "H100-80GB", "cuda:0", design, None) == []  # no memory check: not on a GPU
+    assert _reach_probes(t, 48, "H100-80GB", "cuda:0", design, fits) == []  # 3 times the largest probe at most
+    asked.clear()
+    assert _reach_probes(t, 5000, "H100-80GB", "cuda:0", design, fits) == []  # 2.3 s at 2500: over the budget
+    assert asked == []  # the memory is not asked about then
+    assert _reach_probes(t, 512, "H100-80GB", "cpu", design, fits) == []  # CPU probes priced for a GPU: nothing timed
+    assert _reach_probes(t, 512, "H100-80GB", "cuda:0", [(4, 128), (8, 128), (16, 128)], fits) == []  # lengths
+    # 80 % of the free memory and the allocator's reservation.
+    assert _probe_fits(80, 60, 40) and not _probe_fits(81, 60, 40)
