@@ -722,8 +722,8 @@ def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, 
     return [b] if not gpu or fits(b) else []
 
 
-# A GPU timing probe runs only where the memory forecast at its batch leaves this share of what this process can
-# hold on the device (free memory and what its allocator has reserved) unused.
+# A GPU timing probe runs only where the memory forecast at its batch stays within this share of what this process
+# can hold on the device (the free memory and what its allocator has reserved).
 _REACH_MEMORY_SHARE = 0.8
 
 
