@@ -13,7 +13,9 @@ Per case (the zoo's GPT-style decoder and CNN, torchvision's ResNet-18), at one 
                   time over the untraced one for both traces; the full trace's kernel time per iteration of its
                   two-step window (window_iterations_kernel_ms) asks the same of every op
   on device       gpucast.forecast(target=<this GPU>) with probes on the GPU (measured kernel times): fc.time.step_ms
-                  against measured; again with time_fraction=0.25 (sparse timing)
+                  against measured; w/o half: the same probes' forecast without the timing probe at half the
+                  target that forecast() adds beyond 3 times the largest probe; again with time_fraction=0.25
+                  (sparse timing)
   CPU probes      gpucast.forecast(target=<this GPU>) with the same model and probes on the CPU (priced from the
                   GPU rates table): fc.time.step_ms against measured
   torch.profiler  after every case, in a pass of its own (its CUPTI client never meets gpucast's): the device time
@@ -33,6 +35,7 @@ the device the bound, where the per-layer kernel times should add up to the step
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -210,6 +213,11 @@ def check(spec: str, args) -> dict:
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device])
     on_target = fc.time.step_ms if fc.time is not None else None
+    # The same forecast without the timing probe at half the target (added when the target is over 3 times the
+    # largest probe), to tell what it changes.
+    small = [x for x in fc.timings if json.loads(x)["batch"] in PROBES[args.device]]
+    no_reach = (dataclasses.replace(fc, timings=small).step_time(b).step_ms
+                if fc.time is not None and small and len(small) < len(fc.timings) else None)
     save_timings(args, spec, b, "device", fc)
     fc = gpucast.forecast(step, make_batch, b, model=model, optimizer=opt, target=args.target,
                           probe_batch_sizes=PROBES[args.device], time_fraction=0.25)
@@ -232,6 +240,8 @@ def check(spec: str, args) -> dict:
                 all_ops_kernel_ms=None if all_ops_ms is None else round(all_ops_ms, 3),
                 window_iterations_kernel_ms=per_iteration, gpu_probe_forecast_ms=on_target and round(on_target, 3),
                 gpu_probe_err_pct=pct(on_target, measured),
+                gpu_probe_no_reach_forecast_ms=no_reach and round(no_reach, 3),
+                gpu_probe_no_reach_err_pct=pct(no_reach, measured),
                 gpu_sparse_forecast_ms=on_target_sparse and round(on_target_sparse, 3),
                 gpu_sparse_err_pct=pct(on_target_sparse, measured), cpu_probe_forecast_ms=from_cpu and round(from_cpu, 3),
                 cpu_probe_err_pct=pct(from_cpu, measured), sparse=sparse, trace_notes=trace_notes)
@@ -319,7 +329,7 @@ def sparse_check(step, batch, b: int, full: dict, device: str) -> dict:
 def report(rows: list, args) -> None:
     import torch
     print(f"{'case':13} {'batch':>5} {'measured ms':>12} {'layer sum':>10} {'err %':>7} {'all ops':>8} {'timed ops':>10} "
-          f"{'on device':>10} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
+          f"{'on device':>10} {'err %':>7} {'w/o half':>9} {'err %':>7} {'CPU probes':>10} {'err %':>7}")
     for r in rows:
         def f(x, w, p=2):
             return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
@@ -327,6 +337,7 @@ def report(rows: list, args) -> None:
               f"{f(r['layer_sum_err_pct'], 7, 1)} {f(r.get('all_ops_kernel_ms'), 8)} "
               f"{r['ops_with_device_time']:4d}/{r['ops']:<5d} "
               f"{f(r['gpu_probe_forecast_ms'], 10)} {f(r['gpu_probe_err_pct'], 7, 1)} "
+              f"{f(r.get('gpu_probe_no_reach_forecast_ms'), 9)} {f(r.get('gpu_probe_no_reach_err_pct'), 7, 1)} "
               f"{f(r['cpu_probe_forecast_ms'], 10)} {f(r['cpu_probe_err_pct'], 7, 1)}")
     print(f"\n{'case':13} {'timed layers':>12} {'ops with device time':>21} {'chosen layers ms':>17} {'in full':>8} "
           f"{'err %':>6} {'2nd it. %':>9} {'traced/untraced: all':>21} {'sparse':>7} {'sparse forecast err %':>22}")
