@@ -63,7 +63,9 @@ int64_t window_peak_bytes(const Trace& trace, const std::string& device) {
 
 std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device) {
   std::map<std::string, LayerStat> by_module;
-  auto key = [](const std::string& m) { return m.empty() ? std::string("<no module>") : m; };
+  auto key = [](const std::string& m, Phase phase) {
+    return !m.empty() ? m : phase == Phase::Optimizer ? std::string("<optimizer step>") : std::string("<no module>");
+  };
   for (const OpRecord& op : trace.ops) {
     // Outermost work: no enclosing op, or the enclosing op is a scope/engine wrapper, not an op.
     bool outermost = op.parent < 0;
@@ -75,18 +77,22 @@ std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device
     if (op.scope == Scope::UserScope || op.name.rfind("autograd::engine::", 0) == 0) continue;
     // The engine's own work for a node (a bias's gradient summed after it) is the node's layer's.
     const int64_t node = op.module.empty() ? engine_work_node(trace, op) : -1;
-    const std::string module = key(node >= 0 ? trace.ops[static_cast<size_t>(node)].module : op.module);
+    const std::string module = key(node >= 0 ? trace.ops[static_cast<size_t>(node)].module : op.module, op.phase);
     LayerStat& s = by_module[module];
     s.module = module;
     ++s.ops;
-    if (outermost) s.time_ns += std::max<int64_t>(op.end_ns - op.start_ns, 0);
+    if (outermost) {
+      s.time_ns += std::max<int64_t>(op.end_ns - op.start_ns, 0);
+      if (op.device_ns >= 0) s.device_ns = std::max<int64_t>(s.device_ns, 0) + op.device_ns;
+    }
   }
   for (const DeviceMemory& d : analyze_memory(trace)) {
     if (d.device != device || d.peak_event < 0) continue;
     for (const Allocation& a : trace.allocations) {
       if (a.device != device || a.alloc_op < 0 || !held_at(a, d.peak_event)) continue;
-      LayerStat& s = by_module[key(trace.ops[a.alloc_op].module)];
-      s.module = key(trace.ops[a.alloc_op].module);
+      const OpRecord& op = trace.ops[a.alloc_op];
+      LayerStat& s = by_module[key(op.module, op.phase)];
+      s.module = key(op.module, op.phase);
       s.bytes_at_peak += a.block_bytes;
     }
   }

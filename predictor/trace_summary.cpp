@@ -68,11 +68,17 @@ std::string summarize_trace(const Trace& trace, int top_layers) {
     }
   }
   std::vector<LayerStat> layers = layer_stats(trace, "");
-  std::sort(layers.begin(), layers.end(), [](const LayerStat& a, const LayerStat& b) { return a.time_ns > b.time_ns; });
-  line("top layers by time (forward + linked backward):");
-  for (int i = 0; i < top_layers && i < static_cast<int>(layers.size()); ++i) {
+  // With a device timer, the layers' device time (their kernels, copies and fills), where it was recorded.
+  const bool device = std::any_of(layers.begin(), layers.end(), [](const LayerStat& l) { return l.device_ns >= 0; });
+  auto time_of = [device](const LayerStat& l) { return device ? l.device_ns : l.time_ns; };
+  std::sort(layers.begin(), layers.end(), [&](const LayerStat& a, const LayerStat& b) { return time_of(a) > time_of(b); });
+  const auto timed = std::count_if(layers.begin(), layers.end(), [](const LayerStat& l) { return l.device_ns >= 0; });
+  line(device ? fmt::format("top layers by device time (forward + linked backward; {} of {} with a device time):",
+                            timed, layers.size())
+              : std::string("top layers by time (forward + linked backward):"));
+  for (int i = 0; i < top_layers && i < static_cast<int>(layers.size()) && time_of(layers[i]) >= 0; ++i) {
     line(fmt::format("    {:<48} {:>9.3f} ms  {:>6} ops", layers[i].module,
-                     static_cast<double>(layers[i].time_ns) / 1e6, layers[i].ops));
+                     static_cast<double>(time_of(layers[i])) / 1e6, layers[i].ops));
   }
   for (const std::string& n : trace.notes) line("note: " + n);
   return out;

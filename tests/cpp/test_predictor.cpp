@@ -1,6 +1,8 @@
 // Memory timeline and summary over hand-built traces: peaks recomputed to the byte.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "gpucast/memory_timeline.h"
 #include "gpucast/trace_assembly.h"
 #include "gpucast/trace_json.h"
@@ -87,6 +89,50 @@ TEST_F(TimelineTest, LayersByMemoryAtPeakAndByTime) {
   EXPECT_EQ(layers[0].module, "Net.act");
   EXPECT_EQ(layers[0].bytes_at_peak, 0);
   EXPECT_EQ(layers[0].time_ns, 1000);
+}
+
+TEST_F(TimelineTest, OpsOutsideModulesSplitIntoTheOptimizerStepAndTheRest) {
+  // The relu's module cleared: outside modules, in forward; then the same op in the optimizer phase.
+  trace.ops[1].module.clear();
+  std::map<std::string, LayerStat> by;
+  for (const LayerStat& l : layer_stats(trace, "cpu")) by[l.module] = l;
+  ASSERT_EQ(by.count("<no module>"), 1u);
+  EXPECT_EQ(by["<no module>"].time_ns, 1000);
+  EXPECT_EQ(by.count("<optimizer step>"), 0u);
+  trace.ops[1].phase = Phase::Optimizer;
+  by.clear();
+  for (const LayerStat& l : layer_stats(trace, "cpu")) by[l.module] = l;
+  EXPECT_EQ(by.count("<no module>"), 0u);
+  ASSERT_EQ(by.count("<optimizer step>"), 1u);
+  EXPECT_EQ(by["<optimizer step>"].time_ns, 1000);
+  EXPECT_EQ(by["<optimizer step>"].ops, 1);
+  EXPECT_EQ(by["<optimizer step>"].bytes_at_peak, 0);  // its 300 bytes come after the peak
+  EXPECT_EQ(by["Net.fc1"].bytes_at_peak, 1500);
+  EXPECT_NE(summarize_trace(trace).find("    <optimizer step>                                     0.001 ms       1 ops"),
+            std::string::npos)
+      << summarize_trace(trace);
+}
+
+TEST_F(TimelineTest, WithDeviceTimesTheSummaryRanksLayersByThem) {
+  trace.ops[0].device_ns = 200;   // Net.fc1: 3 us on the host, 0.2 on the device
+  trace.ops[1].device_ns = 1500;  // Net.act: 1 us on the host, 1.5 on the device
+  std::map<std::string, LayerStat> by;
+  for (const LayerStat& l : layer_stats(trace, "")) by[l.module] = l;
+  EXPECT_EQ(by["Net.fc1"].device_ns, 200);
+  EXPECT_EQ(by["Net.fc1"].time_ns, 3000);
+  const std::string s = summarize_trace(trace);
+  const std::string head = "top layers by device time (forward + linked backward; 2 of 2 with a device time):\n"
+                           "    Net.act                                              0.002 ms       1 ops\n"
+                           "    Net.fc1                                              0.000 ms       1 ops\n";
+  EXPECT_NE(s.find(head), std::string::npos) << s;
+  // A sparse trace: a layer without a device time is not ranked by its host time.
+  trace.ops[0].device_ns = -1;
+  const std::string sparse = summarize_trace(trace);
+  EXPECT_NE(sparse.find("top layers by device time (forward + linked backward; 1 of 2 with a device time):\n"
+                        "    Net.act                                              0.002 ms       1 ops\n"),
+            std::string::npos)
+      << sparse;
+  EXPECT_EQ(sparse.find("Net.fc1", sparse.find("top layers by device time")), std::string::npos) << sparse;
 }
 
 TEST_F(TimelineTest, SummaryIsReadable) {

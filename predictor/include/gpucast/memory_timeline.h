@@ -34,10 +34,12 @@ int64_t window_peak_bytes(const Trace& trace, const std::string& device);
 struct LayerStat {
   std::string module;
   int64_t bytes_at_peak = 0;  // bytes allocated by the layer's ops and held at the device's peak
-  int64_t time_ns = 0;        // time of its outermost ops, forward plus linked backward
+  int64_t time_ns = 0;        // time of its outermost ops, forward plus linked backward (host clocks)
   int64_t ops = 0;
+  int64_t device_ns = -1;     // device time of those ops that have one (CUPTI, CUDA events); -1: none has
 };
-// Per module path (ops outside modules under "<no module>"), for one device's peak.
+// Per module path, for one device's peak; ops outside modules under "<optimizer step>" (the optimizer phase:
+// its step and zero_grad) or "<no module>" (the rest: the loss, the autograd engine's own work).
 std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device);
 
 }  // namespace gpucast
