@@ -39,3 +39,30 @@ def test_profiler_reference_fails_open_without_a_gpu():
     ms, events, error = check.profiler_kernels_ms(lambda b: torch.ones(2).sum(), None, runs=1)
     assert (ms, events) == (None, 0)
     assert error.startswith("RuntimeError: ") or error.startswith("AssertionError: ")
+
+
+def test_the_check_runs_end_to_end_on_the_cpu_with_the_stand_in_timer():
+    """The whole script as bench/gpu/run.sh runs it, on the CPU with the stand-in device timer (CPU clock spans
+    through the device-timing path): it must not rot between GPU runs."""
+    import json
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=f"{root / 'python'}:{root}")
+    out = subprocess.run([sys.executable, str(root / "bench" / "gpu" / "step_time_check.py"), "--target", "cpu",
+                          "--device", "cpu", "--stand-in", "--cases", "mlp@32"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    doc = json.loads(lines[-1])
+    assert (doc["bench"], doc["target"], doc["device"]) == ("gpu_step_time_check", "cpu", "cpu")
+    (row,) = doc["cases"]
+    assert (row["case"], row["batch"], row["timing_source"]) == ("mlp@32", 32, "cpu_spans")
+    assert row["ops_with_device_time"] == row["ops"] > 0
+    # Probes at 2 and 4 against a target of 32: forecast() adds a timing probe at 16; both forecasts reported.
+    assert row["gpu_probe_forecast_ms"] > 0 and row["gpu_probe_no_reach_forecast_ms"] > 0
+    assert row["gpu_probe_forecast_ms"] != row["gpu_probe_no_reach_forecast_ms"]
+    assert (row["sparse"]["layers"], row["sparse"]["timed_layers"], row["sparse"]["timed_layers_found"]) == (6, 2, 2)
+    header = next(line for line in lines if line.startswith("case ") and "layer sum" in line)
+    assert header.split() == ["case", "batch", "measured", "ms", "layer", "sum", "err", "%", "all", "ops", "timed",
+                              "ops", "on", "device", "err", "%", "w/o", "half", "err", "%", "CPU", "probes", "err", "%"]
