@@ -48,6 +48,16 @@ if {mode!r}.startswith("slow_exit"):  # rank 1 leaves each all-reduce 50 ms afte
     if rank == 0:
         print(json.dumps({{"samples": [{{"bytes": b, "us": u}} for b, u in samples], "gap_us": gap}}), flush=True)
     os._exit(0)
+if {mode!r} == "sharing_oversubscribed":  # both ranks' threads fill every core, twice over
+    import datetime
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from gpucast import _calibrate
+    def wait(work, what):
+        assert work.wait(datetime.timedelta(seconds=60)) is not False, what
+    out = _calibrate._host_sharing(2, None, wait)
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    os._exit(0)
 try:
     r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
     out = r
@@ -179,3 +189,15 @@ def test_samples_that_do_not_grow_with_the_size_fit_a_bandwidth_alone():
         alpha, bw = _calibrate._fit_link([(1024.0, 300.0), (4096.0, 200.0)], 2)
     assert alpha == 0.0
     assert bw == pytest.approx(((1024 / 300) ** 2 + (4096 / 200) ** 2) / (1024 / 300 + 4096 / 200), rel=1e-12)
+
+
+def test_oversubscribed_ranks_get_no_drift_rates(tmp_path):
+    # Two ranks with as many threads each as there are cores: their drift apart is time sharing, which the
+    # contention factors (at least threads / cores) count; the constant lag stays, the drift rates are left out.
+    r = run_pair(tmp_path, "sharing_oversubscribed", 60)
+    cores = len(os.sched_getaffinity(0))
+    assert (r["local_ranks"], r["threads"], r["cores"]) == (2, cores, cores)
+    assert r["compute_contention"] >= 2.0 and r["memory_contention"] >= 2.0
+    assert r["overlap"] is False
+    assert r["sync_wait_us"] >= 0
+    assert "drift_compute" not in r and "drift_memory" not in r
