@@ -6,6 +6,7 @@
 
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <optional>
 
@@ -487,6 +488,19 @@ TORCH_LIBRARY(gpucast, m) {
     return gpucast::Config("gpucast.trace() options", gpucast::trace_config_keys()).describe();
   });
   m.def("owned_storages() -> int[]", [] { return gpucast::owned_storages(); });
+  // The C allocator in the state of a process that has run a while: glibc's malloc serves a block above its mmap
+  // threshold (128 KiB at the start) with fresh pages and returns it on free, and when such a block of at most
+  // 32 MiB is freed it raises that threshold to the block's size and its heap-trimming threshold to twice it, so a
+  // young process pays page faults on every step that a training run soon stops paying (a training loop frees a
+  // large block early; gpucast's own trace buffers do). One block of 31 MiB taken and freed, as any such free
+  // does; elsewhere (another C library) a malloc and a free of no consequence. Not a setting: nothing is fixed.
+  m.def("settle_c_allocator() -> ()", [] {
+    constexpr size_t kBytes = size_t{31} << 20;
+    if (void* p = std::malloc(kBytes)) {
+      static_cast<volatile char*>(p)[0] = 0;  // observable: the pair is not elided
+      std::free(p);
+    }
+  });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
   m.def("context() -> str[]", [] {
     auto c = gpucast::current_context();

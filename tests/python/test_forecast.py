@@ -581,3 +581,45 @@ def test_a_trace_lists_the_ops_asked_for_alone():
     assert [(o["id"], o["name"], o["phase"], o["parent"], o["parent_name"], o["inputs"]) for o in some] == expected
     assert [o["name"] for o in some] == ["aten::addmm", "aten::mm"]  # the forward, the weight's gradient
     assert sorted(some[0]) == ["id", "inputs", "module", "name", "parent", "parent_name", "phase"]
+
+
+
+
+
+SETTLE = """
+import ctypes, sys
+sys.path[:0] = [{python!r}]
+import torch, gpucast
+libc = ctypes.CDLL("libc.so.6")
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "settle":
+    torch.ops.gpucast.settle_c_allocator()
+held = libc.mallinfo2().hblkhd
+p = libc.malloc(30 << 20)
+print("mapped" if libc.mallinfo2().hblkhd - held >= 30 << 20 else "heap")
+libc.free(p)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("platform").libc_ver()[0] != "glibc",
+                    reason="glibc's malloc thresholds")
+def test_the_probes_run_with_the_c_allocator_settled():
+    # glibc maps a block above its mmap threshold afresh (each page faulted in on first touch) and unmaps it on
+    # free; the threshold (128 KiB in a new process) rises to the size of such a block freed, up to 32 MiB, and the
+    # heap's trimming threshold with it. A young process maps a 30 MiB block; after settle_c_allocator() (one 31 MiB
+    # block taken and freed, what forecast() does before its probes and a training run soon does) the heap serves
+    # it. Each case in a fresh process (the thresholds only rise); mallinfo2's hblkhd counts the mapped bytes.
+    root = Path(__file__).resolve().parents[2]
+
+    def where(mode):
+        out = subprocess.run([sys.executable, "-c", SETTLE.format(python=str(root / "python")), mode],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+    assert where("young") == "mapped"
+    assert where("settle") == "heap"
