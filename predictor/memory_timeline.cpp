@@ -91,8 +91,9 @@ std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device
     for (const Allocation& a : trace.allocations) {
       if (a.device != device || a.alloc_op < 0 || !held_at(a, d.peak_event)) continue;
       const OpRecord& op = trace.ops[a.alloc_op];
-      LayerStat& s = by_module[key(op.module, op.phase)];
-      s.module = key(op.module, op.phase);
+      const std::string module = key(op.module, op.phase);
+      LayerStat& s = by_module[module];
+      s.module = module;
       s.bytes_at_peak += a.block_bytes;
     }
   }

@@ -625,10 +625,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   double optimizer_ns = opt[nearest].value;
 
   // Sparse timing: only the chosen layers' times are used; the others come from per-kind roofline models fitted
-  // on them (layer_model.h), over all probes. Each probe's wall time is known, so "other" stays its remainder.
+  // on them (layer_model.h), over all probes. Each probe's wall time is known: the untimed layers and "other"
+  // share what the timed layers and the optimizer leave of it.
   std::unordered_map<std::string, LayerForecast> modelled;  // untimed layers at the target batch
-  bool anchored_rest = false;  // sparse: `other` holds each probe's rest (untimed layers and other)
-  double untimed_ms = 0;       // the untimed layers at the target, as modelled
   // Chosen when the probes were traced (their timed flags), or here by the design.
   std::vector<size_t> chosen;
   std::string chooser;
@@ -697,7 +696,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       }
       other.push_back(sized(p, std::max(0.0, k * (p.wall_ns - p.optimizer_ns - layers))));
     }
-    anchored_rest = true;
     // Untimed layers at the target batch: the model prices each at the probes' batch sizes, where it was fitted,
     // and those times are fitted over the batch like measured ones.
     std::unordered_map<std::string, std::pair<std::vector<SizedValue>, std::vector<SizedValue>>> model_pts;
@@ -717,16 +715,18 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       LayerForecast lf{l.layer, fit_size(fw, b, seq) * k / 1e6, fit_size(bw, b, seq) * k / 1e6, l.grad_bytes};
       lf.source = model_source[l.layer];
       modelled[l.layer] = lf;
-      untimed_ms += lf.forward_ms + lf.backward_ms;
     }
     f.notes.push_back(fmt::format("timed {} of {} layers ({}); the rest from per-kind roofline models: {}",
                                   chosen.size(), n, chooser, model.describe()));
   }
   f.other_ms = fit_size(other, b, seq) / 1e6;
-  if (anchored_rest) {
-    // The rest at the target less the modelled layers; where they come to more than the rest, "other" is 0 and,
-    // with CPU clocks (the layers' times make up the wall), they are scaled down to it. Device clocks: a probe's
-    // wall is the host's where the host bounds it (small probes), while the kernels grow with the batch.
+  if (!chooser.empty()) {
+    // Sparse timing: `other` held each probe's rest. The rest at the target less the modelled layers; where they
+    // come to more than the rest, "other" is 0 and, with CPU clocks (the layers' times make up the wall), they are
+    // scaled down to it. Device clocks: a probe's wall is the host's where the host bounds it (small probes),
+    // while the kernels grow with the batch.
+    double untimed_ms = 0;
+    for (const auto& [name, lf] : modelled) untimed_ms += lf.forward_ms + lf.backward_ms;
     const double rest_ms = f.other_ms;
     f.other_ms = std::max(0.0, rest_ms - untimed_ms);
     if (untimed_ms > rest_ms && untimed_ms > 0 && ref.clock == "cpu") {

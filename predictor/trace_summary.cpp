@@ -69,10 +69,10 @@ std::string summarize_trace(const Trace& trace, int top_layers) {
   }
   std::vector<LayerStat> layers = layer_stats(trace, "");
   // With a device timer, the layers' device time (their kernels, copies and fills), where it was recorded.
-  const bool device = std::any_of(layers.begin(), layers.end(), [](const LayerStat& l) { return l.device_ns >= 0; });
+  const auto timed = std::count_if(layers.begin(), layers.end(), [](const LayerStat& l) { return l.device_ns >= 0; });
+  const bool device = timed > 0;
   auto time_of = [device](const LayerStat& l) { return device ? l.device_ns : l.time_ns; };
   std::sort(layers.begin(), layers.end(), [&](const LayerStat& a, const LayerStat& b) { return time_of(a) > time_of(b); });
-  const auto timed = std::count_if(layers.begin(), layers.end(), [](const LayerStat& l) { return l.device_ns >= 0; });
   line(device ? fmt::format("top layers by device time (forward + linked backward; {} of {} with a device time):",
                             timed, layers.size())
               : std::string("top layers by time (forward + linked backward):"));

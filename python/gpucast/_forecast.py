@@ -666,10 +666,12 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     return fc
 
 
-def _timing_probe_target(timings: list, per_rank: int, target: str, probe_device: str, design: list) -> int | None:
-    """Each rank's batch where timing-only probes may be added (CPU probes for a CPU target, batch probes only);
-    None elsewhere."""
-    if target != "cpu" or probe_device != "cpu" or not timings or any(x[1] is not None for x in design):
+def _timing_probe_target(timings: list, per_rank: int, target: str, probe_device: str, design: list,
+                         gpu: bool = False) -> int | None:
+    """Each rank's batch where timing-only probes may be added (CPU probes for a CPU target; with gpu, GPU probes
+    for a GPU target too; batch probes only); None elsewhere."""
+    on_target = (target == "cpu" and probe_device == "cpu") or (gpu and _time_on_target(target, probe_device))
+    if not on_target or not timings or any(x[1] is not None for x in design):
         return None
     return per_rank
 
@@ -712,10 +714,7 @@ def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, 
     _REACH_BUDGET_S. On a GPU that is the target (probes on it) too, where fits(b) says that the probe's memory
     fits the device now (its kernels at batch 4 to 16 say little about the rates of kernels 30 times larger:
     ResNet-18 at 512 on an H200 forecast 23 % high from 4, 8 and 16); fits None: not on a GPU."""
-    gpu = (target != "cpu" and probe_device.startswith("cuda") and fits is not None and bool(timings)
-           and all(x[1] is None for x in design))
-    if not gpu:
-        per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design)
+    per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design, gpu=fits is not None)
     largest = max((json.loads(x)["batch"] for x in timings), default=0)
     if per_rank is None or per_rank <= _REACH * largest:
         return []
@@ -723,7 +722,7 @@ def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, 
     est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b, "", "", 1.0, 1.0, "d-optimal", 0, 0.0, 0.0))
     if est["step_ms"] > _REACH_BUDGET_S * 1e3:
         return []
-    return [b] if not gpu or fits(b) else []
+    return [b] if fits is None or fits(b) else []
 
 
 # A GPU timing probe runs only where the memory forecast at its batch stays within this share of what this process

@@ -14,6 +14,24 @@ namespace {
 
 constexpr auto err = test_util::user_error;
 
+// An op appended to t, linked to its enclosing op (parent), backward node (node) and forward op (fwd); its depth
+// one more than its parent's. The caller sets its clocks.
+OpRecord& push_op(Trace& t, const char* name, Scope scope, Phase phase, const char* module, int64_t parent,
+                  int64_t node, int64_t fwd) {
+  OpRecord o;
+  o.id = static_cast<int64_t>(t.ops.size());
+  o.name = name;
+  o.scope = scope;
+  o.phase = phase;
+  o.module = module;
+  o.parent = parent;
+  o.bwd_node = node;
+  o.fwd_op = fwd;
+  o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
+  t.ops.push_back(o);
+  return t.ops.back();
+}
+
 // Two iterations; in each: forward ops in Net.a (k ns) and Net.b (2k ns), backward nodes for b then a (3k, 4k),
 // a gradient of 600 KiB for each layer, then the optimizer step (500 ns). Times in ns, k scales with the batch.
 Trace make_trace(int64_t k, int64_t out_bytes = 0) {
@@ -22,17 +40,11 @@ Trace make_trace(int64_t k, int64_t out_bytes = 0) {
   int64_t now = 0;
   uint64_t last_output = 0;
   auto op = [&](const char* name, Scope scope, Phase phase, const char* module, int64_t dur, int64_t fwd = -1) {
-    OpRecord o;
-    o.id = static_cast<int64_t>(t.ops.size());
-    o.name = name;
-    o.scope = scope;
-    o.phase = phase;
-    o.module = module;
+    OpRecord& o = push_op(t, name, scope, phase, module, -1, -1, fwd);
     o.start_ns = now;
     o.end_ns = now + dur;
     o.start_seq = seq++;
     o.end_seq = seq++;
-    o.fwd_op = fwd;
     if (out_bytes > 0 && phase == Phase::Forward && scope == Scope::Function) {
       Value v;
       v.kind = Value::Kind::Tensor;
@@ -47,7 +59,6 @@ Trace make_trace(int64_t k, int64_t out_bytes = 0) {
       o.outputs.push_back(v);
     }
     now += dur + 10;  // 10 ns between ops: "other"
-    t.ops.push_back(o);
     return o.id;
   };
   for (int it = 0; it < 2; ++it) {
@@ -851,24 +862,6 @@ TEST(StepTime, AnUntimedLayerWithoutABackwardPassIsPredictedWithoutOne) {
   EXPECT_EQ(g.per_layer[0].backward_ms, 0);
   EXPECT_DOUBLE_EQ(g.per_layer[0].forward_ms, f.per_layer[0].forward_ms);
   EXPECT_DOUBLE_EQ(g.per_layer[1].backward_ms, f.per_layer[1].backward_ms);
-}
-
-// An op appended to t, linked to its enclosing op (parent), backward node (node) and forward op (fwd); its depth
-// one more than its parent's. The caller sets its clocks.
-OpRecord& push_op(Trace& t, const char* name, Scope scope, Phase phase, const char* module, int64_t parent,
-                  int64_t node, int64_t fwd) {
-  OpRecord o;
-  o.id = static_cast<int64_t>(t.ops.size());
-  o.name = name;
-  o.scope = scope;
-  o.phase = phase;
-  o.module = module;
-  o.parent = parent;
-  o.bwd_node = node;
-  o.fwd_op = fwd;
-  o.depth = parent < 0 ? 0 : t.ops[static_cast<size_t>(parent)].depth + 1;
-  t.ops.push_back(o);
-  return t.ops.back();
 }
 
 TEST(StepTime, GradientsMadeOutsideANodeBelongToTheNodeBeforeThem) {
