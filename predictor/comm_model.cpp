@@ -167,7 +167,9 @@ Topology Topology::parse(const std::string& text) {
                       {"drift_memory", F::String, std::string("0"), {},
                        "the last rank's lag per unit of memory-bound work since the ranks last met"},
                       {"ddp_overhead_us", F::String, std::string("0"), {},
-                       "a DDP step's cost outside backward beyond the plain module's, per step"}});
+                       "a DDP step's cost outside backward beyond the plain module's, per step"},
+                      {"ddp_overhead_samples", F::String, std::string(), {},
+                       "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."}});
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
@@ -204,7 +206,7 @@ Topology Topology::parse(const std::string& text) {
     GPUCAST_USER_ERROR("link: 'samples' and 'ranks' go together; got only '{}'", cfg.was_set("samples") ? "samples" : "ranks");
   }
   // "A/B;A/B;...": positive number pairs, sorted by A.
-  auto pairs = [&](const char* key, const char* form) {
+  auto pairs = [&](const char* key, const char* form, bool zero_second = false) {
     const std::string& text = cfg.get_string(key);
     std::vector<std::pair<double, double>> out;
     size_t start = 0;
@@ -223,9 +225,9 @@ Topology Topology::parse(const std::string& text) {
       } catch (const std::exception&) {
         a = -1;
       }
-      if (!(a > 0) || !(b > 0) || !std::isfinite(a) || !std::isfinite(b)) {
-        GPUCAST_USER_ERROR("link: '{}' should be {} pairs joined by ';' (positive numbers), got '{}' in '{}'", key, form,
-                           item, text);
+      if (!(a > 0) || !(zero_second ? b >= 0 : b > 0) || !std::isfinite(a) || !std::isfinite(b)) {
+        GPUCAST_USER_ERROR("link: '{}' should be {} pairs joined by ';' ({}), got '{}' in '{}'", key, form,
+                           zero_second ? "positive bytes, non-negative microseconds" : "positive numbers", item, text);
       }
       out.emplace_back(a, b);
       start = end + 1;
@@ -266,6 +268,11 @@ Topology Topology::parse(const std::string& text) {
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
   t.ddp_overhead_us = number("ddp_overhead_us", false);
+  if (cfg.was_set("ddp_overhead_samples")) {
+    for (auto [bytes, us] : pairs("ddp_overhead_samples", "BYTES/MICROSECONDS", true)) {
+      t.ddp_overhead_samples.push_back({bytes, us});
+    }
+  }
   t.drift_compute = number("drift_compute", false);
   t.drift_memory = number("drift_memory", false);
   return t;
@@ -281,6 +288,17 @@ double Topology::memory_contention_for(double bytes) const {
   const auto lo = hi - 1;
   const double w = std::log(bytes / lo->bytes) / std::log(hi->bytes / lo->bytes);
   return lo->factor + (hi->factor - lo->factor) * w;
+}
+
+double Topology::ddp_overhead_for(double grad_bytes) const {
+  const auto& s = ddp_overhead_samples;
+  if (s.empty()) return ddp_overhead_us;
+  if (grad_bytes <= s.front().bytes) return s.front().us;
+  if (grad_bytes >= s.back().bytes) return s.back().us;
+  const auto hi = std::upper_bound(s.begin(), s.end(), grad_bytes,
+                                   [](double b, const OverheadSample& x) { return b < x.bytes; });
+  const auto lo = hi - 1;
+  return lo->us + (hi->us - lo->us) * (grad_bytes - lo->bytes) / (hi->bytes - lo->bytes);
 }
 
 const Link* Topology::link_for(int64_t ranks, int64_t stride) const {

@@ -778,13 +778,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "
                       "their time adds to the step");
   }
-  const bool ddp_overhead = T.ddp_overhead_us > 0 && P.dp > 1 && P.dp_mode != "fsdp";
-  if (ddp_overhead) {
-    f.notes.push_back(fmt::format("DDP costs {:.3f} ms per step outside backward beyond the plain module (its "
-                                  "wrapper, and the collectives' threads on the shared cores; measured by "
-                                  "gpucast.calibrate())",
-                                  T.ddp_overhead_us / 1e3));
-  }
+  const bool ddp_overhead = (T.ddp_overhead_us > 0 || !T.ddp_overhead_samples.empty()) && P.dp > 1 &&
+                            P.dp_mode != "fsdp";
   const bool drifts = (T.drift_compute > 0 || T.drift_memory > 0) && P.dp > 1 && P.dp_mode != "fsdp";
   if (drifts) {
     f.notes.push_back(fmt::format("the last rank falls behind the average one by {:.2f} % of the compute-bound and "
@@ -943,7 +938,18 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
         f.other_ms, before));
   }
   f.other_ms *= m;
-  if (ddp_overhead) f.other_ms += T.ddp_overhead_us / 1e3;  // once per step (the reduction's aftermath)
+  if (ddp_overhead) {  // once per step (the reduction's aftermath), by the gradient bytes this rank reduces
+    const double us = T.ddp_overhead_for(static_cast<double>(rank_grad));
+    f.other_ms += us / 1e3;
+    f.notes.push_back(fmt::format("DDP costs {:.3f} ms per step outside backward beyond the plain module (its "
+                                  "wrapper, and the collectives' threads on the shared cores; measured by "
+                                  "gpucast.calibrate(){})",
+                                  us / 1e3,
+                                  T.ddp_overhead_samples.empty()
+                                      ? std::string()
+                                      : fmt::format(", for {:.3g} MiB of gradients per rank",
+                                                    static_cast<double>(rank_grad) / (1 << 20))));
+  }
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;
   // The ranks' drift per ms of this step's compute: its layers by their memory-bound shares, the optimizer as
   // memory-bound, the rest as compute-bound.

@@ -40,7 +40,9 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     threads are more than the cores (their drift is then time sharing, which the contention factors count). ddp_overhead_us: what a DDP
     step costs outside backward beyond the plain module's forward and optimizer step (a small model, plain and
     wrapped, every rank at once): the wrapper, and the collective's threads finishing on the shared cores while the
-    next work runs."""
+    next work runs. ddp_overhead_samples: the same on two models, [{"bytes": gradient bytes, "us": ...}], 19 KB and
+    2.3 MB (the threads' aftermath grows with the bytes they moved); the forecast reads it by the gradient bytes a
+    rank reduces."""
     # The arguments first: a bad one is said before any collective runs.
     if (repeats is not None and repeats < 1) or any(int(s) < 4 for s in sizes):
         raise ValueError(f"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, got {sizes!r}, "
@@ -88,7 +90,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
             out["late_samples"] = [{"bytes": s, "us": u} for s, u in late]
             out["late_gap_us"] = round(late_gap, 1)
         out.update(_host_sharing(ranks, group, wait))
-        out["ddp_overhead_us"] = _ddp_overhead(ranks, group, wait)
+        # On a small model, and by gradient bytes on two (the threads' aftermath grows with what they moved).
+        overheads = [_ddp_overhead(ranks, group, wait, hidden) for hidden in _DDP_OVERHEAD_WIDTHS]
+        out["ddp_overhead_us"] = overheads[0][1]
+        out["ddp_overhead_samples"] = [{"bytes": b, "us": us} for b, us in overheads]
     return out
 
 
@@ -306,14 +311,25 @@ def _host_sharing(ranks: int, group, wait) -> dict:
             "cores": cores, "local_ranks": local, "threads": torch.get_num_threads()}
 
 
-def _ddp_overhead(ranks: int, group, wait, steps: int = 12, blocks: int = 4) -> float:
-    """Microseconds a DDP step spends outside backward beyond the plain module's (forward and optimizer step),
-    on a small model (64 -> 64 -> 10, batch 16, SGD) run plain and wrapped in alternating blocks, every rank at
-    once; each rank's difference of medians, averaged over the ranks. The caller's RNG stays as it was."""
+# The hidden widths of the models _ddp_overhead runs (64 inputs, 10 outputs): 19,240 and 2,316,840 bytes of
+# gradients (DDP's aftermath grew from about 0.1 ms at 36 KB to 0.55 ms at 2 MB on 2 ranks of a 2-core host, and
+# stayed there at 8 MB).
+_DDP_OVERHEAD_WIDTHS = ((64,), (724, 724))
+
+
+def _ddp_overhead(ranks: int, group, wait, hidden: tuple = (64,), steps: int = 12, blocks: int = 4) -> tuple:
+    """(gradient bytes, microseconds): what a DDP step spends outside backward beyond the plain module's (forward
+    and optimizer step), on a small model (64 inputs, ReLU layers of the hidden widths, 10 outputs; batch 16, SGD)
+    run plain and wrapped in alternating blocks, every rank at once; each rank's difference of medians, averaged
+    over the ranks. The caller's RNG stays as it was."""
     rng = torch.get_rng_state()
     try:
         def make():
-            m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+            widths = (64, *hidden)
+            layers = []
+            for a, b in zip(widths, widths[1:]):
+                layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+            m = torch.nn.Sequential(*layers, torch.nn.Linear(widths[-1], 10))
             return m, torch.optim.SGD(m.parameters(), lr=0.0)
         plain, plain_opt = make()
         model, opt = make()
@@ -344,6 +360,6 @@ def _ddp_overhead(ranks: int, group, wait, steps: int = 12, blocks: int = 4) -> 
                             dtype=torch.float64)
         wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
         del ddp
-        return round(mine.item() / ranks * 1e6, 1)
+        return sum(p.numel() * p.element_size() for p in model.parameters()), round(mine.item() / ranks * 1e6, 1)
     finally:
         torch.set_rng_state(rng)

@@ -50,7 +50,7 @@ def devices() -> list[dict]:
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us")
+              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples")
 
 
 def _default_link(link: dict | str | None, target: str) -> dict | str | None:
@@ -85,7 +85,8 @@ def _format_link(link: dict | str | None) -> str:
                          f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
-        second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor"}.get(k)
+        second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor",
+                  "ddp_overhead_samples": "us"}.get(k)
         if second and isinstance(v, (list, tuple)):
             try:
                 return ";".join(f"{float(x['bytes']):.17g}/{float(x[second]):.17g}" for x in v)

@@ -1,4 +1,5 @@
 // Step-time forecast over hand-built traces: per-layer times, fits over probe batches, DDP buckets.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -428,6 +429,49 @@ TEST(StepTime, DdpOverheadOutsideBackwardOncePerStep) {
   EXPECT_NEAR(forecast_step_time(probes, o).other_ms, 40 / 1e6, 1e-12);
   EXPECT_EQ(test_util::user_error([] { Topology::parse("ddp_overhead_us:-1"); }),
             "link: 'ddp_overhead_us' should be a non-negative number, got '-1'");
+}
+
+TEST(StepTime, DdpOverheadByTheRanksGradientBytes) {
+  // Samples by gradient bytes per rank: linear between them, the nearest outside them; they replace
+  // ddp_overhead_us where given.
+  const Topology t = Topology::parse("ddp_overhead_us:50,ddp_overhead_samples:3000/500;1000/100");
+  ASSERT_EQ(t.ddp_overhead_samples.size(), 2u);
+  EXPECT_EQ(t.ddp_overhead_samples.front().bytes, 1000);  // sorted by bytes
+  EXPECT_EQ(t.ddp_overhead_for(10), 100);
+  EXPECT_EQ(t.ddp_overhead_for(1000), 100);
+  EXPECT_EQ(t.ddp_overhead_for(1500), 200);
+  EXPECT_EQ(t.ddp_overhead_for(2500), 400);
+  EXPECT_EQ(t.ddp_overhead_for(1e9), 500);
+  EXPECT_EQ(Topology::parse("ddp_overhead_us:50").ddp_overhead_for(1e9), 50);
+  EXPECT_EQ(Topology::parse("ddp_overhead_samples:1000/0").ddp_overhead_for(5), 0);  // none measured
+  // In the step: the probes' gradient bytes, halfway between two samples 100 bytes either side.
+  std::vector<IterationTiming> probes = linear_probes();
+  int64_t grad = 0;
+  for (const LayerTiming& l : probes.back().layers) grad += l.grad_bytes;
+  ASSERT_GT(grad, 0);
+  StepTimeOptions o;
+  o.batch_size = 16;
+  o.parallel.dp = 2;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast plain = forecast_step_time(probes, o);
+  o.topology = Topology::parse(fmt::format("alpha_us:10,bytes_per_us:1000,ddp_overhead_us:9999,ddp_overhead_samples:"
+                                           "{}/200;{}/600", grad - 100, grad + 100));
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  EXPECT_NEAR(f.other_ms, plain.other_ms + 0.4, 1e-12);
+  EXPECT_EQ(f.notes.back(), fmt::format("DDP costs 0.400 ms per step outside backward beyond the plain module (its "
+                                        "wrapper, and the collectives' threads on the shared cores; measured by "
+                                        "gpucast.calibrate(), for {:.3g} MiB of gradients per rank)",
+                                        grad / double(1 << 20)));
+  // Under FSDP none (its own collectives are modelled); on one rank none.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp");
+  EXPECT_NEAR(forecast_step_time(probes, o).other_ms, plain.other_ms, 1e-12);
+  // Bad pairs name the key and the item.
+  EXPECT_EQ(test_util::user_error([] { Topology::parse("ddp_overhead_samples:1000/-5"); }),
+            "link: 'ddp_overhead_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive bytes, "
+            "non-negative microseconds), got '1000/-5' in '1000/-5'");
+  EXPECT_EQ(test_util::user_error([] { Topology::parse("ddp_overhead_samples:0/5"); }),
+            "link: 'ddp_overhead_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive bytes, "
+            "non-negative microseconds), got '0/5' in '0/5'");
 }
 
 TEST(StepTime, RanksSharingAHostContendAndMayNotOverlap) {

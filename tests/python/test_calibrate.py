@@ -102,6 +102,9 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert r["overlap"] is (2 < r["cores"])
     assert r["memory_contention"] >= 1.0 and r["compute_contention"] >= 1.0 and r["balance"] > 0
     assert r["sync_wait_us"] >= 0 and r["ddp_overhead_us"] >= 0
+    # DDP's cost outside backward on two models, by their gradient bytes; the first is ddp_overhead_us.
+    assert [s["bytes"] for s in r["ddp_overhead_samples"]] == [19240, 2316840]
+    assert r["ddp_overhead_samples"][0]["us"] == r["ddp_overhead_us"] and r["ddp_overhead_samples"][1]["us"] >= 0
     assert r["drift_compute"] >= 0 and r["drift_memory"] >= 0
     # The second sweep, after a burst of compute five times longer: every size up to 4 MiB.
     assert [s["bytes"] for s in r["late_samples"]] == [2**16, 2**18, 2**20, 2**22]
@@ -121,8 +124,11 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
                          f"memory_contention_samples:{samples},"
                          f"compute_contention:{r['compute_contention']},balance:{r['balance']},"
                          f"sync_wait_us:{r['sync_wait_us']},drift_compute:{r['drift_compute']},"
-                         f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']}")
-    assert text.count(";") == 3 + 3 + 3  # four all-reduce samples, four late ones, four contention samples
+                         f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']},"
+                         f"ddp_overhead_samples:19240/{r['ddp_overhead_us']:.17g};2316840/"
+                         f"{r['ddp_overhead_samples'][1]['us']:.17g}")
+    # four all-reduce samples, four late ones, four contention samples, two DDP overheads
+    assert text.count(";") == 3 + 3 + 3 + 1
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):

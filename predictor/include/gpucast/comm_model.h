@@ -74,6 +74,12 @@ struct ContentionSample {
   double factor = 1.0;
 };
 
+// What DDP costs a step outside backward for a model with `bytes` of gradients per rank.
+struct OverheadSample {
+  double bytes = 0.0;
+  double us = 0.0;
+};
+
 // Where the ranks sit and what joins them. Ranks are laid out tensor-parallel innermost, then data-parallel,
 // then pipeline stages (Megatron's order); a group whose ranks span more than gpus_per_node GPUs crosses
 // nodes and runs at the inter-node link (a ring across nodes is bound by the NIC of each GPU).
@@ -106,17 +112,23 @@ struct Topology {
   // wrapper, and the collective threads' work competing for the shared cores after each reduction), per step.
   // Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double ddp_overhead_us = 0.0;
+  // The same cost by the gradient bytes a rank reduces (calibrate(): two models of 19 KB and 2.1 MB; the
+  // collective threads' aftermath grows with the bytes they moved), sorted by bytes; empty: ddp_overhead_us.
+  std::vector<OverheadSample> ddp_overhead_samples;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
   // with "samples_gap_us:7000,late_samples:65536/2400;4194304/5100,late_gap_us:34000" after idle spells,
   // and the host's "overlap:False,memory_contention:1.24,compute_contention:1,balance:1.3,sync_wait_us:850",
   // "drift_compute:0.03,drift_memory:0.09",
-  // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR) and "ddp_overhead_us:600". Errors
-  // name the key.
+  // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR), "ddp_overhead_us:600" and
+  // "ddp_overhead_samples:19240/120;2122280/560" (BYTES/MICROSECONDS). Errors name the key.
   static Topology parse(const std::string& text);
   // The memory-bound slowdown of a working set of `bytes` per rank: between two samples linear in log(bytes),
   // outside them the nearest; memory_contention without samples.
   double memory_contention_for(double bytes) const;
+  // DDP's cost outside backward, microseconds per step, for `grad_bytes` of gradients per rank: between two
+  // samples linear in the bytes, outside them the nearest; ddp_overhead_us without samples.
+  double ddp_overhead_for(double grad_bytes) const;
   // The link of a group of `ranks` ranks whose members are `stride` ranks apart; nullptr when unknown.
   const Link* link_for(int64_t ranks, int64_t stride) const;
 };
