@@ -24,6 +24,7 @@ std::string_view form_text(const ConfigKey& k) {
   switch (k.form) {
     case ConfigKey::Form::Bool: return "True or False";
     case ConfigKey::Form::PositiveInt: return "a positive integer";
+    case ConfigKey::Form::NonNegativeInt: return "a non-negative integer";
     case ConfigKey::Form::Fraction: return "a number in (0, 1]";
     case ConfigKey::Form::Choice: return "one of the listed choices";
     case ConfigKey::Form::String: return "a non-empty string";
@@ -103,10 +104,11 @@ void Config::set(const ConfigKey& k, std::string_view raw) {
       else if (raw == "False" || raw == "false" || raw == "0") values_[k.name] = false;
       else bad();
       break;
-    case ConfigKey::Form::PositiveInt: {
+    case ConfigKey::Form::PositiveInt:
+    case ConfigKey::Form::NonNegativeInt: {
       int64_t v = 0;
       auto [p, ec] = std::from_chars(raw.data(), raw.data() + raw.size(), v);
-      if (ec != std::errc() || p != raw.data() + raw.size() || v < 1) bad();
+      if (ec != std::errc() || p != raw.data() + raw.size() || v < (k.form == ConfigKey::Form::PositiveInt ? 1 : 0)) bad();
       values_[k.name] = v;
       break;
     }
@@ -199,7 +201,7 @@ std::vector<ConfigKey> auto_config_keys() {
       {"enabled", F::Bool, false, {}, "trace the first iteration by itself, forecast the run, warn on risk"},
       {"target", F::String, std::string("auto"), {},
        "cpu, a device table name (python -m gpucast devices), or auto: this process's GPU, else cpu"},
-      {"capacity_mb", F::PositiveInt, int64_t{0}, {}, "device memory in MiB, overriding the table (0: the table's)"},
+      {"capacity_mb", F::NonNegativeInt, int64_t{0}, {}, "device memory in MiB, overriding the table (0: the table's)"},
       {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
       {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
   };

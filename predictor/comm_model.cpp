@@ -143,7 +143,7 @@ Topology Topology::parse(const std::string& text) {
   Config cfg("link", {{"intra", F::String, std::string(), {}, "interconnect inside a node (interconnect table)"},
                       {"alpha_us", F::String, std::string(), {}, "intra-node latency per ring step, microseconds"},
                       {"bytes_per_us", F::String, std::string(), {}, "intra-node bus bandwidth, bytes per microsecond"},
-                      {"gpus_per_node", F::PositiveInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
+                      {"gpus_per_node", F::NonNegativeInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
                       {"inter", F::String, std::string(), {}, "interconnect between nodes (interconnect table)"},
                       {"inter_alpha_us", F::String, std::string(), {}, "inter-node latency per ring step"},
                       {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"},

@@ -1,6 +1,11 @@
 #include "gpucast/parallel.h"
 
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
 #include "gpucast/config.h"
+#include "gpucast/error.h"
 
 namespace gpucast {
 
@@ -13,7 +18,9 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                           {"micro_batches", F::PositiveInt, int64_t{1}, {}, "gradient accumulation steps"},
                           {"gradient_as_bucket_view", F::Bool, false, {}, "DDP gradients as views of its buckets"},
                           {"broadcast_buffers", F::Bool, true, {}, "DDP broadcasts the module's buffers every forward"},
-                          {"buffer_bytes", F::PositiveInt, int64_t{0}, {}, "bytes of the module's buffers"}});
+                          {"buffer_bytes", F::NonNegativeInt, int64_t{0}, {}, "bytes of the module's buffers"},
+                          {"bucket_cap_mb", F::String, std::string("25"), {},
+                           "DDP's bucket_cap_mb: MiB per gradient bucket (not given: the first 1 MiB, the rest 25)"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -24,6 +31,19 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
   p.gradient_as_bucket_view = cfg.get_bool("gradient_as_bucket_view");
   p.broadcast_buffers = cfg.get_bool("broadcast_buffers");
   p.buffer_bytes = cfg.get_int("buffer_bytes");
+  const std::string& cap = cfg.get_string("bucket_cap_mb");
+  size_t used = 0;
+  double mb = -1;
+  try {
+    mb = std::stod(cap, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != cap.size() || !(mb > 0) || !std::isfinite(mb)) {
+    GPUCAST_USER_ERROR("parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '{}'", cap);
+  }
+  p.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(std::llround(mb * (1 << 20))));
+  p.bucket_cap_given = cfg.was_set("bucket_cap_mb");
   return p;
 }
 

@@ -1094,7 +1094,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       t += l.backward_ms + tp_bw_ms[i];
       if (l.grad_bytes == 0) continue;
       cur.bytes += l.grad_bytes;
-      const int64_t cap = f.buckets.empty() ? o.first_bucket_bytes : o.bucket_bytes;
+      const int64_t cap = f.buckets.empty() && !P.bucket_cap_given ? o.first_bucket_bytes : P.bucket_bytes;
       if (cur.bytes >= cap) flush(t);
     }
     flush(t);

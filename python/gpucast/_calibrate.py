@@ -44,6 +44,12 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     2.3 MB (the threads' aftermath grows with the bytes they moved); the forecast reads it by the gradient bytes a
     rank reduces."""
     # The arguments first: a bad one is said before any collective runs.
+    try:
+        [int(s) for s in sizes]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"gpucast.calibrate: sizes must be byte counts (integers of at least 4), got {sizes!r}") from e
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"gpucast.calibrate: timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if (repeats is not None and repeats < 1) or any(int(s) < 4 for s in sizes):
         raise ValueError(f"gpucast.calibrate: sizes must be at least 4 bytes and repeats at least 1, got {sizes!r}, "
                          f"{repeats!r}")
@@ -54,6 +60,9 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
         raise RuntimeError("gpucast.calibrate: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) on every rank first")
     ranks = dist.get_world_size(group)
+    if ranks < 2:
+        raise ValueError(f"gpucast.calibrate: the process group has {ranks} rank; a link needs at least 2 (call it "
+                         f"on every rank of a group of two or more)")
     backend = dist.get_backend(group)
     if repeats is None:
         repeats = 9 if backend == "nccl" else 27

@@ -52,6 +52,9 @@ _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "in
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
               "drift_memory", "ddp_overhead_us", "ddp_overhead_samples")
 
+# What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.
+_CALIBRATE_INFO_KEYS = ("backend", "cores", "local_ranks", "threads")
+
 
 def _default_link(link: dict | str | None, target: str) -> dict | str | None:
     """link, or where none is given for a GPU target, that GPU's usual node from the device table."""
@@ -63,11 +66,16 @@ def _default_link(link: dict | str | None, target: str) -> dict | str | None:
     return None
 
 
-def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str) -> None:
+def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str, stacklevel: int = 3) -> None:
     used = _default_link(link, target)
     if link is None and used and tf.dp * tf.tp * tf.pp > 1:
         tf.notes.insert(0, f"link: {target}'s usual node assumed ({used}, the device table's default); pass link= "
                            f"(gpucast.calibrate() on the job's process group, or a topology) for another")
+    if not used and tf.dp * tf.tp * tf.pp > 1:
+        warnings.warn(f"gpucast.forecast: no link is known for target '{target}', so the step's collectives "
+                      f"(dp={tf.dp}, tp={tf.tp}, pp={tf.pp}) are left out of it; pass link=gpucast.calibrate() "
+                      f"(run on the job's process group) or a topology such as 'intra:nvlink4,gpus_per_node:8'",
+                      stacklevel=stacklevel)
 
 
 def _format_link(link: dict | str | None) -> str:
@@ -83,6 +91,11 @@ def _format_link(link: dict | str | None) -> str:
     if not any(k in link for k in _LINK_KEYS):
         raise ValueError("forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() returns) "
                          f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
+    unknown = [k for k in link if k not in _LINK_KEYS and k not in _CALIBRATE_INFO_KEYS]
+    if unknown:
+        raise ValueError(f"forecast: link: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(repr(k) for k in unknown)}; known: {', '.join(_LINK_KEYS)} (and what "
+                         f"gpucast.calibrate() also returns: {', '.join(_CALIBRATE_INFO_KEYS)})")
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
         second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor",
@@ -481,6 +494,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     parallel_text = _format_parallel(parallel)
     # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
     dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
+    if batch_size < dp * micro_batches:
+        raise ValueError(f"forecast: batch_size {batch_size} is smaller than dp x micro_batches = "
+                         f"{dp * micro_batches}: every rank needs a sample in every micro-batch")
     per_rank = max(1, batch_size // (dp * micro_batches))
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):
@@ -950,7 +966,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn, seq_len)
-    _note_default_link(tf, link, target)
+    _note_default_link(tf, link, target, stacklevel=4)
     if not tf.per_layer:
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
                "forward and backward inside its step, whose time is then the optimizer's, the time of the probe "

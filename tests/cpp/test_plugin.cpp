@@ -1,4 +1,5 @@
 // The configuration grammar: key:value,key:[a,b], one registry, errors naming key, form and value.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "gpucast/config.h"
@@ -83,6 +84,25 @@ TEST(ConfigForms, ListChoiceAndFraction) {
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(), "T: option 'frac' expects a number in (0, 1], got '1.5'");
   }
+}
+
+TEST(ConfigForms, NonNegativeIntTakesZero) {
+  Config c("T", {{"n", ConfigKey::Form::NonNegativeInt, int64_t{5}, {}, ""}});
+  c.parse("n:0");
+  EXPECT_EQ(c.get_int("n"), 0);
+  for (const char* bad : {"n:-1", "n:1.5", "n:"}) {
+    try {
+      c.parse(bad);
+      FAIL() << bad;
+    } catch (const UserError& e) {
+      EXPECT_EQ(std::string(e.what()), fmt::format("T: option 'n' expects a non-negative integer, got '{}'",
+                                                   std::string(bad).substr(2)));
+    }
+  }
+  // The auto mode's capacity_mb: 0 is its default (the device table's capacity), so it may be given.
+  Config a("GPUCAST_CONF", auto_config_keys());
+  a.parse("capacity_mb:0");
+  EXPECT_EQ(a.get_int("capacity_mb"), 0);
 }
 
 }  // namespace

@@ -335,6 +335,20 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_NEAR(g.exposed_comm_ms, allreduce_us(600 << 10, 2, o.topology.intra) / 1e3, 1e-9);
   EXPECT_NEAR(g.buckets[0].idle_ms, other + fwd + 6.0 + g.optimizer_ms, 1e-9);
   EXPECT_NEAR(g.buckets[1].idle_ms, 8.0, 1e-9);  // Net.a's backward since the first bucket was ready
+  // DDP's bucket_cap_mb sizes every bucket, the first too: 0.5 MiB puts each layer's 600 KiB in a bucket of its
+  // own, 2 MiB both in one.
+  o.first_bucket_bytes = int64_t{1} << 20;
+  o.parallel = ParallelConfig::parse("dp:2,bucket_cap_mb:0.5");
+  EXPECT_EQ(o.parallel.bucket_bytes, 524288);
+  EXPECT_EQ(forecast_step_time(probes, o).buckets.size(), 2u);
+  o.parallel = ParallelConfig::parse("dp:2,bucket_cap_mb:2");
+  EXPECT_EQ(forecast_step_time(probes, o).buckets.size(), 1u);
+  o.parallel = ParallelConfig::parse("dp:2");
+  EXPECT_EQ(forecast_step_time(probes, o).buckets.size(), 1u);  // 1 MiB first: 1.2 MiB fill it at once
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("bucket_cap_mb:0"); }),
+            "parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '0'");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("bucket_cap_mb:25MB"); }),
+            "parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '25MB'");
 }
 
 TEST(StepTime, DdpReductionsAfterALongIdleSpellTakeTheLateSamples) {
@@ -396,9 +410,10 @@ TEST(StepTime, DdpBroadcastsTheBuffersBeforeTheForward) {
   int broadcasts = 0;
   for (const CommForecast& c : forecast_step_time(probes, o).comm) broadcasts += c.kind == "dp_broadcast_buffers";
   EXPECT_EQ(broadcasts, 1);
-  // buffer_bytes is a byte count of at least 1 (leave it out for none).
-  EXPECT_EQ(err([] { ParallelConfig::parse("dp:2,buffer_bytes:0"); }),
-            "parallel: option 'buffer_bytes' expects a positive integer, got '0'");
+  // buffer_bytes is a byte count (0: none, as by default).
+  EXPECT_EQ(ParallelConfig::parse("dp:2,buffer_bytes:0").buffer_bytes, 0);
+  EXPECT_EQ(err([] { ParallelConfig::parse("dp:2,buffer_bytes:-1"); }),
+            "parallel: option 'buffer_bytes' expects a non-negative integer, got '-1'");
 }
 
 TEST(StepTime, DdpOverheadOutsideBackwardOncePerStep) {
@@ -1155,6 +1170,11 @@ TEST(StepTime, TopologyPicksTheLinkOfEachGroup) {
   EXPECT_EQ(t.link_for(2, 8), &t.inter);  // dp across nodes when tp fills a node
   EXPECT_EQ(t.inter.bytes_per_us, 46000.0);
   EXPECT_EQ(Topology::parse("").link_for(2, 1), nullptr);
+  // gpus_per_node 0: every rank in one node (the default, also when given).
+  const Topology one = Topology::parse("intra:nvlink4,gpus_per_node:0,inter:ib-ndr");
+  EXPECT_EQ(one.link_for(64, 8), &one.intra);
+  EXPECT_EQ(err([] { Topology::parse("gpus_per_node:-8"); }),
+            "link: option 'gpus_per_node' expects a non-negative integer, got '-8'");
   EXPECT_EQ(err([] { Topology::parse("intra:nvlink9"); }),
             "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, pcie5, ib-hdr, ib-ndr, "
             "eth-100g");

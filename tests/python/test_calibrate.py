@@ -179,6 +179,27 @@ def test_bad_arguments_are_said_before_any_collective():
         gpucast.calibrate(sizes=(2, 1024))
     with pytest.raises(ValueError, match=r"got \(1024, 4096\), 0"):
         gpucast.calibrate(sizes=(1024, 4096), repeats=0)
+    with pytest.raises(ValueError, match=r"gpucast.calibrate: sizes must be byte counts \(integers of at least 4\), "
+                                         r"got \('a', 4096\)"):
+        gpucast.calibrate(sizes=("a", 4096))
+    for bad in (0, -1, "60", True):
+        with pytest.raises(ValueError, match=rf"gpucast.calibrate: timeout_s must be a positive number of seconds, "
+                                             rf"got {bad!r}"):
+            gpucast.calibrate(timeout_s=bad)
+
+
+def test_a_group_of_one_rank_is_refused_before_any_collective(tmp_path):
+    script = tmp_path / "one.py"
+    script.write_text(
+        f"import sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'python')!r}]\n"
+        "import torch.distributed as dist, gpucast\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)\n"
+        "try:\n    gpucast.calibrate()\nexcept ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.stdout.strip().splitlines()[-1] == (
+        "gpucast.calibrate: the process group has 1 rank; a link needs at least 2 (call it on every rank of a group "
+        "of two or more)"), out.stderr[-2000:]
 
 
 def test_samples_that_do_not_grow_with_the_size_fit_a_bandwidth_alone():

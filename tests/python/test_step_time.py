@@ -245,6 +245,43 @@ def test_bad_step_time_input(kw, message):
     assert str(e.value).splitlines()[0] == message
 
 
+def test_a_misspelt_link_key_is_named():
+    # Known keys beside it do not hide it (it would have silently left every rank in one node).
+    with pytest.raises(ValueError) as e:
+        forecast(batch=32, target="H100-80GB", parallel=dict(dp=16),
+                 link={"intra": "nvlink4", "gpus_per_nodes": 8, "inter": "ib-ndr"})
+    assert str(e.value) == (
+        "forecast: link: unknown key 'gpus_per_nodes'; known: intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
+        "inter_alpha_us, inter_bytes_per_us, samples, ranks, samples_gap_us, late_samples, late_gap_us, overlap, "
+        "memory_contention, memory_contention_samples, compute_contention, balance, sync_wait_us, drift_compute, "
+        "drift_memory, ddp_overhead_us, ddp_overhead_samples (and what gpucast.calibrate() also returns: backend, "
+        "cores, local_ranks, threads)")
+
+
+def test_a_batch_below_the_ranks_is_refused_before_the_probes():
+    case = zoo.CASES["mlp"]
+    model, opt, step, _ = build(case, "sgd")
+    calls = []
+
+    def counted(batch):
+        calls.append(1)
+        return step(batch)
+    with pytest.raises(ValueError) as e:
+        gpucast.forecast(counted, case.make_batch, 4, model=model, optimizer=opt, parallel=dict(dp=2, micro_batches=4))
+    assert str(e.value) == ("forecast: batch_size 4 is smaller than dp x micro_batches = 8: every rank needs a sample "
+                            "in every micro-batch")
+    assert calls == []
+
+
+def test_collectives_without_a_link_are_warned_of():
+    # On the CPU target there is no usual node: the forecast leaves the all-reduces out, and says so aloud.
+    with pytest.warns(UserWarning, match=r"gpucast.forecast: no link is known for target 'cpu', so the step's "
+                                         r"collectives \(dp=2, tp=1, pp=1\) are left out of it; pass "
+                                         r"link=gpucast.calibrate\(\)"):
+        fc = forecast(batch=32, parallel=dict(dp=2), gnn=None)
+    assert fc.time.exposed_comm_ms == 0 and fc.time.comm == []
+
+
 def test_link_sample_lists_name_their_key():
     from gpucast._forecast import _format_link
     assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "memory_contention_samples": [

@@ -16,7 +16,7 @@ namespace gpucast {
 using ConfigValue = std::variant<bool, int64_t, double, std::string, std::vector<std::string>>;
 
 struct ConfigKey {
-  enum class Form { Bool, PositiveInt, Fraction, Choice, String, List };
+  enum class Form { Bool, PositiveInt, NonNegativeInt, Fraction, Choice, String, List };
   std::string name;
   Form form;
   ConfigValue fallback;                // default

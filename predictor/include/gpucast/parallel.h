@@ -15,7 +15,11 @@ struct ParallelConfig {
   // before the forward of every step (broadcast_buffers=True, DDP's default): buffer_bytes of them.
   bool broadcast_buffers = true;
   int64_t buffer_bytes = 0;
-  // "dp:8,dp_mode:fsdp,micro_batches:4" (the configuration grammar); errors name the key.
+  // DDP's gradient buckets: by default the first 1 MiB and the rest 25 MiB; with bucket_cap_mb given, every
+  // bucket that size (as DDP does).
+  int64_t bucket_bytes = int64_t{25} << 20;
+  bool bucket_cap_given = false;
+  // "dp:8,dp_mode:fsdp,micro_batches:4,bucket_cap_mb:50" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };
 

@@ -152,8 +152,8 @@ struct StepTimeOptions {
   int64_t batch_size = 0;     // global
   ParallelConfig parallel;
   Topology topology;          // links: gpucast.calibrate() or the interconnect table
+  // DDP's first bucket where parallel.bucket_cap_mb is not given (the rest: parallel.bucket_bytes)
   int64_t first_bucket_bytes = int64_t{1} << 20;
-  int64_t bucket_bytes = int64_t{25} << 20;
   // Untraced over traced time of an iteration, measured in the same process: the tracer's own cost is taken out
   // of every probe's compute times (1: none).
   double time_scale = 1.0;
