@@ -4,6 +4,7 @@
 #include <array>
 #include <limits>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <tuple>
@@ -22,6 +23,8 @@ namespace {
 
 using nlohmann::json;
 constexpr const char* kOutside = kOutsideModules;
+// A forecast's timeline draws each layer's passes up to this many compute spans, each pass whole beyond.
+constexpr size_t kMaxLayerSpans = 20000;
 
 double duration(const OpRecord& op) {
   return op.device_ns >= 0 ? static_cast<double>(op.device_ns) : static_cast<double>(op.end_ns - op.start_ns);
@@ -817,6 +820,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   bool inside_pair = false;
   std::vector<std::pair<int64_t, size_t>> bwd_order;
   std::vector<double> tp_fw_ms(ref.layers.size(), 0.0), tp_bw_ms(ref.layers.size(), 0.0);
+  std::vector<double> tp_bytes(ref.layers.size(), 0.0);  // what a layer's tensor-parallel all-reduce moves
   std::vector<double> drift_of(ref.layers.size(), 0.0);  // each layer's drift per ms (Topology::drift_*)
   for (const LayerTiming& l : ref.layers) {
     const double mshare = memory_share(l.flops, l.bytes);
@@ -850,6 +854,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       split_grad += l.grad_bytes;
       const double bytes = static_cast<double>(l.out_bytes) * act_scale;
       const double us = tp_link ? allreduce_us(bytes, P.tp, *tp_link) : 0.0;
+      tp_bytes[i] = bytes;
       if (l.kind == "embedding") {
         tp_fw_ms[i] = us / 1e3;
       } else if (row) {
@@ -986,33 +991,124 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     f.exposed_comm_ms += bcast_ms;
   }
 
+  // The step laid out on its streams: compute spans (per layer, or per pass where the layers times the
+  // micro-batches would pass kMaxLayerSpans) beside the communication in f.comm.
+  const int64_t mbs = P.micro_batches;
+  const bool layer_spans = f.per_layer.size() * static_cast<size_t>(mbs) * 2 <= kMaxLayerSpans;
+  auto span = [&](std::string name, const char* kind, int64_t mb, int64_t stage, double start, double ms) {
+    f.compute.push_back({std::move(name), kind, mb, stage, start, start + ms});
+    return start + ms;
+  };
+  // One micro-batch's forward (or backward) pass over `layers` from `t`, each layer followed by its
+  // tensor-parallel all-reduce; done(i, end) after each. Returns the pass's end.
+  auto run_pass = [&](const std::vector<size_t>& layers, bool backward, int64_t mb, int64_t stage, double t,
+                      const std::function<void(size_t, double)>& done) {
+    const double start = t;
+    for (size_t i : layers) {
+      const double ms = backward ? f.per_layer[i].backward_ms : f.per_layer[i].forward_ms;
+      const double tp = backward ? tp_bw_ms[i] : tp_fw_ms[i];
+      if (layer_spans) {
+        t = span(f.per_layer[i].layer + (backward ? " backward" : " forward"), backward ? "backward" : "forward", mb,
+                 stage, t, ms);
+        if (tp > 0) f.comm.push_back({"tp_allreduce", static_cast<int64_t>(tp_bytes[i]), t, t + tp, stage});
+        t += tp;
+      } else {
+        t += ms + tp;
+      }
+      if (done) done(i, t);
+    }
+    if (!layer_spans && !layers.empty()) {
+      span(fmt::format("{} (micro-batch {})", backward ? "backward" : "forward", mb), backward ? "backward" : "forward",
+           mb, stage, start, t - start);
+    }
+    return t;
+  };
+  const char* other_name = "other (loss, zero_grad, Python)";
+  std::sort(bwd_order.begin(), bwd_order.end());
+  std::vector<size_t> forward_layers(f.per_layer.size()), backward_layers;
+  std::iota(forward_layers.begin(), forward_layers.end(), size_t{0});
+  for (auto [order, i] : bwd_order) backward_layers.push_back(i);
+
   if (P.pp > 1) {
-    // 1F1B: fill and drain of one micro-batch through every stage, the slowest stage for the other m - 1.
-    double slowest = 0, sum = 0, p2p = 0, p2p_max = 0;
-    for (int64_t s = 0; s < P.pp; ++s) {
-      slowest = std::max(slowest, stage_fw[s] + stage_bw[s]);
-      sum += stage_fw[s] + stage_bw[s];
-    }
-    double t = bcast_ms + f.other_ms;
+    // 1F1B on every stage: stage s runs min(pp - s - 1, m) forwards, then one forward and one backward in turn,
+    // then the remaining backwards. A forward waits for the previous stage's output (its send), a backward for
+    // the next stage's gradient; each send takes the link's time for the stage's output at the micro-batch.
+    std::vector<std::vector<size_t>> stage_forward(P.pp), stage_backward(P.pp);
+    for (size_t i : forward_layers) stage_forward[f.per_layer[i].stage].push_back(i);
+    for (size_t i : backward_layers) stage_backward[f.per_layer[i].stage].push_back(i);
+    std::vector<double> hop_ms(P.pp, 0.0);
     for (int64_t s = 0; s + 1 < P.pp; ++s) {
-      if (!pp_link) break;
-      const double us = pp_link->alpha_us + static_cast<double>(send_bytes[s]) / pp_link->bytes_per_us;
-      t += stage_fw[s];
-      add_comm("pp_send", static_cast<double>(send_bytes[s]), t, us);
-      t += us / 1e3;
-      p2p += 2 * us / 1e3;
-      p2p_max = std::max(p2p_max, 2 * us / 1e3);
+      if (pp_link) hop_ms[s] = (pp_link->alpha_us + static_cast<double>(send_bytes[s]) / pp_link->bytes_per_us) / 1e3;
     }
-    f.pp_comm_ms = p2p + (m - 1) * p2p_max;
-    const double pipe = sum + (m - 1) * (slowest + p2p_max) + p2p;
-    f.bubble_ms = pipe - m * slowest;
-    t_end = bcast_ms + f.other_ms + pipe;
-    f.exposed_comm_ms += f.pp_comm_ms + f.tp_comm_ms;
+    const double start = bcast_ms + f.other_ms;
+    std::vector<double> free(P.pp, start);
+    std::vector<std::vector<double>> fwd_done(P.pp, std::vector<double>(mbs, -1.0)), bwd_done = fwd_done;
+    std::vector<std::vector<std::pair<bool, int64_t>>> order(P.pp);
+    for (int64_t s = 0; s < P.pp; ++s) {
+      span(other_name, "other", 0, s, bcast_ms, f.other_ms);
+      const int64_t warm = std::min<int64_t>(P.pp - s - 1, mbs);
+      int64_t fw = 0, bw = 0;
+      for (; fw < warm; ++fw) order[s].emplace_back(false, fw);
+      while (bw < mbs) {
+        if (fw < mbs) order[s].emplace_back(false, fw++);
+        order[s].emplace_back(true, bw++);
+      }
+    }
+    std::vector<size_t> next(P.pp, 0);
+    for (bool progress = true; progress;) {
+      progress = false;
+      for (int64_t s = 0; s < P.pp; ++s) {
+        while (next[s] < order[s].size()) {
+          const auto [backward, j] = order[s][next[s]];
+          double ready = start;
+          if (!backward && s > 0) {
+            if (fwd_done[s - 1][j] < 0) break;
+            ready = fwd_done[s - 1][j] + hop_ms[s - 1];
+          } else if (backward) {
+            const double after = s + 1 < P.pp ? bwd_done[s + 1][j] : fwd_done[s][j];
+            if (after < 0) break;
+            ready = after + (s + 1 < P.pp ? hop_ms[s] : 0.0);
+          }
+          const double begin = std::max(free[s], ready);
+          const double end = run_pass(backward ? stage_backward[s] : stage_forward[s], backward, j, s, begin, {});
+          (backward ? bwd_done : fwd_done)[s][j] = end;
+          free[s] = end;
+          // The output forward to the next stage, the gradient back to the previous one.
+          if (pp_link && !backward && s + 1 < P.pp) {
+            add_comm("pp_send", static_cast<double>(send_bytes[s]), end, hop_ms[s] * 1e3);
+            f.comm.back().stage = s;
+          }
+          if (pp_link && backward && s > 0) {
+            add_comm("pp_send", static_cast<double>(send_bytes[s - 1]), end, hop_ms[s - 1] * 1e3);
+            f.comm.back().stage = s;
+          }
+          ++next[s];
+          progress = true;
+        }
+      }
+    }
+    // The slowest stage's rank: its compute, its tensor-parallel all-reduces and its sends.
+    int64_t slow = 0;
+    for (int64_t s = 1; s < P.pp; ++s) {
+      if (stage_fw[s] + stage_bw[s] > stage_fw[slow] + stage_bw[slow]) slow = s;
+    }
+    double slow_tp = 0;
+    for (size_t i : forward_layers) {
+      if (f.per_layer[i].stage == slow) slow_tp += tp_fw_ms[i] + tp_bw_ms[i];
+    }
+    f.tp_comm_ms = m * slow_tp;
+    for (int64_t s = 0; s < P.pp; ++s) {
+      const double sends = m * ((s + 1 < P.pp ? hop_ms[s] : 0.0) + (s > 0 ? hop_ms[s - 1] : 0.0));
+      f.pp_comm_ms = std::max(f.pp_comm_ms, sends);
+    }
+    t_end = *std::max_element(free.begin(), free.end());
+    f.exposed_comm_ms += f.tp_comm_ms;
     if (dp_link && rank_grad > 0) {
       const double us = reduce_us(static_cast<double>(rank_grad));
       t_end = add_comm(reduce_kind, static_cast<double>(rank_grad), t_end, us);
       f.exposed_comm_ms += us / 1e3;
     }
+    for (int64_t s = 0; s < P.pp; ++s) span("optimizer step", "optimizer", mbs - 1, s, t_end, f.optimizer_ms);
     t_end += f.optimizer_ms;
     if (dp_link && sharded && rank_grad > 0) {
       const double us = all_gather_us(static_cast<double>(rank_grad), P.dp, *dp_link);
@@ -1020,7 +1116,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       f.exposed_comm_ms += us / 1e3;
     }
     f.step_ms = t_end;
-    f.compute_ms = m * slowest + f.optimizer_ms + f.other_ms;  // the slowest stage's rank
+    f.compute_ms = m * (stage_fw[slow] + stage_bw[slow] - slow_tp) + f.optimizer_ms + f.other_ms;
+    // What the slowest stage's rank waits for beside its own work: the fill and drain, and the sends.
+    f.bubble_ms = std::max(0.0, f.step_ms - f.compute_ms - f.exposed_comm_ms);
     return f;
   }
 
@@ -1028,15 +1126,15 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const double per_mb_fw = f.forward_ms / m, per_mb_bw = f.backward_ms / m;
   const double tp_fw_total = std::accumulate(tp_fw_ms.begin(), tp_fw_ms.end(), 0.0);
   const double tp_bw_total = std::accumulate(tp_bw_ms.begin(), tp_bw_ms.end(), 0.0);
+  const double other_mb = f.other_ms / m;
   f.exposed_comm_ms += f.tp_comm_ms;
-  double t = bcast_ms + (m - 1) * (f.other_ms / m + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total) +
-             f.other_ms / m;
-  std::sort(bwd_order.begin(), bwd_order.end());
   if (P.dp > 1 && dp_link && P.dp_mode == "fsdp") {
     // Units: layers with parameters (the probes hold them whole: a unit's gather moves its full size). Each pass
-    // gathers unit j + 1 when unit j starts computing (prefetch), on one communication stream in issue order.
-    double comm_free = t, compute = t;
-    auto pass = [&](const std::vector<size_t>& units, bool backward) {
+    // gathers unit j + 1 when unit j starts computing (prefetch), on one communication stream in issue order;
+    // every micro-batch gathers again (gradient accumulation under no_sync keeps the gradients, not the
+    // parameters), the last one reduce-scatters the gradients.
+    double comm_free = 0, compute = 0;
+    auto pass = [&](const std::vector<size_t>& units, bool backward, int64_t mb, bool reduce) {
       std::vector<double> gathered(units.size(), 0.0);
       auto gather = [&](size_t n, double not_before) {
         const double bytes = static_cast<double>(f.per_layer[units[n]].grad_bytes);
@@ -1045,25 +1143,27 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                              all_gather_us(bytes, P.dp, *dp_link));
         gathered[n] = comm_free;
       };
+      const double pass_start = compute;
       if (!units.empty()) gather(0, compute);
       for (size_t n = 0; n < units.size(); ++n) {
         const size_t i = units[n];
         const double ready = std::max(compute, gathered[n]);
         if (n + 1 < units.size()) gather(n + 1, ready);
-        compute = ready + (backward ? f.per_layer[i].backward_ms + tp_bw_ms[i] : f.per_layer[i].forward_ms + tp_fw_ms[i]);
+        compute = run_pass({i}, backward, mb, 0, ready, {});
         const double bytes = static_cast<double>(f.per_layer[i].grad_bytes);
-        if (backward && bytes > 0) {
+        if (backward && reduce && bytes > 0) {
           comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute),
                                reduce_scatter_us(bytes, P.dp, *dp_link));
         }
       }
+      (void)pass_start;
     };
-    std::vector<size_t> forward_units(f.per_layer.size()), backward_units;
-    std::iota(forward_units.begin(), forward_units.end(), size_t{0});
-    for (auto [order, i] : bwd_order) backward_units.push_back(i);
-    pass(forward_units, false);
-    pass(backward_units, true);
-    const double compute_only = t + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total;
+    for (int64_t mb = 0; mb < mbs; ++mb) {
+      compute = span(other_name, "other", mb, 0, compute, other_mb);
+      pass(forward_layers, false, mb, false);
+      pass(backward_layers, true, mb, mb + 1 == mbs);
+    }
+    const double compute_only = m * (other_mb + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total);
     t_end = std::max(compute, comm_free);
     if (!T.overlap) {  // the collectives take the cores from the compute: their time adds
       double fsdp_comm = 0;
@@ -1073,31 +1173,37 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       t_end = compute_only + fsdp_comm;
     }
     f.exposed_comm_ms += t_end - compute_only;
+    span("optimizer step", "optimizer", mbs - 1, 0, t_end, f.optimizer_ms);
     f.step_ms = t_end + f.optimizer_ms;
     return f;
   }
   // DDP and ZeRO-1/2: buckets in backward order, reduced while backward goes on.
-  const double backward_start = t + per_mb_fw + tp_fw_total;
-  t = backward_start;
-  const double backward_end = backward_start + per_mb_bw + tp_bw_total;
+  double t = bcast_ms;
+  for (int64_t mb = 0; mb + 1 < mbs; ++mb) {
+    t = span(other_name, "other", mb, 0, t, other_mb);
+    t = run_pass(forward_layers, false, mb, 0, t, {});
+    t = run_pass(backward_layers, true, mb, 0, t, {});
+  }
+  t = span(other_name, "other", mbs - 1, 0, t, other_mb);
+  const double backward_start = run_pass(forward_layers, false, mbs - 1, 0, t, {});
   double prev_end = 0;
-  if (P.dp > 1 && dp_link) {
-    BucketForecast cur;
-    auto flush = [&](double ready) {
-      if (cur.bytes == 0) return;
-      cur.ready_ms = ready;
-      f.buckets.push_back(cur);
-      cur = BucketForecast{};
-    };
-    for (auto [order, i] : bwd_order) {
-      const LayerForecast& l = f.per_layer[i];
-      t += l.backward_ms + tp_bw_ms[i];
-      if (l.grad_bytes == 0) continue;
-      cur.bytes += l.grad_bytes;
-      const int64_t cap = f.buckets.empty() && !P.bucket_cap_given ? o.first_bucket_bytes : P.bucket_bytes;
-      if (cur.bytes >= cap) flush(t);
-    }
-    flush(t);
+  BucketForecast cur;
+  auto flush = [&](double ready) {
+    if (cur.bytes == 0) return;
+    cur.ready_ms = ready;
+    f.buckets.push_back(cur);
+    cur = BucketForecast{};
+  };
+  const bool reduce = P.dp > 1 && dp_link;
+  const double backward_end = run_pass(backward_layers, true, mbs - 1, 0, backward_start, [&](size_t i, double end) {
+    const LayerForecast& l = f.per_layer[i];
+    if (!reduce || l.grad_bytes == 0) return;
+    cur.bytes += l.grad_bytes;
+    const int64_t cap = f.buckets.empty() && !P.bucket_cap_given ? o.first_bucket_bytes : P.bucket_bytes;
+    if (cur.bytes >= cap) flush(end);
+  });
+  if (reduce) {
+    flush(backward_end);
     for (size_t k = 0; k < f.buckets.size(); ++k) {
       BucketForecast& b = f.buckets[k];
       // The compute since the group's previous collective: the previous bucket's readiness; for the first, the
@@ -1116,7 +1222,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   }
   const double exposed = std::max(0.0, prev_end - backward_end);
   f.exposed_comm_ms += exposed;
-  t_end = backward_end + exposed + f.optimizer_ms;
+  t_end = span("optimizer step", "optimizer", mbs - 1, 0, backward_end + exposed, f.optimizer_ms);
   if (P.dp > 1 && dp_link && sharded && all_rank_grad > 0) {
     const double us = all_gather_us(static_cast<double>(all_rank_grad), P.dp, *dp_link);
     t_end = add_comm("dp_all_gather", static_cast<double>(all_rank_grad), t_end, us);
@@ -1138,7 +1244,13 @@ std::string step_time_to_json(const StepTimeForecast& f) {
                        {"idle_ms", b.idle_ms}});
   }
   for (const auto& c : f.comm) {
-    comm.push_back({{"kind", c.kind}, {"bytes", c.bytes}, {"start_ms", c.start_ms}, {"end_ms", c.end_ms}});
+    comm.push_back({{"kind", c.kind}, {"bytes", c.bytes}, {"start_ms", c.start_ms}, {"end_ms", c.end_ms},
+                    {"stage", c.stage}});
+  }
+  json compute = json::array();
+  for (const auto& c : f.compute) {
+    compute.push_back({{"name", c.name}, {"kind", c.kind}, {"micro_batch", c.micro_batch}, {"stage", c.stage},
+                       {"start_ms", c.start_ms}, {"end_ms", c.end_ms}});
   }
   return json{{"batch_size", f.batch_size}, {"per_rank_batch", f.per_rank_batch}, {"dp", f.dp}, {"tp", f.tp},
               {"pp", f.pp}, {"micro_batches", f.micro_batches}, {"dp_mode", f.dp_mode},
@@ -1148,7 +1260,7 @@ std::string step_time_to_json(const StepTimeForecast& f) {
               {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"tp_comm_ms", f.tp_comm_ms},
               {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"timed_layers", f.timed_layers},
               {"per_layer", layers},
-              {"buckets", buckets}, {"comm", comm}, {"clock", f.clock}, {"notes", f.notes}}
+              {"buckets", buckets}, {"comm", comm}, {"compute", compute}, {"clock", f.clock}, {"notes", f.notes}}
       .dump();
 }
 

@@ -99,8 +99,18 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
             out["late_samples"] = [{"bytes": s, "us": u} for s, u in late]
             out["late_gap_us"] = round(late_gap, 1)
         out.update(_host_sharing(ranks, group, wait))
-        # On a small model, and by gradient bytes on two (the threads' aftermath grows with what they moved).
-        overheads = [_ddp_overhead(ranks, group, wait, hidden) for hidden in _DDP_OVERHEAD_WIDTHS]
+        # On a small model, and by gradient bytes on two (the threads' aftermath grows with what they moved). DDP
+        # runs its own collectives (the parameters' broadcast, the buckets' all-reduces), which wait() does not
+        # see: on a group of the same ranks with the timeout, so that a peer gone quiet raises instead of hanging.
+        sub = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD), timeout=timeout,
+                             backend=backend)
+        try:
+            overheads = [_ddp_overhead(ranks, sub, wait, hidden) for hidden in _DDP_OVERHEAD_WIDTHS]
+        except RuntimeError as e:
+            raise TimeoutError(f"gpucast.calibrate: DDP's steps on a small model did not complete within "
+                               f"{timeout_s:g} s on {ranks} ranks ({backend}): {e}") from e
+        finally:
+            dist.destroy_process_group(sub)
         out["ddp_overhead_us"] = overheads[0][1]
         out["ddp_overhead_samples"] = [{"bytes": b, "us": us} for b, us in overheads]
     return out

@@ -205,6 +205,9 @@ class TimeForecast:
     comm: list
     clock: str
     notes: list = field(default_factory=list)
+    # The step's compute laid out: [{"name", "kind", "micro_batch", "stage", "start_ms", "end_ms"}] (what
+    # save_timeline draws beside `comm`).
+    compute: list = field(default_factory=list)
     # The graph network's correction (ScaleDL's alpha for compute, beta for exposed communication) and where it
     # came from: "gnn", or why it was not applied; step_ms, compute_ms and exposed_comm_ms include it (the
     # per-layer and per-phase times do not), uncorrected_step_ms does not.
@@ -269,36 +272,38 @@ class Forecast:
         return {"schema_version": SCHEMA_VERSION, "context": self.context,
                 "probe_batch_sizes": list(self.probe_batch_sizes), "probe_device": self.probe_device,
                 "memory": dict(self.memory.__dict__),
-                "time": None if self.time is None else dict(self.time.__dict__)}
+                # The timeline's compute spans (layers x micro-batches of them) stay out: save_timeline draws them.
+                "time": None if self.time is None else {k: v for k, v in self.time.__dict__.items() if k != "compute"}}
 
     def save_timeline(self, path: str) -> None:
-        """The forecast step as a Chrome/Perfetto trace: a compute stream (forward layers, backward layers in
-        backward order, optimizer) and a communication stream (the all-reduce buckets)."""
+        """The forecast step as a Chrome/Perfetto trace: per pipeline stage a compute stream (each layer's forward
+        and backward pass per micro-batch in the schedule's order, "other", the optimizer step) and a
+        communication stream (buffers' broadcast, all-reduce buckets, FSDP gathers and reduce-scatters,
+        tensor-parallel all-reduces, pipeline sends). Where the graph network corrected the step, the drawn
+        schedule is the uncorrected one and a mark shows where the corrected step ends."""
         if self.time is None:
             raise ValueError("save_timeline: this forecast has no step time (see forecast(): target and probes)")
         tm = self.time
-        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "gpucast forecast step"}},
-                  {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "compute"}},
-                  {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "communication"}}]
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "gpucast forecast step"}}]
+        for s in range(tm.pp):
+            prefix = f"stage {s} " if tm.pp > 1 else ""
+            events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * s, "args": {"name": prefix + "compute"}},
+                       {"name": "thread_name", "ph": "M", "pid": 0, "tid": 2 * s + 1,
+                        "args": {"name": prefix + "communication"}}]
 
-        def add(name, start_ms, dur_ms, tid, cat):
+        def add(name, start_ms, dur_ms, tid, cat, **args):
             events.append({"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": start_ms * 1e3,
-                           "dur": max(dur_ms, 0.0) * 1e3})
-        # The compute starts after DDP's broadcast of the buffers, where there is one.
-        t = max([c["end_ms"] for c in tm.comm if c["kind"] == "dp_broadcast_buffers"] + [0.0])
-        add("other (loss, zero_grad, Python)", t, tm.other_ms, 0, "other")
-        t += tm.other_ms
-        for layer in tm.per_layer:
-            add(f"{layer['layer']} forward", t, layer["forward_ms"], 0, "forward")
-            t += layer["forward_ms"]
-        for layer in reversed(tm.per_layer):
-            add(f"{layer['layer']} backward", t, layer["backward_ms"], 0, "backward")
-            t += layer["backward_ms"]
+                           "dur": max(dur_ms, 0.0) * 1e3, "args": args})
+        for c in tm.compute:
+            add(c["name"], c["start_ms"], c["end_ms"] - c["start_ms"], 2 * c["stage"], c["kind"],
+                micro_batch=c["micro_batch"])
         for c in tm.comm:
-            add(f"{c['kind']} ({c['bytes'] / 2**20:.2f} MiB)", c["start_ms"], c["end_ms"] - c["start_ms"], 1,
-                "communication")
-        t = max([t] + [c["end_ms"] for c in tm.comm])
-        add("optimizer step", t, tm.optimizer_ms, 0, "optimizer")
+            add(f"{c['kind']} ({c['bytes'] / 2**20:.2f} MiB)", c["start_ms"], c["end_ms"] - c["start_ms"],
+                2 * c.get("stage", 0) + 1, "communication", bytes=c["bytes"])
+        if tm.alpha != 1.0 or tm.beta != 1.0:
+            events.append({"name": f"forecast step end (graph network: alpha {tm.alpha:.3f}, beta {tm.beta:.3f}; "
+                                   f"uncorrected {tm.uncorrected_step_ms:.3f} ms)", "ph": "i", "s": "p", "pid": 0,
+                           "tid": 0, "ts": tm.step_ms * 1e3})
         with open(path, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 

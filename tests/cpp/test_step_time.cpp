@@ -1113,16 +1113,92 @@ TEST(StepTime, PipelineOneFOneB) {
   ASSERT_EQ(f.per_layer.size(), 2u);
   EXPECT_EQ(f.per_layer[0].stage, 0);
   EXPECT_EQ(f.per_layer[1].stage, 1);
-  // Stages of 10 ms each (2 + 8 and 4 + 6); Net.a's 1 MiB output is sent forward, its gradient back.
-  const double send = (10.0 + 1048576.0 / 1000.0) / 1e3, p2p = 2 * send;
-  const double pipe = 20.0 + 3 * (10.0 + p2p) + p2p;
-  EXPECT_NEAR(f.bubble_ms, pipe - 4 * 10.0, 1e-9);
-  EXPECT_NEAR(f.pp_comm_ms, p2p + 3 * p2p, 1e-12);
-  EXPECT_NEAR(f.step_ms, 4 * 40 / 1e6 + pipe + 250 / 1e6, 1e-9);
-  ASSERT_EQ(f.comm.size(), 1u);
-  EXPECT_EQ(f.comm[0].kind, "pp_send");
-  EXPECT_EQ(f.comm[0].bytes, 1 << 20);
-  EXPECT_NEAR(f.comm[0].start_ms, 4 * 40 / 1e6 + 2.0, 1e-9);
+  // Stages of 10 ms each (forward 2 + backward 8, and 4 + 6); Net.a's 1 MiB output is sent forward, its gradient
+  // back, c each. Stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3, stage 1 F0 B0 F1 B1 F2 B2 F3 B3. Worked by hand: stage 0's
+  // B0 waits for 2 + c + 4 + 6 + c; it waits 2c more before B2 (stage 1's F2 waited c for stage 0's F2 and c to
+  // send back) and again before B3: the step is 50 + 4c after "other".
+  const double c = (10.0 + 1048576.0 / 1000.0) / 1e3, other = 4 * 40 / 1e6;
+  EXPECT_NEAR(f.step_ms, other + 50.0 + 4 * c + 250 / 1e6, 1e-9);
+  // The slowest stage's rank (stage 0, the first of two equal ones): 4 x 10 ms of compute; it waits the rest.
+  EXPECT_NEAR(f.compute_ms, 40.0 + other + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(f.bubble_ms, 10.0 + 4 * c, 1e-9);
+  EXPECT_NEAR(f.step_ms, f.compute_ms + f.exposed_comm_ms + f.bubble_ms, 1e-9);
+  EXPECT_NEAR(f.pp_comm_ms, 4 * c, 1e-12);  // either stage sends four times
+  ASSERT_EQ(f.comm.size(), 8u);
+  for (const CommForecast& x : f.comm) {
+    EXPECT_EQ(x.kind, "pp_send");
+    EXPECT_EQ(x.bytes, 1 << 20);
+    EXPECT_NEAR(x.end_ms - x.start_ms, c, 1e-12);
+  }
+  EXPECT_NEAR(f.comm[0].start_ms, other + 2.0, 1e-9);  // stage 0's first output
+  EXPECT_EQ(f.comm[0].stage, 0);
+  // The timeline: per stage "other", 4 forwards and 4 backwards of its one layer, the optimizer step.
+  ASSERT_EQ(f.compute.size(), 2u * (1 + 8 + 1));
+  std::vector<std::string> stage1;
+  for (const ComputeSpan& x : f.compute) {
+    if (x.stage == 1 && (x.kind == "forward" || x.kind == "backward")) {
+      stage1.push_back(fmt::format("{}{}@{:.3f}", x.kind[0], x.micro_batch, x.start_ms - other));
+    }
+  }
+  EXPECT_EQ(stage1, (std::vector<std::string>{
+                        fmt::format("f0@{:.3f}", 2 + c), fmt::format("b0@{:.3f}", 6 + c),
+                        fmt::format("f1@{:.3f}", 12 + c), fmt::format("b1@{:.3f}", 16 + c),
+                        fmt::format("f2@{:.3f}", 22 + 3 * c), fmt::format("b2@{:.3f}", 26 + 3 * c),
+                        fmt::format("f3@{:.3f}", 32 + 3 * c), fmt::format("b3@{:.3f}", 36 + 3 * c)}));
+  // One micro-batch: the forward chain and the backward chain, a send each way.
+  o.parallel = ParallelConfig::parse("pp:2");
+  o.batch_size = 8;
+  const StepTimeForecast one = forecast_step_time(probes, o);
+  EXPECT_NEAR(one.step_ms, 40 / 1e6 + 20.0 + 2 * c + 250 / 1e6, 1e-9);
+}
+
+TEST(StepTime, TimelineSpansFollowTheSchedule) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 32;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  // DDP with two micro-batches: other, Net.a and Net.b forward, their backward in reverse, twice; then the
+  // optimizer after the reduction. Spans touch end to end on the compute stream.
+  o.parallel = ParallelConfig::parse("dp:2,micro_batches:2");
+  const StepTimeForecast d = forecast_step_time(probes, o);
+  std::vector<std::string> names;
+  for (const ComputeSpan& x : d.compute) names.push_back(fmt::format("{}:{}", x.micro_batch, x.name));
+  EXPECT_EQ(names, (std::vector<std::string>{"0:other (loss, zero_grad, Python)", "0:Net.a forward", "0:Net.b forward",
+                                             "0:Net.b backward", "0:Net.a backward",
+                                             "1:other (loss, zero_grad, Python)", "1:Net.a forward", "1:Net.b forward",
+                                             "1:Net.b backward", "1:Net.a backward", "1:optimizer step"}));
+  for (size_t i = 1; i + 1 < d.compute.size(); ++i) EXPECT_NEAR(d.compute[i].start_ms, d.compute[i - 1].end_ms, 1e-12);
+  EXPECT_NEAR(d.compute.back().end_ms, d.step_ms, 1e-9);
+  EXPECT_NEAR(d.compute.back().start_ms, d.comm.back().end_ms, 1e-9);  // after the last bucket's all-reduce
+  // Tensor parallelism: the row-parallel layer's all-reduces sit between the spans, on the communication stream.
+  o.parallel = ParallelConfig::parse("tp:2");
+  o.batch_size = 16;
+  const StepTimeForecast t = forecast_step_time(probes, o);
+  double tp_drawn = 0;
+  for (const CommForecast& x : t.comm) {
+    EXPECT_EQ(x.kind, "tp_allreduce");
+    tp_drawn += x.end_ms - x.start_ms;
+  }
+  EXPECT_GT(t.comm.size(), 0u);
+  EXPECT_NEAR(tp_drawn, t.tp_comm_ms, 1e-9);
+  EXPECT_NEAR(t.compute.back().end_ms, t.step_ms, 1e-9);
+  EXPECT_NEAR(t.step_ms, t.compute_ms + t.exposed_comm_ms, 1e-9);
+  // FSDP with two micro-batches gathers every unit in every pass of both; only the last reduce-scatters.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,micro_batches:2");
+  o.batch_size = 32;
+  const StepTimeForecast s = forecast_step_time(probes, o);
+  int gathers = 0, scatters = 0;
+  for (const CommForecast& x : s.comm) gathers += x.kind == "fsdp_all_gather", scatters += x.kind == "fsdp_reduce_scatter";
+  EXPECT_EQ(gathers, 2 * 2 * 2);
+  EXPECT_EQ(scatters, 2);
+  for (const ComputeSpan& x : s.compute) {
+    if (x.kind != "forward" && x.kind != "backward") continue;
+    // A unit computes once its parameters are gathered.
+    bool after_gather = false;
+    for (const CommForecast& g : s.comm) after_gather |= g.kind == "fsdp_all_gather" && g.end_ms <= x.start_ms + 1e-12;
+    EXPECT_TRUE(after_gather) << x.name;
+  }
+  EXPECT_NEAR(s.compute.back().end_ms, s.step_ms, 1e-9);
 }
 
 TEST(StepTime, FsdpGathersPerUnitWithPrefetch) {

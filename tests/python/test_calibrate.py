@@ -22,6 +22,12 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank,
 if {mode!r} == "hang" and rank == 1:
     time.sleep(8)  # never joins the collective
     sys.exit(0)
+if {mode!r} == "hang_in_ddp" and rank == 1:  # leaves before DDP's own collectives
+    from gpucast import _calibrate
+    def gone(*args, **kwargs):
+        time.sleep({timeout} + 6)
+        os._exit(0)
+    _calibrate._ddp_overhead = gone
 if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longer than rank 0's
     import datetime
     from gpucast import _calibrate
@@ -161,6 +167,13 @@ def test_a_collective_that_hangs_times_out(tmp_path):
     r = run_pair(tmp_path, "hang", 2)
     assert r["error"].startswith("TimeoutError: gpucast.calibrate: an all-reduce of 65536 bytes did not complete "
                                  "within 2 s on 2 ranks (gloo)"), r
+
+
+def test_ddp_collectives_that_hang_time_out(tmp_path):
+    # DDP's broadcast and all-reduces run outside the calibration's own waits: a group with the timeout bounds them.
+    r = run_pair(tmp_path, "hang_in_ddp", 3)
+    assert r["error"].startswith("TimeoutError: gpucast.calibrate: DDP's steps on a small model did not complete "
+                                 "within 3 s on 2 ranks (gloo): "), r
 
 
 def test_without_a_process_group():

@@ -192,6 +192,20 @@ struct CommForecast {
   int64_t bytes = 0;
   double start_ms = 0;
   double end_ms = 0;
+  int64_t stage = 0;          // the pipeline stage that issues it (pp_send: the sender)
+};
+
+// One span of the forecast step's compute, on its stage's stream, in ms from the step's start: a layer's forward
+// or backward pass at one micro-batch (name "<layer> forward"), or where the layers times the micro-batches are
+// too many to draw, a whole pass ("forward (micro-batch 3)"); "other" (loss, zero_grad, Python) and the optimizer
+// step. Tensor-parallel all-reduces between them are in `comm`.
+struct ComputeSpan {
+  std::string name;
+  std::string kind;           // forward, backward, other, optimizer
+  int64_t micro_batch = 0;
+  int64_t stage = 0;
+  double start_ms = 0;
+  double end_ms = 0;
 };
 
 struct BucketForecast {
@@ -219,13 +233,16 @@ struct StepTimeForecast {
   double host_ms = -1;
   double comm_ms = 0;         // time of every collective and send
   double exposed_comm_ms = 0;  // communication on the critical path (not hidden behind compute)
-  double tp_comm_ms = 0;
-  double pp_comm_ms = 0;
-  double bubble_ms = 0;       // pipeline fill and drain: step - micro_batches * slowest stage
+  double tp_comm_ms = 0;       // tensor-parallel all-reduces of a rank (pp: the slowest stage's), every micro-batch
+  double pp_comm_ms = 0;       // pipeline sends of the stage that sends most, every micro-batch
+  // pp: what the slowest stage's rank waits beside its own work (fill, drain and the sends it waits for):
+  // step = compute + exposed_comm + bubble
+  double bubble_ms = 0;
   int64_t timed_layers = -1;  // layers whose measured times were used (-1: all)
   std::vector<LayerForecast> per_layer;
   std::vector<BucketForecast> buckets;  // DDP / ZeRO buckets
   std::vector<CommForecast> comm;
+  std::vector<ComputeSpan> compute;     // the step's compute laid out (what save_timeline draws)
   std::string clock;
   std::vector<std::string> notes;
 };
