@@ -967,6 +967,9 @@ class Forecaster {
     const double ll = static_cast<double>(in_.target_seq);
     auto size_of = [&](const Fit& f, int64_t fallback) { return out_.scaled ? f.at(bb, ll) : fallback; };
     Planned p;
+    p.initial.reserve(s.initial_bytes.size());
+    p.initial_category.reserve(s.initial_bytes.size());
+    p.entries.reserve(s.entries.size() * (s.iterations < 2 ? 2 : 1) + 8);
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
       p.initial_category.push_back(s.initial_category[k]);
@@ -1106,7 +1109,30 @@ class Forecaster {
   // Returns the number of allocations resized.
   int64_t adjust_attention(Planned& p) {
     const Trace& t = *model_.trace;
-    std::unordered_map<uint64_t, double> factor;  // saved output's storage -> size factor
+    const std::unordered_map<uint64_t, double>& factor = attention_factors();
+    if (factor.empty()) return 0;
+    int64_t changed = 0;
+    for (Entry& e : p.entries) {
+      if (!e.alloc || e.ptr == 0) continue;
+      auto it = factor.find(e.ptr);
+      if (it == factor.end() || it->second == 1.0 || e.op < 0) continue;
+      // Only the allocation made by that attention call (the address may be reused later).
+      const OpRecord* op = &t.ops[e.op];
+      while (op->parent >= 0 && op->name.find("scaled_dot_product") == std::string::npos) op = &t.ops[op->parent];
+      if (op->name.find("scaled_dot_product") == std::string::npos) continue;
+      e.bytes = static_cast<int64_t>(std::llround(static_cast<double>(e.bytes) * it->second));
+      ++changed;
+    }
+    return changed;
+  }
+
+  // The saved outputs' storages of the reference trace's attention calls -> their size factor on CUDA (above);
+  // found once (planned() runs at every batch size the largest-batch search tries).
+  const std::unordered_map<uint64_t, double>& attention_factors() {
+    if (attention_factors_found_) return attention_factors_;
+    attention_factors_found_ = true;
+    std::unordered_map<uint64_t, double>& factor = attention_factors_;
+    const Trace& t = *model_.trace;
     for (const OpRecord& op : t.ops) {
       const bool flash = op.name == "aten::_scaled_dot_product_flash_attention_for_cpu";
       const bool math = op.name == "aten::_scaled_dot_product_attention_math";
@@ -1125,20 +1151,16 @@ class Forecaster {
         factor[st.storage] = padded * 4.0 / (L * static_cast<double>(st.shape[3]) * elem);
       }
     }
-    if (factor.empty()) return 0;
-    int64_t changed = 0;
-    for (Entry& e : p.entries) {
-      if (!e.alloc || e.ptr == 0) continue;
-      auto it = factor.find(e.ptr);
-      if (it == factor.end() || it->second == 1.0 || e.op < 0) continue;
-      // Only the allocation made by that attention call (the address may be reused later).
-      const OpRecord* op = &t.ops[e.op];
-      while (op->parent >= 0 && op->name.find("scaled_dot_product") == std::string::npos) op = &t.ops[op->parent];
-      if (op->name.find("scaled_dot_product") == std::string::npos) continue;
-      e.bytes = static_cast<int64_t>(std::llround(static_cast<double>(e.bytes) * it->second));
-      ++changed;
+    return factor;
+  }
+
+  // Per op of the reference trace: a matrix multiply (found once, as above).
+  const std::vector<char>& matmul_ops() {
+    if (matmul_ops_.empty() && !model_.trace->ops.empty()) {
+      matmul_ops_.reserve(model_.trace->ops.size());
+      for (const OpRecord& op : model_.trace->ops) matmul_ops_.push_back(is_matmul(op.name) ? 1 : 0);
     }
-    return changed;
+    return matmul_ops_;
   }
 
   // The outermost convolution op (forward: aten::conv2d, aten::convolution...; backward:
@@ -1304,6 +1326,7 @@ class Forecaster {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
     constexpr int64_t kWorkspaceRef = int64_t{1} << 50;
     std::vector<Entry> out;
+    out.reserve(p.entries.size() + 16);
     bool fwd_done = false, bwd_done = false;
     int64_t adam_bytes = 0;
     for (const Entry& e : p.entries) {
@@ -1316,9 +1339,10 @@ class Forecaster {
     const int64_t sdpa_changed = adjust_attention(p);
     replace_conv_scratch(p);
     int last_optimizer_iteration = 0;
+    const std::vector<char>& matmul = matmul_ops();
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
-      const bool mm = e.op >= 0 && is_matmul(model_.trace->ops[e.op].name);
+      const bool mm = e.op >= 0 && matmul[static_cast<size_t>(e.op)] != 0;
       // cuBLAS workspaces: one per handle; the autograd engine's device thread has its own handle.
       if (mm && e.phase == Phase::Forward && !fwd_done) {
         out.push_back(Entry{true, kWorkspaceRef, ws, Category::Other, Phase::Forward, e.op, e.iteration});
@@ -1406,22 +1430,59 @@ class Forecaster {
 
   int64_t max_batch(bool gpu) {
     const auto limit = static_cast<int64_t>(static_cast<double>(out_.capacity_bytes) * in_.safety_fraction);
-    auto fits = [&](int64_t global) {
-      const Replay r = replay(planned(per_rank(global), gpu), gpu, in_.allocator);
-      return r.peak_reserved + out_.outside_allocator_bytes <= limit;
+    // What a global batch reserves on a rank, with what the allocator does not count.
+    auto need = [&](int64_t global) {
+      return replay(planned(per_rank(global), gpu), gpu, in_.allocator).peak_reserved + out_.outside_allocator_bytes;
     };
     const int64_t step = in_.parallel.dp * in_.parallel.micro_batches;
-    if (!out_.scaled || !fits(step)) return 0;
-    int64_t lo = step, hi = 2 * step;
-    while (hi <= (int64_t{1} << 30) && fits(hi)) {
-      lo = hi;
-      hi *= 2;
+    constexpr int64_t kMaxGlobal = int64_t{1} << 30;
+    if (!out_.scaled) return 0;
+    int64_t lo = step, need_lo = need(step);
+    if (need_lo > limit) return 0;
+    // Reserved bytes grow about linearly with the batch (the allocator's rounding aside): a first bracket from
+    // the line through two batches, then interpolation inside it, each step at most half the bracket's width
+    // away from its middle (a bisection where the line misleads). Every replay costs the simulation of a whole
+    // run, so few of them: about 6 where doubling and bisection took about 30.
+    int64_t hi = 0, need_hi = 0;
+    {
+      const int64_t far = std::min(kMaxGlobal, 8 * step);
+      const int64_t need_far = need(far);
+      if (need_far > limit) {
+        hi = far, need_hi = need_far;
+      } else {
+        lo = far, need_lo = need_far;
+        const double slope = static_cast<double>(need_far - need(step)) / static_cast<double>(far - step);
+        int64_t guess = slope > 0 ? far + static_cast<int64_t>(static_cast<double>(limit - need_far) / slope) : 2 * far;
+        guess = std::clamp(guess / step * step, far + step, kMaxGlobal);
+        // Around the guess: a little above it where it fits, below it where it does not, widening each time.
+        int64_t delta = std::max(step, guess / 64 / step * step);
+        while (hi == 0) {
+          if (guess <= lo) guess = lo + step;
+          if (guess > kMaxGlobal) return lo;
+          const int64_t n = need(guess);
+          if (n <= limit) {
+            lo = guess, need_lo = n;
+            guess = lo + delta;
+          } else {
+            hi = guess, need_hi = n;
+          }
+          delta *= 2;
+        }
+      }
     }
+    bool bisect = false;
     while (hi - lo > step) {
-      const int64_t mid = (lo + hi) / 2 / step * step;
-      if (mid <= lo) break;
-      if (fits(mid)) lo = mid;
-      else hi = mid;
+      int64_t mid = (lo + hi) / 2 / step * step;
+      if (!bisect && need_hi > need_lo) {
+        const double w = static_cast<double>(limit - need_lo) / static_cast<double>(need_hi - need_lo);
+        mid = (lo + static_cast<int64_t>(w * static_cast<double>(hi - lo))) / step * step;
+      }
+      mid = std::clamp(mid, lo + step, hi - step);
+      const int64_t width = hi - lo;
+      const int64_t n = need(mid);
+      if (n <= limit) lo = mid, need_lo = n;
+      else hi = mid, need_hi = n;
+      bisect = !bisect && 2 * (hi - lo) > width;  // the line's step left more than half: halve next
     }
     return lo;
   }
@@ -1434,6 +1495,9 @@ class Forecaster {
   bool notes_added_ = false;
   int64_t conv_workspace_ = -1;           // cuDNN workspace per convolution call; -1 unknown
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
+  std::unordered_map<uint64_t, double> attention_factors_;  // attention_factors()
+  bool attention_factors_found_ = false;
+  std::vector<char> matmul_ops_;                           // matmul_ops()
   std::vector<int64_t> op_call_of_;       // per op of the reference trace: its measured call (replace_op_scratch())
   bool op_scratch_noted_ = false;
   std::vector<uint8_t> conv_plan_;        // per entry of the planned stream (replace_conv_scratch())
