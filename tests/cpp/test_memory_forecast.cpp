@@ -226,6 +226,32 @@ TEST(MemoryForecast, GpuTargetRoundsBlocksAndAddsTheCublasWorkspace) {
   EXPECT_GT(f.max_batch_size, 1000000);
 }
 
+TEST(MemoryForecast, TheLargestBatchFitsAndTheNextDoesNot) {
+  // A device of 700 MiB: 90 % of it is 630 MiB, 560 MiB of that outside the allocator, 70 MiB for the run: the
+  // 32 MiB cuBLAS workspace and blocks of 500 bytes per sample (input and activation), some 60,000 samples. With
+  // 3 data-parallel ranks NCCL's buffers count outside the allocator too: 1000 MiB.
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
+  for (int64_t dp : {1, 3}) {
+    auto at = [&](int64_t batch) {
+      MemoryForecastInput in;
+      for (const Trace& x : t) in.probes.push_back(&x);
+      in.probe_batch = {2, 4, 8};
+      in.target_batch = batch;
+      in.target = "H100-80GB";
+      in.capacity_bytes = (dp == 1 ? 700 : 1000) * kMiB;
+      in.parallel.dp = dp;
+      return forecast_memory(in);
+    };
+    const MemoryForecast f = at(64 * dp);
+    const int64_t limit = static_cast<int64_t>((dp == 1 ? 700.0 : 1000.0) * kMiB * 0.9);
+    ASSERT_GT(f.max_batch_size, 10000 * dp) << dp;
+    EXPECT_EQ(f.max_batch_size % dp, 0);
+    const MemoryForecast fit = at(f.max_batch_size), over = at(f.max_batch_size + dp);
+    EXPECT_LE(fit.peak_reserved_bytes + fit.outside_allocator_bytes, limit) << dp;
+    EXPECT_GT(over.peak_reserved_bytes + over.outside_allocator_bytes, limit) << dp;
+  }
+}
+
 TEST(MemoryForecast, DataParallelRules) {
   std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
   MemoryForecastInput in;
