@@ -36,11 +36,11 @@ double from_samples_us(double bytes, int64_t ranks, const Link& link) {
 double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo, double idle_us) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
-  if (algo == Algorithm::Tree) {
-    return bytes / link.bytes_per_us + 2.0 * std::log2(n) * link.alpha_us;
-  }
   const double measured = from_samples_us(bytes, ranks, link);
-  if (measured < 0) return ring_model_us(bytes, n, link);
+  if (measured < 0) {
+    return algo == Algorithm::Tree ? bytes / link.bytes_per_us + 2.0 * std::log2(n) * link.alpha_us
+                                   : ring_model_us(bytes, n, link);
+  }
   const double g0 = link.samples_gap_us, g1 = link.late_gap_us;
   if (idle_us <= g0 || link.late_samples.empty() || !(g0 > 0) || !(g1 > g0)) return measured;
   const double late = from_samples_us(bytes, ranks, link, link.late_samples);
@@ -169,7 +169,9 @@ Topology Topology::parse(const std::string& text) {
                       {"ddp_overhead_us", F::String, std::string("0"), {},
                        "a DDP step's cost outside backward beyond the plain module's, per step"},
                       {"ddp_overhead_samples", F::String, std::string(), {},
-                       "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."}});
+                       "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
+                      {"algorithm", F::Choice, std::string("ring"), {"ring", "tree"},
+                       "all-reduce algorithm of the data- and tensor-parallel reductions"}});
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
@@ -268,6 +270,7 @@ Topology Topology::parse(const std::string& text) {
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
   t.ddp_overhead_us = number("ddp_overhead_us", false);
+  t.algorithm = cfg.get_string("algorithm") == "tree" ? Algorithm::Tree : Algorithm::Ring;
   if (cfg.was_set("ddp_overhead_samples")) {
     for (auto [bytes, us] : pairs("ddp_overhead_samples", "BYTES/MICROSECONDS", true)) {
       t.ddp_overhead_samples.push_back({bytes, us});

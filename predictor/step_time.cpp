@@ -853,7 +853,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       lf.grad_bytes /= P.tp;
       split_grad += l.grad_bytes;
       const double bytes = static_cast<double>(l.out_bytes) * act_scale;
-      const double us = tp_link ? allreduce_us(bytes, P.tp, *tp_link) : 0.0;
+      const double us = tp_link ? allreduce_us(bytes, P.tp, *tp_link, T.algorithm) : 0.0;
       tp_bytes[i] = bytes;
       if (l.kind == "embedding") {
         tp_fw_ms[i] = us / 1e3;
@@ -975,7 +975,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   // whose ranks share the cores (Link::late_samples).
   auto reduce_us = [&](double bytes, double idle_ms = -1.0) {
     return sharded ? reduce_scatter_us(bytes, P.dp, *dp_link)
-                   : allreduce_us(bytes, P.dp, *dp_link, Algorithm::Ring, idle_ms < 0 ? -1.0 : idle_ms * 1e3);
+                   : allreduce_us(bytes, P.dp, *dp_link, T.algorithm, idle_ms < 0 ? -1.0 : idle_ms * 1e3);
   };
   const char* reduce_kind = sharded ? "dp_reduce_scatter" : "dp_allreduce";
   double t_end = 0;  // end of the step's compute and the communication on its critical path

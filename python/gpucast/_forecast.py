@@ -50,7 +50,7 @@ def devices() -> list[dict]:
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples")
+              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "algorithm")
 
 # What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.
 _CALIBRATE_INFO_KEYS = ("backend", "cores", "local_ranks", "threads")

@@ -23,6 +23,17 @@ TEST(CommModel, RingAllReduceByHand) {
   EXPECT_DOUBLE_EQ(all_gather_us(1000, 4, link), 22.5);
 }
 
+TEST(CommModel, TheAlgorithmIsALinkKey) {
+  EXPECT_EQ(Topology::parse("intra:nvlink4").algorithm, Algorithm::Ring);
+  EXPECT_EQ(Topology::parse("intra:nvlink4,algorithm:tree").algorithm, Algorithm::Tree);
+  try {
+    Topology::parse("algorithm:butterfly");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "link: option 'algorithm' expects one of ring|tree, got 'butterfly'");
+  }
+}
+
 TEST(CommModel, MeasuredSamplesAreInterpolatedForTheirRankCount) {
   Topology t = Topology::parse("alpha_us:5,bytes_per_us:100,samples:4000/300;1000/100,ranks:2");
   const Link& l = t.intra;
@@ -37,6 +48,9 @@ TEST(CommModel, MeasuredSamplesAreInterpolatedForTheirRankCount) {
   EXPECT_DOUBLE_EQ(allreduce_us(500, 2, l), 100.0 - 500.0 / 100.0);
   // Another rank count: the model alone.
   EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, l), 2 * 3 / 4.0 * 1000 / 100 + 6 * 5);
+  // The samples are measurements whatever the algorithm: a tree takes them too, the model only without them.
+  EXPECT_DOUBLE_EQ(allreduce_us(2500, 2, l, Algorithm::Tree), 200.0);
+  EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, l, Algorithm::Tree), 1000 / 100.0 + 2 * 2 * 5);
   EXPECT_TRUE(t.overlap);
   EXPECT_EQ(t.memory_contention, 1.0);
   EXPECT_EQ(t.balance, 5.0);

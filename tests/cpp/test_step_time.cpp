@@ -1152,6 +1152,27 @@ TEST(StepTime, PipelineOneFOneB) {
   EXPECT_NEAR(one.step_ms, 40 / 1e6 + 20.0 + 2 * c + 250 / 1e6, 1e-9);
 }
 
+TEST(StepTime, TreeAllReducesWhereTheLinkSaysSo) {
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 32;
+  o.parallel = ParallelConfig::parse("dp:4,tp:2");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast ring = forecast_step_time(probes, o);
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,algorithm:tree");
+  const StepTimeForecast tree = forecast_step_time(probes, o);
+  // The tensor-parallel all-reduces of Net.b's 1 MiB output (2 ranks: 2 log2(2) = 2 steps either way; S/B
+  // against 2(N-1)/N S/B = S/B: the same), and the data-parallel buckets over 4 ranks: tree S/B + 4 alpha against
+  // ring 1.5 S/B + 6 alpha.
+  EXPECT_NEAR(tree.tp_comm_ms, ring.tp_comm_ms, 1e-12);
+  ASSERT_EQ(tree.buckets.size(), ring.buckets.size());
+  for (size_t k = 0; k < tree.buckets.size(); ++k) {
+    const double bytes = static_cast<double>(tree.buckets[k].bytes);
+    EXPECT_NEAR(tree.buckets[k].end_ms - tree.buckets[k].start_ms, (bytes / 1000.0 + 4 * 10.0) / 1e3, 1e-12);
+    EXPECT_NEAR(ring.buckets[k].end_ms - ring.buckets[k].start_ms, (1.5 * bytes / 1000.0 + 6 * 10.0) / 1e3, 1e-12);
+  }
+}
+
 TEST(StepTime, TimelineSpansFollowTheSchedule) {
   const auto probes = probes_with_outputs();
   StepTimeOptions o;

@@ -41,7 +41,9 @@ struct Link {
 enum class Algorithm { Ring, Tree };
 
 // Time of one all-reduce of `bytes` over `ranks` ranks; `idle_us`: how long the group sat idle before it (< 0:
-// unknown, the link's `samples`).
+// unknown, the link's `samples`). Ring: 2(N-1)/N S/B + 2(N-1) alpha. Tree (NCCL's double binary tree, its two
+// trees pipelined over full-duplex links: every rank receives and sends about S): S/B + 2 log2(N) alpha, a bound
+// on what a tree reaches. Measured samples that apply (their rank count) are used for either.
 double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo = Algorithm::Ring,
                     double idle_us = -1.0);
 // Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
@@ -112,6 +114,9 @@ struct Topology {
   // wrapper, and the collective threads' work competing for the shared cores after each reduction), per step.
   // Measured by gpucast.calibrate() on CPU backends; 0 elsewhere.
   double ddp_overhead_us = 0.0;
+  // The all-reduce algorithm of the data- and tensor-parallel reductions ("algorithm:tree"; ring by default, which
+  // calibrate()'s samples and the nccl-tests tables measure).
+  Algorithm algorithm = Algorithm::Ring;
   // The same cost by the gradient bytes a rank reduces (calibrate(): two models of 19 KB and 2.1 MB; the
   // collective threads' aftermath grows with the bytes they moved), sorted by bytes; empty: ddp_overhead_us.
   std::vector<OverheadSample> ddp_overhead_samples;
