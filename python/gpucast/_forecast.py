@@ -14,10 +14,12 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ._loader import load
 from ._trace import _flatten, mark_iteration_end, trace
 
 SCHEMA_VERSION = 1
@@ -958,17 +960,30 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
-    try:
-        text = torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel, buffer_bytes),
+    def run(rates: dict) -> str:
+        return torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel, buffer_bytes),
                                                     _format_link(_default_link(link, target)), float(time_scale),
                                                     float(time_fraction),
-                                                    "d-optimal", 0, *_prior(target, time_fraction, timings), **pricing,
+                                                    "d-optimal", 0, *_prior(target, time_fraction, timings), **rates,
                                                     seq_len=int(seq_len or 0))
+    try:
+        text = run(pricing)
     except (ValueError, RuntimeError) as e:
         if not pricing or "GPU rates" not in str(e):
             raise
-        warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
-        return None
+        # A table of the user's (GPUCAST_GPU_RATES) that cannot be used: the shipped one, said aloud.
+        shipped = Path(load()).resolve().parent.parent / "data" / "gpu_rates.json"
+        text = None
+        if os.environ.get("GPUCAST_GPU_RATES") and shipped.is_file():
+            try:
+                text = run({**pricing, "gpu_rates": str(shipped)})
+                warnings.warn(f"gpucast.forecast: GPUCAST_GPU_RATES could not be used for {target} ({e}); the step "
+                              f"time is priced from the shipped table {shipped}", stacklevel=3)
+            except (ValueError, RuntimeError):
+                text = None
+        if text is None:
+            warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
+            return None
     tf = TimeForecast(**json.loads(text))
     _correct(tf, timings, target, optimizer_name, gnn, seq_len)
     _note_default_link(tf, link, target, stacklevel=4)

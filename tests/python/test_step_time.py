@@ -229,8 +229,17 @@ def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
     bad = tmp_path / "truncated.json"
     bad.write_text(_rates_table(tmp_path / "full.json").read_text()[:100])
     monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
-    with pytest.warns(UserWarning, match=f"no step time for H100-80GB: {bad}: not JSON"):
+    # A table of the user's that cannot be used: the shipped one prices the step, and a warning says so.
+    with pytest.warns(UserWarning, match=f"GPUCAST_GPU_RATES could not be used for H100-80GB \\({bad}: not JSON"):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
+    assert fc.time is not None and fc.memory is not None
+    monkeypatch.delenv("GPUCAST_GPU_RATES")
+    shipped = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
+    assert [x["forward_ms"] for x in fc.time.per_layer] == [x["forward_ms"] for x in shipped.time.per_layer]
+    # Neither the user's table nor the shipped one knows the GPU: no step time, the memory forecast stands.
+    monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
+    with pytest.warns(UserWarning, match=f"no step time for RTX-4090: {bad}: not JSON"):
+        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="RTX-4090", probe_batch_sizes=(2, 4))
     assert fc.time is None and fc.memory is not None
 
 
