@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <numeric>
 #include <tuple>
 #include <unordered_map>
@@ -1087,6 +1088,11 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
         }
       }
     }
+    for (int64_t s = 0; s < P.pp; ++s) {  // 1F1B's order always completes; a stage left waiting is a bug here
+      if (next[s] != order[s].size()) {
+        GPUCAST_THROW(std::logic_error, "step time: the 1F1B schedule stopped at stage {} of {}", s, P.pp);
+      }
+    }
     // The slowest stage's rank: its compute, its tensor-parallel all-reduces and its sends.
     int64_t slow = 0;
     for (int64_t s = 1; s < P.pp; ++s) {
@@ -1143,7 +1149,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                              all_gather_us(bytes, P.dp, *dp_link));
         gathered[n] = comm_free;
       };
-      const double pass_start = compute;
       if (!units.empty()) gather(0, compute);
       for (size_t n = 0; n < units.size(); ++n) {
         const size_t i = units[n];
@@ -1156,7 +1161,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                                reduce_scatter_us(bytes, P.dp, *dp_link));
         }
       }
-      (void)pass_start;
     };
     for (int64_t mb = 0; mb < mbs; ++mb) {
       compute = span(other_name, "other", mb, 0, compute, other_mb);
