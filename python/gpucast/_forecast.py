@@ -969,6 +969,10 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     try:
         text = run(pricing)
     except (ValueError, RuntimeError) as e:
+        if not isinstance(e, ValueError):  # gpucast's own fault, not the input's: the memory forecast stands
+            warnings.warn(f"gpucast.forecast: the step-time forecast failed ({type(e).__name__}: {e}); no step "
+                          f"time, the memory forecast stands", stacklevel=3)
+            return None
         if not pricing or "GPU rates" not in str(e):
             raise
         # A table of the user's (GPUCAST_GPU_RATES) that cannot be used: the shipped one, said aloud.

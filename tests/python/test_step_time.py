@@ -683,3 +683,17 @@ def test_a_gpu_target_far_beyond_its_probes_gets_a_timing_probe_at_half_where_it
     assert _reach_probes(t, 512, "H100-80GB", "cuda:0", [(4, 128), (8, 128), (16, 128)], fits) == []  # lengths
     # 80 % of the free memory and the allocator's reservation.
     assert _probe_fits(80, 60, 40) and not _probe_fits(81, 60, 40)
+
+
+def test_an_internal_error_in_the_step_time_leaves_the_memory_forecast(monkeypatch):
+    model, opt, step, make = _linear_case()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("step time: the 1F1B schedule stopped at stage 1 of 2")
+    monkeypatch.setattr(torch.ops.gpucast, "forecast_step_time", broken)
+    with pytest.warns(UserWarning, match=r"gpucast.forecast: the step-time forecast failed \(RuntimeError: step time: "
+                                         r"the 1F1B schedule stopped at stage 1 of 2\); no step time, the memory "
+                                         r"forecast stands"):
+        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, probe_batch_sizes=(2, 4))
+    assert fc.time is None and fc.memory.peak_allocated_bytes > 0
+
