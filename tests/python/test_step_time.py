@@ -688,12 +688,17 @@ def test_a_gpu_target_far_beyond_its_probes_gets_a_timing_probe_at_half_where_it
 def test_an_internal_error_in_the_step_time_leaves_the_memory_forecast(monkeypatch):
     model, opt, step, make = _linear_case()
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("step time: the 1F1B schedule stopped at stage 1 of 2")
+    real = torch.ops.gpucast.forecast_step_time
+
+    def broken(probes, batch, parallel, *args, **kwargs):  # the forecast's own call (with its parallel strategy)
+        if parallel:
+            raise RuntimeError("step time: the 1F1B schedule stopped at stage 1 of 2")
+        return real(probes, batch, parallel, *args, **kwargs)
     monkeypatch.setattr(torch.ops.gpucast, "forecast_step_time", broken)
     with pytest.warns(UserWarning, match=r"gpucast.forecast: the step-time forecast failed \(RuntimeError: step time: "
                                          r"the 1F1B schedule stopped at stage 1 of 2\); no step time, the memory "
                                          r"forecast stands"):
-        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, probe_batch_sizes=(2, 4))
+        fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, probe_batch_sizes=(2, 4),
+                              parallel=dict(dp=2), link="alpha_us:10,bytes_per_us:1000")
     assert fc.time is None and fc.memory.peak_allocated_bytes > 0
 
