@@ -1220,6 +1220,16 @@ TEST(StepTime, TimelineSpansFollowTheSchedule) {
     EXPECT_TRUE(after_gather) << x.name;
   }
   EXPECT_NEAR(s.compute.back().end_ms, s.step_ms, 1e-9);
+  // Layers x micro-batches beyond 10,000: a span per pass, not per layer (2 layers x 6,000 micro-batches).
+  o.parallel = ParallelConfig::parse("micro_batches:6000");
+  o.batch_size = 6000 * 8;
+  const StepTimeForecast many = forecast_step_time(probes, o);
+  ASSERT_EQ(many.compute.size(), 3u * 6000 + 1);
+  EXPECT_EQ(many.compute[1].name, "forward (micro-batch 0)");
+  EXPECT_EQ(many.compute[2].name, "backward (micro-batch 0)");
+  EXPECT_EQ(many.compute[3 * 5999 + 1].name, "forward (micro-batch 5999)");
+  EXPECT_NEAR(many.compute[1].end_ms - many.compute[1].start_ms, many.forward_ms / 6000, 1e-9);
+  EXPECT_NEAR(many.compute.back().end_ms, many.step_ms, 1e-6);
 }
 
 TEST(StepTime, FsdpGathersPerUnitWithPrefetch) {
