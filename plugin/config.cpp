@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
@@ -113,11 +114,9 @@ void Config::set(const ConfigKey& k, std::string_view raw) {
       break;
     }
     case ConfigKey::Form::Fraction: {
-      std::string s(raw);
-      char* end = nullptr;
-      double v = s.empty() ? NAN : std::strtod(s.c_str(), &end);
-      if (s.empty() || end != s.c_str() + s.size() || !(v > 0.0 && v <= 1.0)) bad();
-      values_[k.name] = v;
+      const std::optional<double> v = parse_number(raw);
+      if (!v || !(*v > 0.0 && *v <= 1.0)) bad();
+      values_[k.name] = *v;
       break;
     }
     case ConfigKey::Form::Choice:
@@ -212,8 +211,18 @@ std::string ascii_lower(std::string s) {
   return s;
 }
 
+std::optional<double> parse_number(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  const std::string s(text);
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || errno == ERANGE) return std::nullopt;
+  return v;
+}
+
 std::string shipped_data_file(const char* env, const char* name) {
-  if (const char* v = std::getenv(env); v != nullptr && *v != '\0') return v;
+  if (const char* v = env != nullptr ? std::getenv(env) : nullptr; v != nullptr && *v != '\0') return v;
   Dl_info info{};
   if (dladdr(reinterpret_cast<void*>(&shipped_data_file), &info) == 0 || info.dli_fname == nullptr) return "";
   std::error_code ec;

@@ -355,7 +355,9 @@ TORCH_LIBRARY(gpucast, m) {
       return gpucast::gpu_rates_to_json(gpucast::load_gpu_rates(path.empty() ? gpucast::default_gpu_rates_path() : path));
     });
   });
-  m.def("gpu_rates_path() -> str", [] { return gpucast::default_gpu_rates_path(); });
+  m.def("gpu_rates_path(bool shipped=False) -> str", [](bool shipped) {
+    return shipped ? gpucast::shipped_gpu_rates_path() : gpucast::default_gpu_rates_path();
+  });
   // Per kind and pass, the roofline rates layer_model.h fits on measured layers (bench/gpu_rates.py fits the GPU
   // table with it): {"prior": {flops_per_s, bytes_per_s, overhead_s}, "layers": [{kind, flops, bytes, ops,
   // forward_ns, backward_ns}]} -> {kind: {source, forward: {flops_per_s, bytes_per_s, overhead_s, samples,

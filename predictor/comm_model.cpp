@@ -175,17 +175,11 @@ Topology Topology::parse(const std::string& text) {
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);
-    size_t used = 0;
-    double x = -1;
-    try {
-      x = std::stod(v, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != v.size() || v.empty() || !(positive ? x > 0 : x >= 0) || !std::isfinite(x)) {
+    const std::optional<double> x = parse_number(v);
+    if (!x || !(positive ? *x > 0 : *x >= 0) || !std::isfinite(*x)) {
       GPUCAST_USER_ERROR("link: '{}' should be a {} number, got '{}'", key, positive ? "positive" : "non-negative", v);
     }
-    return x;
+    return *x;
   };
   Topology t;
   t.gpus_per_node = cfg.was_set("gpus_per_node") ? cfg.get_int("gpus_per_node") : 0;
@@ -216,17 +210,12 @@ Topology Topology::parse(const std::string& text) {
       const size_t end = std::min(text.find(';', start), text.size());
       const std::string item = text.substr(start, end - start);
       const size_t slash = item.find('/');
-      double a = -1, b = -1;
-      try {
-        size_t u1 = 0, u2 = 0;
-        if (slash != std::string::npos) {
-          a = std::stod(item.substr(0, slash), &u1);
-          b = std::stod(item.substr(slash + 1), &u2);
-        }
-        if (u1 != slash || u2 != item.size() - slash - 1) a = -1;
-      } catch (const std::exception&) {
-        a = -1;
+      std::optional<double> pa, pb;
+      if (slash != std::string::npos) {
+        pa = parse_number(std::string_view(item).substr(0, slash));
+        pb = parse_number(std::string_view(item).substr(slash + 1));
       }
+      const double a = pa && pb ? *pa : -1, b = pb ? *pb : -1;
       if (!(a > 0) || !(zero_second ? b >= 0 : b > 0) || !std::isfinite(a) || !std::isfinite(b)) {
         GPUCAST_USER_ERROR("link: '{}' should be {} pairs joined by ';' ({}), got '{}' in '{}'", key, form,
                            zero_second ? "positive bytes, non-negative microseconds" : "positive numbers", item, text);
@@ -281,27 +270,31 @@ Topology Topology::parse(const std::string& text) {
   return t;
 }
 
-double Topology::memory_contention_for(double bytes) const {
-  const auto& s = memory_contention_samples;
-  if (s.empty()) return memory_contention;
-  if (bytes <= s.front().bytes) return s.front().factor;
-  if (bytes >= s.back().bytes) return s.back().factor;
-  const auto hi = std::upper_bound(s.begin(), s.end(), bytes,
-                                   [](double b, const ContentionSample& x) { return b < x.bytes; });
+namespace {
+
+// A value read from samples sorted by bytes: between two, linear in the bytes (or in their log), outside them the
+// nearest; `value` picks a sample's value.
+template <typename Sample, typename Value>
+double between_samples(const std::vector<Sample>& s, double bytes, bool log_bytes, Value value) {
+  if (bytes <= s.front().bytes) return value(s.front());
+  if (bytes >= s.back().bytes) return value(s.back());
+  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const Sample& x) { return b < x.bytes; });
   const auto lo = hi - 1;
-  const double w = std::log(bytes / lo->bytes) / std::log(hi->bytes / lo->bytes);
-  return lo->factor + (hi->factor - lo->factor) * w;
+  const double w = log_bytes ? std::log(bytes / lo->bytes) / std::log(hi->bytes / lo->bytes)
+                             : (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+  return value(*lo) + (value(*hi) - value(*lo)) * w;
+}
+
+}  // namespace
+
+double Topology::memory_contention_for(double bytes) const {
+  if (memory_contention_samples.empty()) return memory_contention;
+  return between_samples(memory_contention_samples, bytes, true, [](const ContentionSample& x) { return x.factor; });
 }
 
 double Topology::ddp_overhead_for(double grad_bytes) const {
-  const auto& s = ddp_overhead_samples;
-  if (s.empty()) return ddp_overhead_us;
-  if (grad_bytes <= s.front().bytes) return s.front().us;
-  if (grad_bytes >= s.back().bytes) return s.back().us;
-  const auto hi = std::upper_bound(s.begin(), s.end(), grad_bytes,
-                                   [](double b, const OverheadSample& x) { return b < x.bytes; });
-  const auto lo = hi - 1;
-  return lo->us + (hi->us - lo->us) * (grad_bytes - lo->bytes) / (hi->bytes - lo->bytes);
+  if (ddp_overhead_samples.empty()) return ddp_overhead_us;
+  return between_samples(ddp_overhead_samples, grad_bytes, false, [](const OverheadSample& x) { return x.us; });
 }
 
 const Link* Topology::link_for(int64_t ranks, int64_t stride) const {

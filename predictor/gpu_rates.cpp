@@ -151,6 +151,7 @@ const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::st
 }
 
 std::string default_gpu_rates_path() { return shipped_data_file("GPUCAST_GPU_RATES", "gpu_rates.json"); }
+std::string shipped_gpu_rates_path() { return shipped_data_file(nullptr, "gpu_rates.json"); }
 
 namespace {
 // The rates of a part's kind (an unknown kind: elementwise) in one pass.

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
 
 #include "gpucast/config.h"
 #include "gpucast/error.h"
@@ -32,17 +31,11 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
   p.broadcast_buffers = cfg.get_bool("broadcast_buffers");
   p.buffer_bytes = cfg.get_int("buffer_bytes");
   const std::string& cap = cfg.get_string("bucket_cap_mb");
-  size_t used = 0;
-  double mb = -1;
-  try {
-    mb = std::stod(cap, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != cap.size() || !(mb > 0) || !std::isfinite(mb)) {
+  const std::optional<double> mb = parse_number(cap);
+  if (!mb || !(*mb > 0) || !std::isfinite(*mb)) {
     GPUCAST_USER_ERROR("parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '{}'", cap);
   }
-  p.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(std::llround(mb * (1 << 20))));
+  p.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(std::llround(*mb * (1 << 20))));
   p.bucket_cap_given = cfg.was_set("bucket_cap_mb");
   return p;
 }

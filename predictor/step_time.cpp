@@ -1129,9 +1129,6 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   }
 
   // One stage: m - 1 micro-batches without reduction (gradient accumulation), then the last one.
-  const double per_mb_fw = f.forward_ms / m, per_mb_bw = f.backward_ms / m;
-  const double tp_fw_total = std::accumulate(tp_fw_ms.begin(), tp_fw_ms.end(), 0.0);
-  const double tp_bw_total = std::accumulate(tp_bw_ms.begin(), tp_bw_ms.end(), 0.0);
   const double other_mb = f.other_ms / m;
   f.exposed_comm_ms += f.tp_comm_ms;
   if (P.dp > 1 && dp_link && P.dp_mode == "fsdp") {
@@ -1167,7 +1164,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       pass(forward_layers, false, mb, false);
       pass(backward_layers, true, mb, mb + 1 == mbs);
     }
-    const double compute_only = m * (other_mb + per_mb_fw + per_mb_bw + tp_fw_total + tp_bw_total);
+    const double compute_only = f.other_ms + f.forward_ms + f.backward_ms + f.tp_comm_ms;  // every micro-batch
     t_end = std::max(compute, comm_free);
     if (!T.overlap) {  // the collectives take the cores from the compute: their time adds
       double fsdp_comm = 0;

@@ -19,7 +19,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ._loader import load
 from ._trace import _flatten, mark_iteration_end, trace
 
 SCHEMA_VERSION = 1
@@ -976,7 +975,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         if not pricing or "GPU rates" not in str(e):
             raise
         # A table of the user's (GPUCAST_GPU_RATES) that cannot be used: the shipped one, said aloud.
-        shipped = Path(load()).resolve().parent.parent / "data" / "gpu_rates.json"
+        shipped = Path(torch.ops.gpucast.gpu_rates_path(True))
         text = None
         if os.environ.get("GPUCAST_GPU_RATES") and shipped.is_file():
             try:

@@ -102,8 +102,10 @@ TEST(GpuRates, TheShippedTableLoadsAndCoversTheDeviceTablesDatacenterGpus) {
 TEST(GpuRates, DefaultPathFollowsTheEnvironment) {
   setenv("GPUCAST_GPU_RATES", "/tmp/my_rates.json", 1);
   EXPECT_EQ(default_gpu_rates_path(), "/tmp/my_rates.json");
+  const std::string shipped = shipped_gpu_rates_path();  // the shipped table whatever the environment says
   unsetenv("GPUCAST_GPU_RATES");
   EXPECT_NE(default_gpu_rates_path(), "/tmp/my_rates.json");
+  EXPECT_EQ(shipped, default_gpu_rates_path());
 }
 
 TEST(GpuRates, PricesAPartOnItsPrecisionsPeak) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -62,12 +63,16 @@ std::vector<ConfigKey> trace_config_keys();
 // The keys of GPUCAST_CONF (auto mode).
 std::vector<ConfigKey> auto_config_keys();
 
+// `text` as a number when all of it is one (strtod's forms) and in double's range; nullopt otherwise. Callers
+// check the sign and finiteness they need and word their own errors.
+std::optional<double> parse_number(std::string_view text);
+
 // `s` with its ASCII letters lower-cased (names compared without regard to case: devices, GPUs, links).
 std::string ascii_lower(std::string s);
 
 // A file shipped with the library: $env when set and not empty, else data/<name> beside the directory of the
 // library holding this code (lib/ and data/ sit side by side in the installed package and in the build tree);
-// "" when that library cannot be found.
+// "" when that library cannot be found. env nullptr: the shipped file whatever the environment says.
 std::string shipped_data_file(const char* env, const char* name);
 
 }  // namespace gpucast

@@ -74,6 +74,9 @@ std::string gpu_rates_to_json(const std::vector<GpuRates>& table);
 const GpuRates* find_gpu_rates(const std::vector<GpuRates>& table, const std::string& name);
 // $GPUCAST_GPU_RATES, else data/gpu_rates.json beside the directory of the library holding this code.
 std::string default_gpu_rates_path();
+// data/gpu_rates.json beside that library, whatever $GPUCAST_GPU_RATES says (the fallback for a table of the
+// user's that cannot be used).
+std::string shipped_gpu_rates_path();
 
 // One part's time in one pass (Phase::Backward: doubled FLOPs and bytes), ns.
 double gpu_part_ns(const CostPart& part, const GpuRates& gpu, Phase pass, const GpuPrecision& precision = {});
