@@ -2,8 +2,9 @@
 
 For every case (an architecture family, a size variant, an optimizer and a target batch) this script runs
 gpucast.forecast(target="cpu") from probes at batch 2, 4 and 8 (one thread; plus timing probes at 16 and 24 where
-the probes' convolutions ran PyTorch's CPU im2col path), then measures the real step at the
-target batch in the same process (3 warm-up iterations, the median of --iterations). One JSON line per case:
+the probes' convolutions ran PyTorch's CPU im2col path), and measures the real step at the
+target batch in the same process as bench/step_time_accuracy.py does (the median of --iterations: half of them
+before the forecast on the same model built again, half after, each half after 3 warm-up steps). One JSON line per case:
 
   family, model, batch, optimizer, threads, device peak rates (measured here: a large float32 matmul and a large
   copy), the layer graph at the target batch (nodes: kind, forward FLOPs and bytes, forecast ms; edges: bytes
@@ -13,6 +14,8 @@ target batch in the same process (3 warm-up iterations, the median of --iteratio
 
 Families: GPT-2, BERT and T5 (transformers), ViT and DeiT (timm), ResNet and MobileNet (torchvision), ConvNeXt
 (timm), and gpucast's zoo MLP, CNN, LSTM and GPT; several widths and depths each; nothing is downloaded.
+
+    python bench/step_dataset.py --out FILE.jsonl.gz   (112 cases, about 7 minutes on the 2-core machine)
 """
 from __future__ import annotations
 
@@ -92,13 +95,23 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
     import gpucast
     from gpucast._forecast import step_graph
     from examples import zoo
-    torch.manual_seed(0)
-    model = make_model()
-    opt = zoo.make_optimizer(optimizer, model.parameters())
-    step = zoo.make_step(model, opt, loss_fn)
+    from step_time_accuracy import summary, timed  # the same measurement as the accuracy bench
+
+    def build():
+        torch.manual_seed(0)
+        model = make_model()
+        opt = zoo.make_optimizer(optimizer, model.parameters())
+        return model, opt, zoo.make_step(model, opt, loss_fn)
+
+    # As bench/step_time_accuracy.py measures: the C allocator as forecast() leaves it, and the measured iterations
+    # bracketing the forecast (half before it on the same model built again, half after).
+    torch.ops.gpucast.settle_c_allocator()
+    twin, twin_opt, twin_step = build()
+    before = timed(twin_step, make_batch(batch), iterations // 2)
+    del twin, twin_opt, twin_step
+    model, opt, step = build()
     fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu", gnn=None)
-    from step_time_accuracy import measure  # the same measurement as the accuracy bench
-    measured, iqr = measure(step, make_batch(batch), iterations)
+    measured, iqr = summary(before + timed(step, make_batch(batch), iterations - iterations // 2))
     t = fc.time
     probes = [json.loads(x) for x in fc.timings]
     # The graph exactly as the forecast builds it for the network (gpucast._forecast.step_graph).
@@ -118,7 +131,8 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "dataset" / "step_times.jsonl.gz"))
+    ap.add_argument("--out", required=True, help="the recording to write (gzipped JSON Lines); the committed ones "
+                    "are bench/dataset/step_times.jsonl.gz and step_times_2.jsonl.gz (scaledl_compare.py --data)")
     ap.add_argument("--batches", default="16,32")
     ap.add_argument("--optimizers", default="adamw,sgd")
     ap.add_argument("--iterations", type=int, default=10)
