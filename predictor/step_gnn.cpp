@@ -36,6 +36,14 @@ const std::vector<std::string> kStrategies = {"single", "ddp", "fsdp", "tp", "pp
 constexpr int kNodeFeatures = 8 + 3;      // kind one-hot, log1p(flops), log1p(bytes), log1p(pred_us)
 constexpr int kEdgeFeatures = 1;          // log1p(bytes)
 constexpr int kGlobalFeatures = 2 + 4 + 1 + 5 + 4;
+// Where log_peak_gflops and log_mem_gbps lie among the global features (log_mem_gbps follows).
+constexpr int kRateFeature = 2 + 4 + 1 + 5;
+// The device rates are measured in the process (a matmul and a copy): on one machine they move by about 10 %
+// between processes (100 and 110 GFLOP/s in two recordings of the dataset). Standardised over recordings from one
+// machine, that noise would span several standard deviations, and the network and its applicability would read a
+// rate measured a little higher as another machine: their standard deviation is taken as at least ln(2)/2 (a
+// factor of 2 in rate is two of them).
+constexpr float kRateSdFloor = 0.34657359f;
 constexpr double kLogScale = 1.5;         // log alpha, log beta = kLogScale * tanh(output)
 constexpr const char* kFix = "; retrain with gpucast-train step-gnn or reinstall gpucast to get the shipped weights";
 
@@ -392,8 +400,9 @@ GraphFeatures features_of(const StepGraph& g) {
 struct Normaliser {
   std::vector<float> node_mean, node_std, edge_mean, edge_std, global_mean, global_std;
 
+  // floor: columns whose standard deviation is taken as at least kRateSdFloor (the device rates').
   static void stats(const std::vector<const std::vector<float>*>& rows, int width, std::vector<float>& mean,
-                    std::vector<float>& sd) {
+                    std::vector<float>& sd, std::initializer_list<int> floor = {}) {
     std::vector<double> s(width, 0.0), s2(width, 0.0);
     int64_t count = 0;
     for (const auto* r : rows) {
@@ -413,6 +422,7 @@ struct Normaliser {
       mean[j] = static_cast<float>(m);
       sd[j] = v > 1e-8 ? static_cast<float>(std::sqrt(v)) : 1.f;
     }
+    for (int j : floor) sd[j] = std::max(sd[j], kRateSdFloor);
   }
 
   static Normaliser fit(const std::vector<GraphFeatures>& fs) {
@@ -425,7 +435,7 @@ struct Normaliser {
     }
     stats(nodes, kNodeFeatures, n.node_mean, n.node_std);
     stats(edges, kEdgeFeatures, n.edge_mean, n.edge_std);
-    stats(globals, kGlobalFeatures, n.global_mean, n.global_std);
+    stats(globals, kGlobalFeatures, n.global_mean, n.global_std, {kRateFeature, kRateFeature + 1});
     return n;
   }
 };
@@ -445,8 +455,17 @@ std::vector<float> descriptor_of(const GraphFeatures& f) {
   return d;
 }
 
+// What makes graphs recordings of the same case (one model at one batch, thread count, world, optimizer and
+// strategy, measured again on another day): "" for a graph without a model name, which is a case of its own.
+std::string case_key(const StepGraph& g) {
+  if (g.model.empty()) return {};
+  return fmt::format("{}|{}|{}|{}|{}|{}|{}", g.family, g.model, g.globals.batch, g.globals.threads, g.globals.world,
+                     g.globals.optimizer, g.globals.strategy);
+}
+
 // The training graphs' standardised descriptors and their radius: the largest distance from one of them to its
-// nearest other (-1 with fewer than two graphs: no limit).
+// nearest graph of another case (-1 with fewer than two cases: no limit). Recordings of one case lie next to each
+// other; measured from them, the radius would shrink to their spread and leave out steps like the training ones.
 struct Applicability {
   std::vector<float> mean, sd;
   std::vector<float> points;  // graphs x kDescriptor, standardised
@@ -460,11 +479,12 @@ struct Applicability {
     return z;
   }
 
-  // Distance from z to the nearest stored point other than `skip`.
-  double nearest(const float* z, int64_t skip = -1) const {
+  // Distance from z to the nearest stored point for which skip(i) is false (infinity: none).
+  template <typename Skip>
+  double nearest(const float* z, Skip skip) const {
     double best = std::numeric_limits<double>::infinity();
     for (int64_t i = 0; i < count(); ++i) {
-      if (i == skip) continue;
+      if (skip(i)) continue;
       double s = 0;
       for (int j = 0; j < kDescriptor; ++j) {
         const double d = double(z[j]) - points[i * kDescriptor + j];
@@ -474,22 +494,34 @@ struct Applicability {
     }
     return std::sqrt(best);
   }
+  double nearest(const float* z) const {
+    return nearest(z, [](int64_t) { return false; });
+  }
 
-  static Applicability fit(const std::vector<GraphFeatures>& fs) {
+  // keys: case_key of each graph of fs.
+  static Applicability fit(const std::vector<GraphFeatures>& fs, const std::vector<std::string>& keys) {
     Applicability a;
     std::vector<std::vector<float>> ds;
     for (const auto& f : fs) ds.push_back(descriptor_of(f));
     std::vector<const std::vector<float>*> rows;
     for (const auto& d : ds) rows.push_back(&d);
-    Normaliser::stats(rows, kDescriptor, a.mean, a.sd);
+    Normaliser::stats(rows, kDescriptor, a.mean, a.sd, {kRateFeature, kRateFeature + 1});  // globals lead
     for (const auto& d : ds) {
       const std::vector<float> z = a.standardise(d);
       a.points.insert(a.points.end(), z.begin(), z.end());
     }
-    if (a.count() >= 2) {
-      a.radius = 0;
-      for (int64_t i = 0; i < a.count(); ++i) a.radius = std::max(a.radius, a.nearest(&a.points[i * kDescriptor], i));
+    double radius = 0;
+    bool other_case = false;
+    for (int64_t i = 0; i < a.count(); ++i) {
+      const double d = a.nearest(&a.points[i * kDescriptor], [&](int64_t j) {
+        return j == i || (!keys[i].empty() && keys[j] == keys[i]);
+      });
+      if (std::isfinite(d)) {
+        radius = std::max(radius, d);
+        other_case = true;
+      }
     }
+    if (other_case) a.radius = radius;
     return a;
   }
 };
@@ -765,15 +797,39 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
     return se / static_cast<double>(count);
   };
   // The graphs each member trains and stops on: the files' split, or with rotate_val the k-th tenth of all the
-  // graphs (in an order drawn from the seed) for member k's early stopping and the rest for its training.
-  std::vector<size_t> pool = range(0, tall.size());
+  // cases (in an order drawn from the seed; every recording of a case on the same side) for member k's early
+  // stopping and the rest for its training.
+  std::vector<std::string> keys;
+  for (const auto* gs : {&train, &val}) {
+    for (const StepGraph& g : *gs) keys.push_back(case_key(g));
+  }
+  std::vector<size_t> group(keys.size());  // each graph's case, numbered in order of first appearance
+  {
+    std::map<std::string, size_t> seen;
+    size_t count = 0;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i].empty()) {
+        group[i] = count++;
+      } else {
+        auto [it, fresh] = seen.emplace(keys[i], count);
+        if (fresh) ++count;
+        group[i] = it->second;
+      }
+    }
+  }
+  const size_t groups = keys.empty() ? 0 : *std::max_element(group.begin(), group.end()) + 1;
+  std::vector<size_t> pool = range(0, groups);  // the cases' order
   std::shuffle(pool.begin(), pool.end(), std::mt19937_64(o.seed));
   auto split_of = [&](int64_t k) -> std::pair<std::vector<size_t>, std::vector<size_t>> {
     if (!o.rotate_val) return {range(0, ftr.size()), range(ftr.size(), tall.size())};
-    const size_t n = pool.size(), part = static_cast<size_t>(k % 10);
+    const size_t n = groups, part = static_cast<size_t>(k % 10);
     const size_t lo = n * part / 10, hi = std::max(lo + 1, n * (part + 1) / 10);
     std::vector<size_t> fit, held;
-    for (size_t i = 0; i < n; ++i) (i >= lo && i < hi ? held : fit).push_back(pool[i]);
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t g = 0; g < group.size(); ++g) {
+        if (group[g] == pool[i]) (i >= lo && i < hi ? held : fit).push_back(g);
+      }
+    }
     return {fit, held};
   };
 
@@ -843,7 +899,7 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
   r.train_loss = mean_loss(ensemble, batches_of(range(0, ftr.size())), ftr.size());
   r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Where the network may answer: around every graph it was trained or validated on.
-  const Applicability reach = Applicability::fit(fall);
+  const Applicability reach = Applicability::fit(fall, keys);
   r.radius = reach.radius;
 
   WeightsFile w;
