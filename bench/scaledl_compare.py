@@ -14,15 +14,22 @@ Every method predicts the measured step time of a case:
                   global features, on log time (PyTorch, trained here);
   gpucast, α=β=1  the in-process forecast from probes at batch 2, 4, 8 (per-layer fits; nothing trained; where
                   the probes' convolutions ran PyTorch's CPU im2col path, timing probes at 16 and 24 join them);
-  gpucast + GNN   the same, corrected by the graph network (ScaleDL's α, β), trained on the training split
-                  with build/bin/gpucast-train step-gnn: an ensemble of 5 networks from seeds 0-4, each stopping
-                  early on its own tenth of the training split (--rotate-val) and trained on the rest; a
-                  case farther from every training case than any training case lies from its nearest (in
-                  the network's standardised descriptors) gets no correction, as in the forecast.
+  gpucast + GNN   the same, corrected by the graph network (ScaleDL's α, β), trained as the shipped one is: on
+                  the training split's steady, reproducible cases (below) with build/bin/gpucast-train step-gnn:
+                  an ensemble of 5 networks from seeds 0-4, each stopping early on its own tenth of the cases
+                  (--rotate-val) and trained on the rest; a case farther from every training case than any
+                  training case lies from its nearest other case (in the network's standardised descriptors)
+                  gets no correction, as in the forecast;
+  gpucast + GNN, every case   the same network trained on every case of the training split.
 
-The network written by --weights-out (the shipped one) is trained only on cases whose measured step is steady
-(interquartile range at most --max-spread of the median, default 10 %: on this shared machine a few cases'
-measurements spread by 20-40 %); in the table every method trains on every case of its training folds.
+The network written by --weights-out (the shipped one) is trained only on cases that are steady and reproducible:
+in every recording the measured step's interquartile range is at most --max-spread of its median (default 10 %:
+on this shared machine a few cases' measurements spread by 20-40 %), and the recordings' measured steps and
+forecasts agree within --max-spread (a case's error that does not repeat between recordings is noise); in the
+table every method trains on every case of its training folds. Several recordings (--data, repeated) are folded
+by case: every recording of a case is predicted by models that saw none of them. The reproducibility lines give
+each recording's gpucast (α=β=1) error, how far the recordings' measured steps differ, and how well gpucast's
+signed errors correlate between them (the share of its error a learnt correction can find).
 
 Splits: in-domain: 5 folds over all cases (each case predicted once, by models that did not see it);
 out-of-domain: 4 folds of held-out families (each case predicted by models that never saw its family). Errors: mean
@@ -48,14 +55,24 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
-DATA = ROOT / "bench" / "dataset" / "step_times.jsonl.gz"
+# The recordings of the dataset: the same cases measured on two days (2026-12-03 and 2026-12-05).
+DATA = [ROOT / "bench" / "dataset" / "step_times.jsonl.gz", ROOT / "bench" / "dataset" / "step_times_2.jsonl.gz"]
 KINDS = ["matmul", "conv", "attention", "norm", "embedding", "pool", "elementwise", "other"]
 TRAIN = ROOT / "build" / "bin" / "gpucast-train"
 
 
-def load(path: Path) -> list[dict]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def load(paths: list[Path]) -> list[dict]:
+    """Every recording's cases, each tagged with its recording's number ("recording": 0, 1, ...)."""
+    out = []
+    for n, path in enumerate(paths):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            out += [dict(json.loads(line), recording=n) for line in f if line.strip()]
+    return out
+
+
+def case_of(r: dict) -> tuple:
+    """What makes two records recordings of the same case."""
+    return r["family"], r["model"], r["batch"], r["optimizer"]
 
 
 def global_row(r: dict) -> list[float]:
@@ -81,11 +98,13 @@ def folds(records, by_family: bool, k: int = 5):
             test = [i for i in idx if records[i]["family"] in held]
             yield [i for i in idx if records[i]["family"] not in held], test
         return
-    rng = np.random.default_rng(0)
-    perm = rng.permutation(idx)
+    # Folds of cases: every recording of a case on the same side (a model never sees the case it predicts).
+    cases = list(dict.fromkeys(case_of(r) for r in records))
+    perm = np.random.default_rng(0).permutation(len(cases))
     for j in range(k):
-        test = sorted(perm[j::k].tolist())
-        yield sorted(set(idx.tolist()) - set(test)), test
+        held = {cases[c] for c in perm[j::k].tolist()}
+        test = [i for i in idx.tolist() if case_of(records[i]) in held]
+        yield [i for i in idx.tolist() if case_of(records[i]) not in held], test
 
 
 def rf_predict(train, test):
@@ -217,6 +236,61 @@ def gnn_predict(train, test, seed: int = 0, threads: int = 1, keep: str | None =
 OUTSIDE: list = []  # the cases the network declined as outside its training data, in the current split
 
 
+def reproducible(records: list, spread: float) -> list:
+    """The records the shipped network trains on: of cases steady in every recording (interquartile range at most
+    `spread` of the step) whose recordings agree (measured steps and forecasts within `spread` of the first
+    recording's). A case's error that does not repeat from one recording to the next is the machine's noise (in the
+    probes or in the measured steps): learnt, it moves the next forecast of that case by as much, the wrong way as
+    often as not."""
+    by: dict = {}
+    for r in records:
+        by.setdefault(case_of(r), []).append((r, r["measured_iqr_ms"] <= spread * r["measured_ms"]))
+    out = []
+    for rs in by.values():
+        first = rs[0][0]
+        agree = all(abs(r["measured_ms"] / first["measured_ms"] - 1) <= spread and
+                    abs(r["sum_layers_ms"] / first["sum_layers_ms"] - 1) <= spread for r, _ in rs)
+        if agree and all(ok for _, ok in rs):
+            out += [r for r, _ in rs]
+    return out
+
+
+def ship(records: list, args) -> None:
+    train = reproducible(records, args.max_spread)
+    if not train:
+        raise SystemExit(f"no case is steady and reproducible within {args.max_spread:.0%}: nothing to train on")
+    gnn_predict(train, records[:1], keep=args.weights_out)
+    cases = len({case_of(r) for r in train})
+    print(f"graph network trained on {len(train)} records of the {cases} cases of {len({case_of(r) for r in records})} "
+          f"that are steady and agree between recordings within {args.max_spread:.0%}: {args.weights_out}")
+
+
+def reproducibility(records: list, recordings: int) -> dict:
+    """How far the recordings of one case agree: the floor under any method's error on this data. Per recording,
+    gpucast's (α=β=1) error; between the first recording and each later one, over the cases both hold: the mean
+    relative difference of the measured steps and the correlation of gpucast's signed errors (the share of its
+    error that repeats, which a correction such as the graph network's can learn)."""
+    out = {"per_recording_mre_pct": []}
+    by = [{case_of(r): r for r in records if r["recording"] == n} for n in range(recordings)]
+    for n, rs in enumerate(by):
+        e = [abs(r["sum_layers_ms"] / r["measured_ms"] - 1) * 100 for r in rs.values()]
+        out["per_recording_mre_pct"].append(round(statistics.fmean(e), 3))
+        print(f"recording {n}: {len(rs)} cases, gpucast (α=β=1) MRE {statistics.fmean(e):.2f} %")
+    for n in range(1, recordings):
+        both = [c for c in by[0] if c in by[n]]
+        if len(both) < 3:
+            continue
+        a, b = by[0], by[n]
+        diff = statistics.fmean(abs(b[c]["measured_ms"] / a[c]["measured_ms"] - 1) * 100 for c in both)
+        ea = [a[c]["sum_layers_ms"] / a[c]["measured_ms"] - 1 for c in both]
+        eb = [b[c]["sum_layers_ms"] / b[c]["measured_ms"] - 1 for c in both]
+        rho = float(np.corrcoef(ea, eb)[0, 1])
+        out[f"0-{n}"] = {"cases": len(both), "measured_diff_pct": round(diff, 3), "error_correlation": round(rho, 3)}
+        print(f"recordings 0 and {n}, {len(both)} cases: the measured steps differ by {diff:.2f} % (mean |relative "
+              f"difference|); gpucast's (α=β=1) signed errors correlate {rho:.2f} between them")
+    return out
+
+
 def errors(pred, truth):
     pred, truth = np.asarray(pred, float), np.asarray(truth, float)
     return float(np.mean(np.abs(pred - truth) / truth) * 100), float(np.sqrt(np.mean((pred - truth) ** 2)))
@@ -252,22 +326,35 @@ def sparse_timing(records, fraction: float, seeds: int = 5):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", action="append", metavar="FILE",
+                    help="a recording of bench/step_dataset.py (repeat for several; default: the committed two)")
     ap.add_argument("--fraction", type=float, default=0.25)
-    ap.add_argument("--weights-out", default="", help="also train the network on every steady case and write it here")
+    ap.add_argument("--weights-out", default="", help="also train the network on the steady, reproducible cases (--max-spread) and write it here")
     ap.add_argument("--max-spread", type=float, default=0.10,
-                    help="train only on cases whose measured interquartile range is at most this share of the step")
+                    help="the shipped network trains only on cases whose measured interquartile range is at most "
+                         "this share of the step in every recording, and whose recordings' measured steps and "
+                         "forecasts differ by at most this share")
+    ap.add_argument("--weights-only", action="store_true", help="only train the network for --weights-out")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(2)
-    records = load(Path(args.data))
+    paths = [Path(p) for p in args.data] if args.data else DATA
+    records = load(paths)
     truth = np.array([r["measured_ms"] for r in records])
-    steady = [r["measured_iqr_ms"] <= args.max_spread * r["measured_ms"] for r in records]
     fams = sorted({r["family"] for r in records})
-    print(f"{len(records)} cases, {len(fams)} families ({', '.join(fams)}); measured steps "
-          f"{truth.min():.2f}-{truth.max():.1f} ms")
+    print(f"{len(records)} records of {len({case_of(r) for r in records})} cases in {len(paths)} recording(s), "
+          f"{len(fams)} families ({', '.join(fams)}); measured steps {truth.min():.2f}-{truth.max():.1f} ms")
+    if args.weights_only:
+        if not args.weights_out:
+            raise SystemExit("--weights-only needs --weights-out FILE")
+        ship(records, args)
+        return 0
+    repeat = reproducibility(records, len(paths))
     methods = {"Random Forest": rf_predict, "MLP-ACC": mlp_acc_predict, "BiRNN": birnn_predict,
-               "gpucast (α=β=1)": None, "gpucast + GNN": gnn_predict}
+               "gpucast (α=β=1)": None,
+               # As the shipped network is trained: on the training folds' steady, reproducible cases only.
+               "gpucast + GNN": lambda tr, te: gnn_predict(reproducible(tr, args.max_spread), te),
+               "gpucast + GNN, every case": gnn_predict}
     table, outside = {}, {}
     for split, by_family in (("in-domain", False), ("out-of-domain", True)):
         for name, fn in methods.items():
@@ -287,16 +374,16 @@ def main() -> int:
                 if not ok:
                     continue
             table[(name, split)] = errors(pred, truth)
-            if fn is gnn_predict:
+            if name == "gpucast + GNN":
                 outside[split] = len(OUTSIDE)
-    print(f"\n{'method':<18} {'in-domain MRE':>14} {'RMSE ms':>9} {'out-of-domain MRE':>18} {'RMSE ms':>9}")
+    print(f"\n{'method':<28} {'in-domain MRE':>14} {'RMSE ms':>9} {'out-of-domain MRE':>18} {'RMSE ms':>9}")
     for name in methods:
         a = table.get((name, "in-domain"))
         b = table.get((name, "out-of-domain"))
         if a is None:
-            print(f"{name:<18} {'(not run: build/bin/gpucast-train missing)':>40}")
+            print(f"{name:<28} {'(not run: build/bin/gpucast-train missing)':>40}")
             continue
-        print(f"{name:<18} {a[0]:>13.2f}% {a[1]:>9.2f} {b[0]:>17.2f}% {b[1]:>9.2f}")
+        print(f"{name:<28} {a[0]:>13.2f}% {a[1]:>9.2f} {b[0]:>17.2f}% {b[1]:>9.2f}")
     print(f"graph network: {outside.get('in-domain', 0)} of {len(records)} cases in-domain and "
           f"{outside.get('out-of-domain', 0)} out-of-domain lie outside its training data (alpha = beta = 1 there)")
     print("ScaleDL's published: 9.39 % in-domain, 11.88 % out-of-domain (RF 35.75 %, MLP-ACC 15.81 %, BiRNN 19.78 %)")
@@ -331,10 +418,9 @@ def main() -> int:
         print(f"{fraction:6.0%} {row['step_mre_pct']['d-optimal']:17.2f} % {row['step_mre_pct']['random']:5.2f} % "
               f"{row['untimed_layers_err_pct']['d-optimal']:23.1f} % {row['untimed_layers_err_pct']['random']:5.1f} %")
     if args.weights_out:
-        train = [r for r, ok in zip(records, steady) if ok]
-        gnn_predict(train, records[:1], keep=args.weights_out)
-        print(f"graph network trained on the {len(train)} steady cases of {len(records)}: {args.weights_out}")
-    res = {"bench": "scaledl_compare", "cases": len(records), "families": fams, "probed_at_target": probed_target,
+        ship(records, args)
+    res = {"bench": "scaledl_compare", "cases": len(records), "recordings": [p.name for p in paths],
+           "reproducibility": repeat, "families": fams, "probed_at_target": probed_target,
            "gnn_outside_training_data": outside,
            "table": {f"{n} | {s}": {"mre_pct": round(v[0], 3), "rmse_ms": round(v[1], 3)} for (n, s), v in table.items()},
            "sparse": {"fraction": args.fraction, "step_mre_pct": {"d-optimal": round(s_d, 3), "random": round(s_r, 3),
