@@ -1,7 +1,9 @@
 """ScaleDL's comparison (its Table I) on gpucast's step-time dataset, and D-optimal against random sparse timing.
 
-Data: bench/dataset/step_times.jsonl.gz (bench/step_dataset.py: real architectures of 12 families on this CPU,
-one thread, each at two optimizers and two target batches; the measured step is the median of 10 iterations).
+Data: bench/dataset/step_times.jsonl.gz and step_times_2.jsonl.gz, two recordings of the same 112 cases on two
+days (bench/step_dataset.py: real architectures of 12 families on this CPU, one thread, each at two optimizers and
+two target batches; the measured step is the median of 10 iterations); --data FILE (repeated) for others.
+The shipped weights: --data bench/dataset/step_times.jsonl.gz --weights-only --weights-out FILE.
 Every method predicts the measured step time of a case:
 
   Random Forest   on hyperparameters and totals (log batch, optimizer, log parameters, log total FLOPs and bytes,
