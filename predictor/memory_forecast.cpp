@@ -1437,7 +1437,8 @@ class Forecaster {
     const int64_t step = in_.parallel.dp * in_.parallel.micro_batches;
     constexpr int64_t kMaxGlobal = int64_t{1} << 30;
     if (!out_.scaled) return 0;
-    int64_t lo = step, need_lo = need(step);
+    const int64_t need_step = need(step);
+    int64_t lo = step, need_lo = need_step;
     if (need_lo > limit) return 0;
     // Reserved bytes grow about linearly with the batch (the allocator's rounding aside): a first bracket from
     // the line through two batches, then interpolation inside it, each step at most half the bracket's width
@@ -1451,7 +1452,7 @@ class Forecaster {
         hi = far, need_hi = need_far;
       } else {
         lo = far, need_lo = need_far;
-        const double slope = static_cast<double>(need_far - need(step)) / static_cast<double>(far - step);
+        const double slope = static_cast<double>(need_far - need_step) / static_cast<double>(far - step);
         int64_t guess = slope > 0 ? far + static_cast<int64_t>(static_cast<double>(limit - need_far) / slope) : 2 * far;
         guess = std::clamp(guess / step * step, far + step, kMaxGlobal);
         // Around the guess: a little above it where it fits, below it where it does not, widening each time.

@@ -803,32 +803,27 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
   for (const auto* gs : {&train, &val}) {
     for (const StepGraph& g : *gs) keys.push_back(case_key(g));
   }
-  std::vector<size_t> group(keys.size());  // each graph's case, numbered in order of first appearance
+  std::vector<std::vector<size_t>> cases;  // each case's graphs, the cases in order of first appearance
   {
     std::map<std::string, size_t> seen;
-    size_t count = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i].empty()) {
-        group[i] = count++;
+      auto [it, fresh] = seen.emplace(keys[i], cases.size());
+      if (keys[i].empty() || fresh) {
+        cases.push_back({i});
       } else {
-        auto [it, fresh] = seen.emplace(keys[i], count);
-        if (fresh) ++count;
-        group[i] = it->second;
+        cases[it->second].push_back(i);
       }
     }
   }
-  const size_t groups = keys.empty() ? 0 : *std::max_element(group.begin(), group.end()) + 1;
-  std::vector<size_t> pool = range(0, groups);  // the cases' order
+  std::vector<size_t> pool = range(0, cases.size());  // the cases' order
   std::shuffle(pool.begin(), pool.end(), std::mt19937_64(o.seed));
   auto split_of = [&](int64_t k) -> std::pair<std::vector<size_t>, std::vector<size_t>> {
     if (!o.rotate_val) return {range(0, ftr.size()), range(ftr.size(), tall.size())};
-    const size_t n = groups, part = static_cast<size_t>(k % 10);
+    const size_t n = pool.size(), part = static_cast<size_t>(k % 10);
     const size_t lo = n * part / 10, hi = std::max(lo + 1, n * (part + 1) / 10);
     std::vector<size_t> fit, held;
     for (size_t i = 0; i < n; ++i) {
-      for (size_t g = 0; g < group.size(); ++g) {
-        if (group[g] == pool[i]) (i >= lo && i < hi ? held : fit).push_back(g);
-      }
+      for (size_t g : cases[pool[i]]) (i >= lo && i < hi ? held : fit).push_back(g);
     }
     return {fit, held};
   };

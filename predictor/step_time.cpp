@@ -810,8 +810,8 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const Link* tp_link = P.tp > 1 ? link("tensor-parallel", P.tp, 1) : nullptr;
   const Link* dp_link = P.dp > 1 ? link("data-parallel", P.dp, P.tp) : nullptr;
   const Link* pp_link = P.pp > 1 ? link("pipeline", P.pp, P.tp * P.dp) : nullptr;
-  auto add_comm = [&](const char* kind, double bytes, double start_ms, double us) {
-    f.comm.push_back({kind, static_cast<int64_t>(bytes), start_ms, start_ms + us / 1e3});
+  auto add_comm = [&](const char* kind, double bytes, double start_ms, double us, int64_t stage = 0) {
+    f.comm.push_back({kind, static_cast<int64_t>(bytes), start_ms, start_ms + us / 1e3, stage});
     f.comm_ms += us / 1e3;
     return start_ms + us / 1e3;
   };
@@ -1076,12 +1076,10 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
           free[s] = end;
           // The output forward to the next stage, the gradient back to the previous one.
           if (pp_link && !backward && s + 1 < P.pp) {
-            add_comm("pp_send", static_cast<double>(send_bytes[s]), end, hop_ms[s] * 1e3);
-            f.comm.back().stage = s;
+            add_comm("pp_send", static_cast<double>(send_bytes[s]), end, hop_ms[s] * 1e3, s);
           }
           if (pp_link && backward && s > 0) {
-            add_comm("pp_send", static_cast<double>(send_bytes[s - 1]), end, hop_ms[s - 1] * 1e3);
-            f.comm.back().stage = s;
+            add_comm("pp_send", static_cast<double>(send_bytes[s - 1]), end, hop_ms[s - 1] * 1e3, s);
           }
           ++next[s];
           progress = true;
