@@ -9,7 +9,9 @@ half after it, each half after 3 warm-up iterations. The machine is shared and i
 bracketing the forecast centres the reference on the probes' time, and each case is forecast and measured
 --repeats times (the model built again each time) and the repeat with the median error is reported, every
 repeat's error beside it. Beside it, from the same probes: the
-forecast without the graph network (alpha = beta = 1: the ablation) and with every layer timed. These cases'
+forecast without the graph network (alpha = beta = 1: the ablation), with every layer timed, and from the first
+of the probes' timing rounds alone (what forecast(timing_rounds=1) gives; the forecast takes the median of three),
+and the forecast's own time in seconds. These cases'
 families are in the network's training data (in-domain); out-of-domain numbers (families held out of the
 network's training) come from bench/scaledl_compare.py, run here as well unless --skip-scaledl.
 
@@ -36,6 +38,7 @@ bench/vtrain_scaling.py; both run here. Signed error = (forecast - measured) / m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -86,7 +89,8 @@ def cpu_cases(names, iterations, fraction, repeats=1):
     torch.set_num_threads(1)
     rows = []
     print(f"{'case':<20} {'batch':>5} {'measured ms':>12} {'IQR':>6} {'gpucast ms':>11} {'err %':>7} "
-          f"{'α=β=1 %':>8} {'all timed %':>11} {'alpha':>6} {'timed':>7} {'traced/untraced':>15}  repeats' err %")
+          f"{'α=β=1 %':>8} {'all timed %':>11} {'1 round %':>9} {'alpha':>6} {'timed':>7} {'traced/untraced':>15} "
+          f"{'fc s':>5}  repeats' err %")
     for name in names:
         # Each repeat builds the model again, forecasts and measures; the repeat with the median error is kept.
         tries = sorted((cpu_case(name, iterations, fraction) for _ in range(repeats)), key=lambda r: r["err_pct"])
@@ -97,8 +101,9 @@ def cpu_cases(names, iterations, fraction, repeats=1):
         ratios = row["traced_over_untraced"]
         print(f"{name:<20} {row['batch']:>5} {row['measured_ms']:>12.2f} {row['iqr_ms']:>6.2f} "
               f"{row['forecast_ms']:>11.2f} {row['err_pct']:>+7.2f} {row['no_gnn_err_pct']:>+8.2f} "
-              f"{row['all_timed_err_pct']:>+11.2f} {row['alpha']:>6.3f} {row['timed_layers']:>3}/{row['layers']:<3} "
-              f"{statistics.median(ratios) if ratios else float('nan'):>15.3f}  "
+              f"{row['all_timed_err_pct']:>+11.2f} {row['one_round_err_pct']:>+9.2f} {row['alpha']:>6.3f} "
+              f"{row['timed_layers']:>3}/{row['layers']:<3} "
+              f"{statistics.median(ratios) if ratios else float('nan'):>15.3f} {row['forecast_s']:>5.1f}  "
               f"{', '.join(f'{e:+.2f}' for e in row['repeat_err_pct'])}", flush=True)
     return rows
 
@@ -116,13 +121,17 @@ def cpu_case(name, iterations, fraction):
     before = timed(twin_step, twin_case.make_batch(batch), iterations // 2)
     del twin_case, twin, twin_opt, twin_step
     case, model, opt, step = build(name)
+    t0 = time.perf_counter()
     fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
                           time_fraction=fraction)
+    forecast_s = time.perf_counter() - t0
     measured, iqr = summary(before + timed(step, case.make_batch(batch), iterations - iterations // 2))
     t = fc.time
     plain = fc.step_time(batch, gnn=None).step_ms  # the same timed layers, without the graph network
     every = fc.step_time(batch, time_fraction=1.0, gnn=None).step_ms
-    ratios = [p["wall_ns"] / p["untraced_wall_ns"] for p in map(json.loads, fc.timings)
+    rounds = fc.timing_rounds or [fc.timings]
+    one = dataclasses.replace(fc, timings=rounds[0]).step_time(batch).step_ms  # the first timing round alone
+    ratios = [p["wall_ns"] / p["untraced_wall_ns"] for r in rounds for p in map(json.loads, r)
               if p.get("untraced_wall_ns", -1) > 0]
     err = 100.0 * (t.step_ms - measured) / measured
     row = {"case": name, "batch": batch, "measured_ms": round(measured, 3), "iqr_ms": round(iqr, 3),
@@ -130,7 +139,9 @@ def cpu_case(name, iterations, fraction):
            "correction": t.correction, "no_gnn_ms": round(plain, 3),
            "no_gnn_err_pct": round(100.0 * (plain - measured) / measured, 2), "all_timed_ms": round(every, 3),
            "all_timed_err_pct": round(100.0 * (every - measured) / measured, 2), "layers": len(t.per_layer),
-           "timed_layers": t.timed_layers, "traced_over_untraced": [round(x, 4) for x in ratios]}
+           "timed_layers": t.timed_layers, "traced_over_untraced": [round(x, 4) for x in ratios],
+           "one_round_ms": round(one, 3), "one_round_err_pct": round(100.0 * (one - measured) / measured, 2),
+           "timing_rounds": len(rounds), "forecast_s": round(forecast_s, 2)}
     return row
 
 
@@ -289,12 +300,15 @@ def main():
     mre = statistics.mean(abs(r["err_pct"]) for r in rows)
     mre_plain = statistics.mean(abs(r["no_gnn_err_pct"]) for r in rows)
     mre_all = statistics.mean(abs(r["all_timed_err_pct"]) for r in rows)
+    mre_one = statistics.mean(abs(r["one_round_err_pct"]) for r in rows)
     ratios = [x for r in rows for x in r["traced_over_untraced"]]
     overhead = statistics.median(ratios) if ratios else None
     print(f"CPU, one process, {args.fraction:.0%} of layers timed: mean |error| {mre:.2f} % with the graph network, "
-          f"{mre_plain:.2f} % without (alpha = beta = 1), {mre_all:.2f} % every layer timed without it; "
+          f"{mre_plain:.2f} % without (alpha = beta = 1), {mre_all:.2f} % every layer timed without it, "
+          f"{mre_one:.2f} % from the first of {rows[0]['timing_rounds']} timing rounds alone; "
           f"{len(rows)} cases (in-domain families)")
-    print(f"overhead: traced probe iteration / untraced, median over {len(ratios)} probes: {overhead:.3f}x")
+    print(f"overhead: traced probe iteration / untraced, median over {len(ratios)} probe timings (every round): "
+          f"{overhead:.3f}x")
     ddp = {}
     for w in [int(x) for x in args.ddp.split(",") if x]:
         ddp[w] = ddp_cases(args.ddp_cases.split(","), w, args.ddp_iterations, args.fraction, args.ddp_repeats)
@@ -316,6 +330,7 @@ def main():
                       "ddp_mre_pct": None if not ddp2 else round(statistics.mean(abs(r["err_pct"]) for r in ddp2), 3),
                       "neusight_mre_pct": neusight.get("neusight_mre_pct"), "cases": rows,
                       "cpu_no_gnn_mre_pct": round(mre_plain, 3), "cpu_all_timed_mre_pct": round(mre_all, 3),
+                      "cpu_one_round_mre_pct": round(mre_one, 3),
                       "overhead_ratio": None if overhead is None else round(overhead, 4),
                       "vtrain_mre_pct": vtrain.get("mre_pct"), "ddp": {str(w): r for w, r in ddp.items()},
                       "neusight": neusight.get("cases", []), "scaledl": scaledl}))

@@ -390,6 +390,12 @@ IterationTiming median_timing(const std::vector<IterationTiming>& runs) {
   out.wall_ns = median([](const IterationTiming& t) { return t.wall_ns; });
   out.optimizer_ns = median([](const IterationTiming& t) { return t.optimizer_ns; });
   out.other_ns = median([](const IterationTiming& t) { return t.other_ns; });
+  // The untraced wall where every run has one (timing rounds combined); none where any run lacks it.
+  if (std::all_of(runs.begin(), runs.end(), [](const IterationTiming& t) { return t.untraced_wall_ns > 0; })) {
+    out.untraced_wall_ns = median([](const IterationTiming& t) { return t.untraced_wall_ns; });
+  } else {
+    out.untraced_wall_ns = -1;
+  }
   for (size_t i = 0; i < out.layers.size(); ++i) {
     out.layers[i].forward_ns = median([i](const IterationTiming& t) { return t.layers[i].forward_ns; });
     out.layers[i].backward_ns = median([i](const IterationTiming& t) { return t.layers[i].backward_ns; });

@@ -229,6 +229,8 @@ class Forecast:
     context: dict
     time: TimeForecast | None = None
     timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
+    # With several timing rounds: each round's timings, in the order of `timings` (which holds each probe's steadiest)
+    timing_rounds: list = field(default_factory=list, repr=False)
     target: str = "cpu"
     optimizer_name: str = "other"
     seq_len: int | None = None  # the forecast's sequence length (probes at several lengths), or None
@@ -417,7 +419,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              capacity: int | None = None, safety_fraction: float = 0.9, iterations: int = 2,
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
              link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
-             gnn: str | None = "", conv_workspace: int | None = None) -> Forecast:
+             gnn: str | None = "", conv_workspace: int | None = None,
+             timing_rounds: int | None = None) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -445,7 +448,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     per-layer fits over the probes' timings (each probe's step timed in steady state after its memory trace:
     one warm-up and three timed iterations untraced, then the element-wise median of 3 to 9 light traces, as
     many as take about 0.1 s: no shapes, no memory events; FLOPs, bytes and the layer graph from the probe's
-    full trace), evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's
+    full trace; with timing_rounds > 1, every timed probe is timed so again after the last, round after round, and
+    each layer's time is the median over the rounds: None, 3 rounds where the probes ran on the CPU, whose speed
+    drifts from second to second on a shared host, 1 on a GPU; fc.timing_rounds holds each round's timings),
+    evaluated at each rank's micro-batch (each layer on the probes that ran the largest probe's
     kernels; where the probes' convolutions took PyTorch's CPU im2col path, which it leaves at batch 16, timing-only probes at 16 and 24
     are added so that those layers are timed on the kernels the target runs; where the per-rank target is more
     than 3 times the largest probe, a timing-only probe at half of it is added when the probes forecast
@@ -491,6 +497,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             raise ValueError(f"forecast: {name} must be a number in (0, 1], got {value!r}")
     if iterations not in (1, 2):
         raise ValueError(f"forecast: iterations must be 1 or 2, got {iterations!r}")
+    if timing_rounds is not None and (isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int)
+                                      or timing_rounds < 1):
+        raise ValueError(f"forecast: timing_rounds must be an integer of at least 1 (or None), got {timing_rounds!r}")
     target = str(target)
     if target != "cpu":
         known = {d["name"].lower() for d in devices()}
@@ -523,6 +532,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     largest_probe = None  # the largest probe's trace (batch scaling only)
     previous_probe = None  # the one before it, and both batches
     probe_batches: list = []
+    retime: list = []  # each timing's (batch, length, structure): what a later round times again
+    rounds: list = []  # each timing round's timings (timing_rounds > 1)
     conv_skipped: list = []
     op_skipped: list = []
     try:
@@ -573,6 +584,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                     structure, float(time_fraction), time_budget=float(time_budget)))
             timing = _steady_timing(step, batch, b, structure, timed_layers, model=model) if timed else structure
             timings.append(timing if length is None else _with_seq(timing, length))
+            if timed:
+                retime.append((b, length, structure))
             del batch, t
             state.restore()
         def timing_probe(b: int) -> None:
@@ -587,6 +600,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
             structure = t.result.handle.iteration_timing(b)
             del t
             timings.append(_steady_timing(step, batch, b, structure, timed_layers, model=model))
+            retime.append((b, None, structure))
             del batch
             state.restore()
 
@@ -617,6 +631,14 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                 if probe_device.startswith("cuda"):
                     torch.cuda.empty_cache()  # the probe's larger blocks are not the job's
             reach_probes.append(b)
+        n_rounds = (timing_rounds if timing_rounds is not None
+                    else _CPU_TIMING_ROUNDS if probe_device == "cpu" else 1)
+        if len(retime) == len(timings) and n_rounds > 1:
+            rounds = [list(timings)]
+            for _ in range(n_rounds - 1):
+                rounds.append([_retimed(step, make_batch, b, length, structure, timed_layers, model, state, show)
+                               for b, length, structure in retime])
+            timings = _round_median(rounds)
         if (largest_probe is not None and model is not None and target != "cpu" and probe_device.startswith("cuda")
                 and conv_workspace is None):
             # cuDNN chooses again at the target batch: each convolution's workspace measured there.
@@ -682,7 +704,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                    f"hold" if probe_device.startswith("cuda") else "")
                                 + "), so that the fits extrapolate 2 times at most")
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
-                  context=context, time=time_fc, timings=timings if time_fc is not None else [], target=target,
+                  context=context, time=time_fc, timings=timings if time_fc is not None else [],
+                  timing_rounds=rounds if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes)
     from . import trackers
     trackers.publish(fc)
@@ -757,6 +780,37 @@ def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) 
     """Whether a probe whose forecast reserved peak is peak_reserved_bytes (the process's whole reservation, its
     current one included) fits in _REACH_MEMORY_SHARE of the device memory free now plus what the allocator holds."""
     return peak_reserved_bytes <= _REACH_MEMORY_SHARE * (free_bytes + reserved_bytes)
+
+
+# Timing rounds where the probes run on the CPU (forecast's timing_rounds None). On a shared 2-core host a probe's
+# untraced step moved by up to 42 % between rounds a few seconds apart, and a forecast at 2 to 32 times the largest
+# probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (2026-12-06, 3 rounds each,
+# without the graph network) the step's mean |error| was 5.96 % (RMS 8.97) from the first round alone, 5.25 % from
+# the median of two rounds and 4.72 % (RMS 6.18) from that of three. A GPU's device clocks are steadier: 1 there.
+_CPU_TIMING_ROUNDS = 3
+
+
+def _retimed(step: Callable[[Any], Any], make_batch: Callable[..., Any], b: int, length: int | None, structure: str,
+             timed_layers: list | None, model: torch.nn.Module | None, state: "_State", show: bool) -> str:
+    """A probe's steady timing again, in a later round (no memory trace: its structure is the first round's). Two
+    untraced warm-ups: the state restored after the last probe has no optimizer state yet."""
+    if show:
+        print(f"\rgpucast: timing again (batch {b})   ", end="", file=sys.stderr, flush=True)
+    gc.collect()
+    batch = make_batch(b) if length is None else make_batch(b, length)
+    try:
+        timing = _steady_timing(step, batch, b, structure, timed_layers, warm=2, model=model)
+    finally:
+        del batch
+        state.restore()
+    return timing if length is None else _with_seq(timing, length)
+
+
+def _round_median(rounds: list) -> list:
+    """Per probe, the element-wise median over the timing rounds (each layer's forward and backward time, the
+    optimizer's, the rest's, the wall and the untraced wall; torch.ops.gpucast.median_timing): a slow spell of
+    the machine that fell on one round of a probe does not tilt the fits' slopes, which extrapolation multiplies."""
+    return [torch.ops.gpucast.median_timing(list(texts)) for texts in zip(*rounds)]
 
 
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,

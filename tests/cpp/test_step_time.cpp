@@ -1384,6 +1384,17 @@ TEST(StepTime, TheMedianOfLightTracesTakesEachTimeApart) {
   EXPECT_EQ(m2.other_ns, 23);
   EXPECT_EQ(m2.layers[0].backward_ns, 42);
   EXPECT_EQ(median_timing({b}).wall_ns, 500);
+  EXPECT_EQ(m3.untraced_wall_ns, -1);  // light traces have none
+
+  // Timing rounds of a probe: each has its untraced wall, and the combined one is their median; a run without
+  // one leaves the combination without one (never the first run's alone).
+  IterationTiming r1 = a, r2 = b, r3 = c;
+  r1.untraced_wall_ns = 80;
+  r2.untraced_wall_ns = 300;
+  r3.untraced_wall_ns = 85;
+  EXPECT_EQ(median_timing({r1, r2, r3}).untraced_wall_ns, 85);
+  EXPECT_EQ(median_timing({r1, r3}).untraced_wall_ns, 82.5);
+  EXPECT_EQ(median_timing({r1, r2, c}).untraced_wall_ns, -1);
 
   EXPECT_EQ(err([] { median_timing({}); }), "median timing: no runs");
   IterationTiming other = a;

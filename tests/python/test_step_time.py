@@ -702,3 +702,31 @@ def test_an_internal_error_in_the_step_time_leaves_the_memory_forecast(monkeypat
                               parallel=dict(dp=2), link="alpha_us:10,bytes_per_us:1000")
     assert fc.time is None and fc.memory.peak_allocated_bytes > 0
 
+
+
+def test_timing_rounds_take_each_probes_median_over_the_rounds():
+    case = zoo.CASES["mlp"]
+    model, opt, step, _ = build(case, "sgd")
+
+    def fc_with(**kw):
+        return gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt, gnn=None, **kw)
+
+    fc = fc_with(timing_rounds=2)
+    assert len(fc.timing_rounds) == 2
+    assert [[json.loads(x)["batch"] for x in r] for r in fc.timing_rounds] == [[2, 4, 8], [2, 4, 8]]
+    assert fc.timings == [torch.ops.gpucast.median_timing(list(xs)) for xs in zip(*fc.timing_rounds)]
+    for i in range(3):  # every probe timed in each round: two medians of the same count of steps
+        first, again = (json.loads(r[i]) for r in fc.timing_rounds)
+        assert json.loads(fc.timings[i])["untraced_wall_ns"] == (first["untraced_wall_ns"] +
+                                                                 again["untraced_wall_ns"]) / 2
+        assert [x["layer"] for x in first["layers"]] == [x["layer"] for x in again["layers"]]
+    one = fc_with(timing_rounds=1)
+    assert one.timing_rounds == [] and [json.loads(x)["batch"] for x in one.timings] == [2, 4, 8]
+    assert len(fc_with().timing_rounds) == 3  # probes on the CPU: three rounds by default
+    # The timing-only probe nearer a far target is timed in every round too.
+    far = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, gnn=None, timing_rounds=2)
+    assert [[json.loads(x)["batch"] for x in r] for r in far.timing_rounds] == [[2, 4, 8, 32]] * 2
+    for bad in (0, True, 1.5, "3"):
+        with pytest.raises(ValueError, match=rf"^forecast: timing_rounds must be an integer of at least 1 \(or None\), "
+                                             rf"got {bad!r}$"):
+            fc_with(timing_rounds=bad)

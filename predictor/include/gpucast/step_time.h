@@ -133,8 +133,9 @@ bool layer_runs_backward(const IterationTiming& it, const LayerTiming& l);
 IterationTiming with_structure(IterationTiming timing, const IterationTiming& structure);
 
 // Several light traces of the same step as one: each layer's forward and backward time, the optimizer's, the rest
-// of the step's and the wall each the median over the runs (of an even count, the mean of the middle two), which
-// a pause of the machine in one run or another does not move; everything else from the first run. The runs must
+// of the step's, the wall and the untraced wall (where every run has one; -1 otherwise) each the median over the
+// runs (of an even count, the mean of the middle two), which a pause of the machine in one run or another does not
+// move; everything else from the first run. Also combines timing rounds of a probe (forecast's timing_rounds). The runs must
 // have the same layers in the same order (the same step traced again); otherwise a UserError names the run and
 // the first layer that differs.
 IterationTiming median_timing(const std::vector<IterationTiming>& runs);
