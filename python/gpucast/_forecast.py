@@ -784,9 +784,9 @@ def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) 
 
 # Timing rounds where the probes run on the CPU (forecast's timing_rounds None). On a shared 2-core host a probe's
 # untraced step moved by up to 42 % between rounds a few seconds apart, and a forecast at 2 to 32 times the largest
-# probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (2026-12-06, 3 rounds each,
-# without the graph network) the step's mean |error| was 5.96 % (RMS 8.97) from the first round alone, 5.25 % from
-# the median of two rounds and 4.72 % (RMS 6.18) from that of three. A GPU's device clocks are steadier: 1 there.
+# probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (bench/timing_rounds.py,
+# 2026-12-06, without the graph network) the step's mean |error| was 6.86 % (RMS 10.38) from the first round alone,
+# 4.88 % from the median of two rounds and 4.45 % (RMS 6.40) from that of three. A GPU's clocks are steadier: 1 there.
 _CPU_TIMING_ROUNDS = 3
 
 
