@@ -8,18 +8,20 @@ before the forecast on the same model built again, half after, each half after 3
 
   family, model, batch, optimizer, threads, device peak rates (measured here: a large float32 matmul and a large
   copy), the layer graph at the target batch (nodes: kind, forward FLOPs and bytes, forecast ms; edges: bytes
-  passed), the forecast (sum of layer times, optimizer, other), the probes' per-layer measurements (what a
+  passed), the forecast (sum of layer times, optimizer, other; and the sum from the first of the probes' timing
+  rounds alone, first_round_sum_layers_ms, null where they ran one round), the probes' per-layer measurements (what a
   per-layer regressor learns from) and their iteration timings as gpucast records them (to forecast again, e.g.
   with sparse timing), and the measured step (median and interquartile range).
 
 Families: GPT-2, BERT and T5 (transformers), ViT and DeiT (timm), ResNet and MobileNet (torchvision), ConvNeXt
 (timm), and gpucast's zoo MLP, CNN, LSTM and GPT; several widths and depths each; nothing is downloaded.
 
-    python bench/step_dataset.py --out FILE.jsonl.gz   (112 cases, about 7 minutes on the 2-core machine)
+    python bench/step_dataset.py --out FILE.jsonl.gz   (112 cases, about 14 minutes on the 2-core machine)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import statistics
@@ -113,12 +115,17 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
     fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu", gnn=None)
     measured, iqr = summary(before + timed(step, make_batch(batch), iterations - iterations // 2))
     t = fc.time
+    # The same forecast from the first of the probes' timing rounds alone (what one round gives: the recordings
+    # made before the rounds), beside the forecast from their median.
+    first = (dataclasses.replace(fc, timings=fc.timing_rounds[0]).step_time(batch, gnn=None).compute_ms
+             if fc.timing_rounds else None)
     probes = [json.loads(x) for x in fc.timings]
     # The graph exactly as the forecast builds it for the network (gpucast._forecast.step_graph).
     g = step_graph(fc.timings, t, optimizer, rates)
     return {"family": family, "model": name, "batch": batch, "optimizer": optimizer, "global": g["global"],
             "nodes": g["nodes"], "edges": g["edges"],
             "sum_layers_ms": g["sum_layers_ms"], "comm_ms": g["comm_ms"], "optimizer_ms": t.optimizer_ms,
+            "timing_rounds": len(fc.timing_rounds) or 1, "first_round_sum_layers_ms": first,
             "other_ms": t.other_ms,
             "measured_ms": round(measured, 4), "measured_iqr_ms": round(iqr, 4),
             "params": sum(p.numel() for p in model.parameters()),
@@ -132,7 +139,7 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the recording to write (gzipped JSON Lines); the committed ones "
-                    "are bench/dataset/step_times.jsonl.gz and step_times_2.jsonl.gz (scaledl_compare.py --data)")
+                    "are bench/dataset/step_times.jsonl.gz to step_times_4.jsonl.gz (scaledl_compare.py --data)")
     ap.add_argument("--batches", default="16,32")
     ap.add_argument("--optimizers", default="adamw,sgd")
     ap.add_argument("--iterations", type=int, default=10)
@@ -161,7 +168,10 @@ def main() -> int:
                     n += 1
                     err = 100 * (row["sum_layers_ms"] - row["measured_ms"]) / row["measured_ms"]
                     print(f"{time.time() - t_start:7.1f}s {family:<10} {name:<22} {optimizer:<5} b{batch:<3} "
-                          f"measured {row['measured_ms']:8.2f} ms, forecast {row['sum_layers_ms']:8.2f} ({err:+.1f} %)",
+                          f"measured {row['measured_ms']:8.2f} ms, forecast {row['sum_layers_ms']:8.2f} ({err:+.1f} %)"
+                          + (f"; first timing round alone "
+                             f"{100 * (row['first_round_sum_layers_ms'] / row['measured_ms'] - 1):+.1f} %"
+                             if row["first_round_sum_layers_ms"] is not None else ""),
                           file=sys.stderr, flush=True)
     print(json.dumps({"bench": "step_dataset", "cases": n, "device": rates}))
     return 0
