@@ -84,7 +84,7 @@ def summary(ts):
     return statistics.median(ts), q[2] - q[0]
 
 
-def cpu_cases(names, iterations, fraction, repeats=1):
+def cpu_cases(names, iterations, fraction, repeats=1, other_gnn=""):
     import torch
     torch.set_num_threads(1)
     rows = []
@@ -93,9 +93,13 @@ def cpu_cases(names, iterations, fraction, repeats=1):
           f"{'fc s':>5}  repeats' err %")
     for name in names:
         # Each repeat builds the model again, forecasts and measures; the repeat with the median error is kept.
-        tries = sorted((cpu_case(name, iterations, fraction) for _ in range(repeats)), key=lambda r: r["err_pct"])
+        tries = sorted((cpu_case(name, iterations, fraction, other_gnn) for _ in range(repeats)),
+                       key=lambda r: r["err_pct"])
         row = dict(tries[len(tries) // 2])
         row["repeat_err_pct"] = [t["err_pct"] for t in tries]
+        row["repeat_no_gnn_err_pct"] = [t["no_gnn_err_pct"] for t in tries]
+        if other_gnn:
+            row["repeat_other_gnn_err_pct"] = [t["other_gnn_err_pct"] for t in tries]
         row["traced_over_untraced"] = [x for t in tries for x in t["traced_over_untraced"]]
         rows.append(row)
         ratios = row["traced_over_untraced"]
@@ -108,7 +112,7 @@ def cpu_cases(names, iterations, fraction, repeats=1):
     return rows
 
 
-def cpu_case(name, iterations, fraction):
+def cpu_case(name, iterations, fraction, other_gnn=""):
     import torch
     import gpucast
     batch = CASES[name]
@@ -142,6 +146,10 @@ def cpu_case(name, iterations, fraction):
            "timed_layers": t.timed_layers, "traced_over_untraced": [round(x, 4) for x in ratios],
            "one_round_ms": round(one, 3), "one_round_err_pct": round(100.0 * (one - measured) / measured, 2),
            "timing_rounds": len(rounds), "forecast_s": round(forecast_s, 2)}
+    if other_gnn:  # another network's correction of the same forecast (--other-gnn)
+        o = fc.step_time(batch, gnn=other_gnn)
+        row.update(other_gnn_ms=round(o.step_ms, 3), other_gnn_err_pct=round(100.0 * (o.step_ms - measured) / measured, 2),
+                   other_gnn_correction=o.correction)
     return row
 
 
@@ -279,6 +287,9 @@ def ddp_run(names, world, iterations, fraction):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--other-gnn", default="", metavar="FILE",
+                    help="also correct every CPU forecast with this graph network's weights (a candidate against the "
+                         "shipped one on the same probes): its error per case and its mean")
     ap.add_argument("--iterations", type=int, default=15, help="measured steps per CPU case")
     ap.add_argument("--ddp-iterations", type=int, default=30,
                     help="measured DDP steps per case (and as many of the plain module's)")
@@ -296,7 +307,7 @@ def main():
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if malloc_env:
         print("malloc settings: " + ", ".join(f"{k}={v}" for k, v in sorted(malloc_env.items())))
-    rows = cpu_cases(args.cases.split(","), args.iterations, args.fraction, args.repeats)
+    rows = cpu_cases(args.cases.split(","), args.iterations, args.fraction, args.repeats, args.other_gnn)
     mre = statistics.mean(abs(r["err_pct"]) for r in rows)
     mre_plain = statistics.mean(abs(r["no_gnn_err_pct"]) for r in rows)
     mre_all = statistics.mean(abs(r["all_timed_err_pct"]) for r in rows)
@@ -307,6 +318,15 @@ def main():
           f"{mre_plain:.2f} % without (alpha = beta = 1), {mre_all:.2f} % every layer timed without it, "
           f"{mre_one:.2f} % from the first of {rows[0]['timing_rounds']} timing rounds alone; "
           f"{len(rows)} cases (in-domain families)")
+    if args.other_gnn:
+        mre_other = statistics.mean(abs(r["other_gnn_err_pct"]) for r in rows)
+        print(f"the same forecasts corrected by {args.other_gnn} instead: mean |error| {mre_other:.2f} % ("
+              + ", ".join(f"{r['case']} {r['other_gnn_err_pct']:+.2f}" for r in rows) + ")")
+        every = {k: statistics.mean(abs(e) for r in rows for e in r[k])
+                 for k in ("repeat_err_pct", "repeat_no_gnn_err_pct", "repeat_other_gnn_err_pct")}
+        print(f"over every repeat ({sum(len(r['repeat_err_pct']) for r in rows)} forecasts): mean |error| "
+              f"{every['repeat_err_pct']:.2f} % with the shipped network, {every['repeat_other_gnn_err_pct']:.2f} % "
+              f"with {args.other_gnn}, {every['repeat_no_gnn_err_pct']:.2f} % without a network")
     print(f"overhead: traced probe iteration / untraced, median over {len(ratios)} probe timings (every round): "
           f"{overhead:.3f}x")
     ddp = {}

@@ -937,7 +937,7 @@ def _optimizer_name(optimizer) -> str:
     return name if name in ("sgd", "adam", "adamw") else "other"
 
 
-# The batch sizes of the shipped network's training data (bench/dataset/step_times.jsonl.gz). It corrects a rank's
+# The batch sizes of the shipped network's training data (bench/dataset/step_times_3 and _4). It corrects a rank's
 # batch within a factor of 2 of them only: beyond, its alpha extrapolates (0.57 for the MLP at batch 256).
 _SHIPPED_GNN_BATCHES = (16, 32)
 
