@@ -229,7 +229,7 @@ class Forecast:
     context: dict
     time: TimeForecast | None = None
     timings: list = field(default_factory=list, repr=False)  # the probes' iteration timings (JSON texts)
-    # With several timing rounds: each round's timings, in the order of `timings` (which holds each probe's steadiest)
+    # With several timing rounds: each round's timings, in the order of `timings` (each probe's median over them)
     timing_rounds: list = field(default_factory=list, repr=False)
     target: str = "cpu"
     optimizer_name: str = "other"
