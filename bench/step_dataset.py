@@ -97,7 +97,7 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
     import gpucast
     from gpucast._forecast import step_graph
     from examples import zoo
-    from step_time_accuracy import summary, timed  # the same measurement as the accuracy bench
+    from step_time_accuracy import bracketed  # the same measurement as the accuracy bench
 
     def build():
         torch.manual_seed(0)
@@ -105,15 +105,10 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
         opt = zoo.make_optimizer(optimizer, model.parameters())
         return model, opt, zoo.make_step(model, opt, loss_fn)
 
-    # As bench/step_time_accuracy.py measures: the C allocator as forecast() leaves it, and the measured iterations
-    # bracketing the forecast (half before it on the same model built again, half after).
-    torch.ops.gpucast.settle_c_allocator()
-    twin, twin_opt, twin_step = build()
-    before = timed(twin_step, make_batch(batch), iterations // 2)
-    del twin, twin_opt, twin_step
-    model, opt, step = build()
-    fc = gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu", gnn=None)
-    measured, iqr = summary(before + timed(step, make_batch(batch), iterations - iterations // 2))
+    fc, model, measured, iqr, _ = bracketed(
+        build, make_batch, batch, iterations,
+        lambda model, opt, step: gpucast.forecast(step, make_batch, batch, model=model, optimizer=opt, target="cpu",
+                                                  gnn=None))
     t = fc.time
     # The same forecast from the first of the probes' timing rounds alone (what one round gives: the recordings
     # made before the rounds), beside the forecast from their median.

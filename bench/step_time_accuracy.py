@@ -54,13 +54,19 @@ CASES = {"mlp": 256, "cnn": 32, "lstm": 32, "gpt": 16, "resnet18": 16, "mobilene
          "gpt2": 16, "vit_tiny": 16, "convnext_atto": 16}
 
 
+def case_of(name):
+    """The zoo's or the real architectures' case `name` (nothing built)."""
+    from examples import zoo
+    cases = dict(zoo.CASES)
+    cases.update(zoo.real_cases())
+    return cases[name]
+
+
 def build(name):
     import torch
     from examples import zoo
     torch.manual_seed(0)
-    cases = dict(zoo.CASES)
-    cases.update(zoo.real_cases())
-    case = cases[name]
+    case = case_of(name)
     model = case.make_model()
     opt = zoo.make_optimizer("adamw", model.parameters())
     return case, model, opt, zoo.make_step(model, opt, case.loss_fn)
@@ -112,24 +118,35 @@ def cpu_cases(names, iterations, fraction, repeats=1, other_gnn=""):
     return rows
 
 
-def cpu_case(name, iterations, fraction, other_gnn=""):
+def bracketed(build, make_batch, batch, iterations, forecast):
+    """The CPU cases' measurement around a forecast (this bench's, the dataset recorder's and timing_rounds.py's).
+    build() returns a fresh (model, optimizer, step); forecast(model, optimizer, step) runs the forecast. Returns
+    (its result, the model, the measured median ms, its interquartile range, the forecast's seconds)."""
     import torch
-    import gpucast
-    batch = CASES[name]
     # The C allocator as forecast() leaves it (and as a training run soon has it): the steps measured before the
     # forecast run in the same state as those after it (README: where the CPU runs' spread comes from).
     torch.ops.gpucast.settle_c_allocator()
     # The measured iterations bracket the forecast (half before it, on the same model built again, half after):
     # the machine's speed drifts over minutes, and the reference is then centred on the probes' time.
-    twin_case, twin, twin_opt, twin_step = build(name)
-    before = timed(twin_step, twin_case.make_batch(batch), iterations // 2)
-    del twin_case, twin, twin_opt, twin_step
-    case, model, opt, step = build(name)
+    twin_step = build()[2]
+    before = timed(twin_step, make_batch(batch), iterations // 2)
+    del twin_step  # the twin's model and optimizer with it
+    model, opt, step = build()
     t0 = time.perf_counter()
-    fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
-                          time_fraction=fraction)
-    forecast_s = time.perf_counter() - t0
-    measured, iqr = summary(before + timed(step, case.make_batch(batch), iterations - iterations // 2))
+    fc = forecast(model, opt, step)
+    seconds = time.perf_counter() - t0
+    measured, iqr = summary(before + timed(step, make_batch(batch), iterations - iterations // 2))
+    return fc, model, measured, iqr, seconds
+
+
+def cpu_case(name, iterations, fraction, other_gnn=""):
+    import gpucast
+    batch = CASES[name]
+    case = case_of(name)
+    fc, _, measured, iqr, forecast_s = bracketed(
+        lambda: build(name)[1:], case.make_batch, batch, iterations,
+        lambda model, opt, step: gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt,
+                                                  target="cpu", time_fraction=fraction))
     t = fc.time
     plain = fc.step_time(batch, gnn=None).step_ms  # the same timed layers, without the graph network
     every = fc.step_time(batch, time_fraction=1.0, gnn=None).step_ms

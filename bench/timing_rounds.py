@@ -17,7 +17,6 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,14 +29,13 @@ def _wall(text):
 
 
 def rules(rounds):
-    import torch
-    med = torch.ops.gpucast.median_timing
+    from gpucast._forecast import _round_median  # the forecast's own rule
 
     def per_probe(choose):
         return [choose(sorted(xs, key=_wall)) for xs in zip(*rounds)]
     out = {f"round {i + 1}": r for i, r in enumerate(rounds)}
-    out["median of rounds 1-2"] = [med(list(xs)) for xs in zip(*rounds[:2])]
-    out["median of 3 (forecast's rule)"] = [med(list(xs)) for xs in zip(*rounds)]
+    out["median of rounds 1-2"] = _round_median(rounds[:2])
+    out["median of 3 (forecast's rule)"] = _round_median(rounds)
     out["fastest round per probe"] = per_probe(lambda xs: xs[0])
     out["median round per probe"] = per_probe(lambda xs: xs[len(xs) // 2])
     return out
@@ -58,17 +56,12 @@ def main():
     for r in range(args.repeats):
         for name in args.cases.split(","):
             batch = sta.CASES[name]
-            torch.ops.gpucast.settle_c_allocator()
-            twin_case, twin, twin_opt, twin_step = sta.build(name)
-            before = sta.timed(twin_step, twin_case.make_batch(batch), args.iterations // 2)
-            del twin_case, twin, twin_opt, twin_step
-            case, model, opt, step = sta.build(name)
-            t0 = time.perf_counter()
-            fc = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target="cpu",
-                                  time_fraction=args.fraction, timing_rounds=3)
-            seconds = time.perf_counter() - t0
-            after = sta.timed(step, case.make_batch(batch), args.iterations - args.iterations // 2)
-            measured, iqr = sta.summary(before + after)
+            case = sta.case_of(name)
+            fc, _, measured, iqr, seconds = sta.bracketed(
+                lambda: sta.build(name)[1:], case.make_batch, batch, args.iterations,
+                lambda model, opt, step: gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt,
+                                                          target="cpu", time_fraction=args.fraction,
+                                                          timing_rounds=3))
             ms = {}
             for rule, timings in rules(fc.timing_rounds).items():
                 again = dataclasses.replace(fc, timings=timings)
