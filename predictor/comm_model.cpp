@@ -48,6 +48,18 @@ double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm alg
   return measured + w * (late - measured);
 }
 
+double send_us(double bytes, const Link& link) {
+  if (bytes <= 0) return 0.0;
+  const std::vector<CollectiveSample>& s = link.send_samples;
+  auto model = [&](double b) { return link.alpha_us + b / link.bytes_per_us; };
+  if (s.empty()) return model(bytes);
+  if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + model(bytes) - model(s.front().bytes));
+  if (bytes >= s.back().bytes) return s.back().us + model(bytes) - model(s.back().bytes);
+  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const CollectiveSample& x) { return b < x.bytes; });
+  const auto lo = hi - 1;
+  return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+}
+
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
@@ -170,6 +182,8 @@ Topology Topology::parse(const std::string& text) {
                        "a DDP step's cost outside backward beyond the plain module's, per step"},
                       {"ddp_overhead_samples", F::String, std::string(), {},
                        "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
+                      {"send_samples", F::String, std::string(), {},
+                       "measured one-way point-to-point sends (pipeline hops): BYTES/US;BYTES/US;..."},
                       {"algorithm", F::Choice, std::string("ring"), {"ring", "tree"},
                        "all-reduce algorithm of the data- and tensor-parallel reductions"}});
   cfg.parse(text);
@@ -247,6 +261,12 @@ Topology Topology::parse(const std::string& text) {
     }
   } else if (cfg.was_set("late_gap_us")) {
     GPUCAST_USER_ERROR("link: 'late_gap_us' goes with 'late_samples'; got only 'late_gap_us'");
+  }
+  if (cfg.was_set("send_samples")) {
+    if (!t.have_intra) {
+      GPUCAST_USER_ERROR("link: 'send_samples' refine an intra-node link: give alpha_us and bytes_per_us too");
+    }
+    for (auto [bytes, us] : pairs("send_samples", "BYTES/MICROSECONDS")) t.intra.send_samples.push_back({bytes, us});
   }
   if (cfg.was_set("memory_contention_samples")) {
     for (auto [bytes, factor] : pairs("memory_contention_samples", "BYTES/FACTOR")) {

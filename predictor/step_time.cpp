@@ -1045,7 +1045,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     for (size_t i : backward_layers) stage_backward[f.per_layer[i].stage].push_back(i);
     std::vector<double> hop_ms(P.pp, 0.0);
     for (int64_t s = 0; s + 1 < P.pp; ++s) {
-      if (pp_link) hop_ms[s] = (pp_link->alpha_us + static_cast<double>(send_bytes[s]) / pp_link->bytes_per_us) / 1e3;
+      if (pp_link) hop_ms[s] = send_us(static_cast<double>(send_bytes[s]), *pp_link) / 1e3;
     }
     const double start = bcast_ms + f.other_ms;
     std::vector<double> free(P.pp, start);

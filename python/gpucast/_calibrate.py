@@ -22,7 +22,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     right after a burst of compute on every rank, timed from the last rank's arrival (see _after_compute);
     samples_gap_us: that burst's mean duration. A CPU collective is slower the longer the group sat idle before
     it, so a second sweep over the sizes up to 4 MiB follows a burst five times longer: late_samples, after
-    late_gap_us (left out where that burst was not the longer one).
+    late_gap_us (left out where that burst was not the longer one). send_samples: a point-to-point send
+    of each size between the group's first two ranks, one way (half the median round trip over repeats // 3
+    rounds, at least 3): what a pipeline stage's output and gradient take to the next stage (the forecast prices
+    pipeline sends from them; without them, from alpha_us and bytes_per_us).
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
@@ -89,10 +92,12 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
         if small:
             late, late_gap = _after_compute([sizes[i] for i in small], [buffers[i] for i in small], repeats, group,
                                             wait, ranks, burst=_matmuls(_LATE_MATMULS))
+    sends = _sends(sizes, buffers, max(3, repeats // 3), group, wait)
     del buffers
     alpha, bw = _fit_link(samples, ranks)
     out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
-           "samples": [{"bytes": s, "us": u} for s, u in samples]}
+           "samples": [{"bytes": s, "us": u} for s, u in samples],
+           "send_samples": [{"bytes": s, "us": u} for s, u in sends]}
     if device.type == "cpu":
         out["samples_gap_us"] = round(gap, 1)
         if late and late_gap > gap:
@@ -220,6 +225,36 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     scale = 1e6 / (ranks * repeats)
     return ([(float(size), total[j].item() * scale) for j, size in enumerate(sizes)],
             total[-1].item() * scale / len(sizes))
+
+
+def _sends(sizes, buffers, repeats, group, wait) -> list:
+    """One-way time of a point-to-point send of each size between the group's first two ranks (what a pipeline
+    stage's output and its gradient take to the next stage): half the median of `repeats` round trips, a send
+    there and the same tensor back, the other ranks waiting at a barrier. The first round trip of each size is a
+    warm-up. [(bytes, us)], the first rank's, on every rank."""
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    first, second = members[0], members[1]
+    me = dist.get_rank()
+    cuda = buffers[0].device.type == "cuda"
+    times = []
+    for size, t in zip(sizes, buffers):
+        ts = []
+        for i in range(repeats + 1):
+            wait(dist.barrier(group=group, async_op=True), "a barrier before the sends")
+            t0 = time.perf_counter()
+            if me in (first, second):
+                peer = second if me == first else first
+                order = (dist.isend, dist.irecv) if me == first else (dist.irecv, dist.isend)
+                for op in order:
+                    wait(op(t, peer, group=group), f"a send of {size} bytes between ranks {first} and {second}")
+                    if cuda:
+                        torch.cuda.synchronize()
+            if i:
+                ts.append((time.perf_counter() - t0) * 1e6 / 2)
+        times.append(statistics.median(ts))
+    out = torch.tensor(times, dtype=torch.float64, device=buffers[0].device)
+    wait(dist.broadcast(out, src=first, group=group, async_op=True), "a broadcast of the send times")
+    return [(float(size), u) for size, u in zip(sizes, out.tolist())]
 
 
 def _cores() -> int:

@@ -51,7 +51,7 @@ def devices() -> list[dict]:
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "algorithm")
+              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "send_samples", "algorithm")
 
 # What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.
 _CALIBRATE_INFO_KEYS = ("backend", "cores", "local_ranks", "threads")
@@ -100,7 +100,7 @@ def _format_link(link: dict | str | None) -> str:
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
         second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor",
-                  "ddp_overhead_samples": "us"}.get(k)
+                  "ddp_overhead_samples": "us", "send_samples": "us"}.get(k)
         if second and isinstance(v, (list, tuple)):
             try:
                 return ";".join(f"{float(x['bytes']):.17g}/{float(x[second]):.17g}" for x in v)
@@ -111,8 +111,8 @@ def _format_link(link: dict | str | None) -> str:
             return "True" if v else "False"
         return v
     keys = [k for k in _LINK_KEYS if k in link]
-    if "samples" in keys and "alpha_us" not in keys and "intra" not in keys:
-        keys.remove("samples")  # samples refine an intra-node link; alone they are not one
+    if "alpha_us" not in keys and "intra" not in keys:  # samples refine an intra-node link; alone they are not one
+        keys = [k for k in keys if k not in ("samples", "send_samples")]
     if "samples" not in keys:  # the rank count and the idle spells describe the samples
         keys = [k for k in keys if k not in ("ranks", "samples_gap_us", "late_samples", "late_gap_us")]
     return ",".join(f"{k}:{text(k, link[k])}" for k in keys)

@@ -89,6 +89,23 @@ TEST(CommModel, ALongerIdleSpellTakesTheLateSamples) {
   EXPECT_DOUBLE_EQ(allreduce_us(1000, 4, l, Algorithm::Ring, 1e6), 2 * 3 / 4.0 * 1000 / 100 + 6 * 5);
 }
 
+TEST(CommModel, PointToPointSendsFromTheirSamples) {
+  // Without samples: alpha + S/B.
+  const Topology plain = Topology::parse("alpha_us:1000,bytes_per_us:2000");
+  EXPECT_DOUBLE_EQ(send_us(524288, plain.intra), 1000 + 524288 / 2000.0);
+  EXPECT_EQ(send_us(0, plain.intra), 0.0);
+  // With samples (given unsorted): linear between neighbours, and outside them alpha + S/B shifted through the
+  // nearest sample (1000 + 4000/2000 = 1002 at 4000 bytes: the model is 1002 - 130 above the sample).
+  const Topology t = Topology::parse("alpha_us:1000,bytes_per_us:2000,send_samples:1048576/400;4000/130;65536/140");
+  ASSERT_EQ(t.intra.send_samples.size(), 3u);
+  EXPECT_EQ(t.intra.send_samples[0].bytes, 4000);
+  EXPECT_DOUBLE_EQ(send_us(4000, t.intra), 130.0);
+  EXPECT_DOUBLE_EQ(send_us(34768, t.intra), 135.0);  // halfway from 4000 to 65536 bytes
+  EXPECT_DOUBLE_EQ(send_us(2000, t.intra), 130.0 - 2000 / 2000.0);
+  EXPECT_DOUBLE_EQ(send_us(1048576 + 2000000, t.intra), 400.0 + 1000.0);
+  EXPECT_EQ(send_us(1, Topology::parse("alpha_us:0,bytes_per_us:1,send_samples:1000/10").intra), 0.0);  // not below 0
+}
+
 TEST(CommModel, BadSamplesAreNamed) {
   auto message = [](const std::string& text) {
     try {
@@ -125,6 +142,11 @@ TEST(CommModel, BadSamplesAreNamed) {
   EXPECT_EQ(message(base + ",late_samples:1000,samples_gap_us:1,late_gap_us:2"),
             "link: 'late_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got '1000' in "
             "'1000'");
+  EXPECT_EQ(message("send_samples:1000/100"),
+            "link: 'send_samples' refine an intra-node link: give alpha_us and bytes_per_us too");
+  EXPECT_EQ(message("alpha_us:5,bytes_per_us:100,send_samples:1000/100;2000/0"),
+            "link: 'send_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got '2000/0' "
+            "in '1000/100;2000/0'");
   EXPECT_EQ(message("memory_contention_samples:2097152/1;33554432"),
             "link: 'memory_contention_samples' should be BYTES/FACTOR pairs joined by ';' (positive numbers), got "
             "'33554432' in '2097152/1;33554432'");

@@ -1150,6 +1150,12 @@ TEST(StepTime, PipelineOneFOneB) {
   o.batch_size = 8;
   const StepTimeForecast one = forecast_step_time(probes, o);
   EXPECT_NEAR(one.step_ms, 40 / 1e6 + 20.0 + 2 * c + 250 / 1e6, 1e-9);
+  // Measured sends price the hop instead: 1 MiB between samples at 512 KiB (100 us) and 2 MiB (400 us).
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,send_samples:524288/100;2097152/400");
+  const StepTimeForecast sent = forecast_step_time(probes, o);
+  const double h = (100.0 + 300.0 * (1048576.0 - 524288.0) / (2097152.0 - 524288.0)) / 1e3;
+  EXPECT_NEAR(sent.step_ms, 40 / 1e6 + 20.0 + 2 * h + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(sent.pp_comm_ms, h, 1e-12);
 }
 
 TEST(StepTime, TreeAllReducesWhereTheLinkSaysSo) {

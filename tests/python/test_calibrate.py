@@ -28,6 +28,12 @@ if {mode!r} == "hang_in_ddp" and rank == 1:  # leaves before DDP's own collectiv
         time.sleep({timeout} + 6)
         os._exit(0)
     _calibrate._ddp_overhead = gone
+if {mode!r} == "hang_in_sends" and rank == 1:  # leaves before the point-to-point sends
+    from gpucast import _calibrate
+    def gone(*args, **kwargs):
+        time.sleep({timeout} + 6)
+        os._exit(0)
+    _calibrate._sends = gone
 if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longer than rank 0's
     import datetime
     from gpucast import _calibrate
@@ -116,6 +122,9 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert [s["bytes"] for s in r["late_samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert all(s["us"] > 0 for s in r["late_samples"])
     assert 0 < r["samples_gap_us"] < r["late_gap_us"]
+    # Point-to-point sends between the two ranks, one way, every size.
+    assert [s["bytes"] for s in r["send_samples"]] == [2**16, 2**18, 2**20, 2**22]
+    assert all(s["us"] > 0 for s in r["send_samples"])
     # What the forecast reads from it: the samples, their rank count and the host keys.
     from gpucast._forecast import _format_link
     text = _format_link(r)
@@ -124,6 +133,7 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert [s["bytes"] for s in r["memory_contention_samples"]] == [2 << 20, 8 << 20, 32 << 20, 128 << 20]
     assert all(s["factor"] >= 1.0 for s in r["memory_contention_samples"])
     late = ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r["late_samples"])
+    sends = ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r["send_samples"])
     assert text.endswith(f",ranks:2,samples_gap_us:{r['samples_gap_us']},late_samples:{late},"
                          f"late_gap_us:{r['late_gap_us']},overlap:{r['overlap']},"
                          f"memory_contention:{r['memory_contention']},"
@@ -132,9 +142,9 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
                          f"sync_wait_us:{r['sync_wait_us']},drift_compute:{r['drift_compute']},"
                          f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']},"
                          f"ddp_overhead_samples:19240/{r['ddp_overhead_us']:.17g};2316840/"
-                         f"{r['ddp_overhead_samples'][1]['us']:.17g}")
-    # four all-reduce samples, four late ones, four contention samples, two DDP overheads
-    assert text.count(";") == 3 + 3 + 3 + 1
+                         f"{r['ddp_overhead_samples'][1]['us']:.17g},send_samples:{sends}")
+    # four all-reduce samples, four late ones, four contention samples, two DDP overheads, four sends
+    assert text.count(";") == 3 + 3 + 3 + 1 + 3
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
@@ -174,6 +184,12 @@ def test_ddp_collectives_that_hang_time_out(tmp_path):
     r = run_pair(tmp_path, "hang_in_ddp", 3)
     assert r["error"].startswith("TimeoutError: gpucast.calibrate: DDP's steps on a small model did not complete "
                                  "within 3 s on 2 ranks (gloo): "), r
+
+
+def test_sends_that_hang_time_out(tmp_path):
+    r = run_pair(tmp_path, "hang_in_sends", 3)
+    assert r["error"].startswith("TimeoutError: gpucast.calibrate: a barrier before the sends did not complete "
+                                 "within 3 s on 2 ranks (gloo)"), r
 
 
 def test_without_a_process_group():

@@ -36,6 +36,9 @@ struct Link {
   double samples_gap_us = 0.0;
   std::vector<CollectiveSample> late_samples;
   double late_gap_us = 0.0;
+  // One-way point-to-point sends measured on this link (gpucast.calibrate(): half a round trip between two
+  // ranks), sorted by size: what a pipeline stage's output and gradient take to the next stage.
+  std::vector<CollectiveSample> send_samples;
 };
 
 enum class Algorithm { Ring, Tree };
@@ -46,6 +49,9 @@ enum class Algorithm { Ring, Tree };
 // on what a tree reaches. Measured samples that apply (their rank count) are used for either.
 double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm algo = Algorithm::Ring,
                     double idle_us = -1.0);
+// One point-to-point send of `bytes` (a pipeline hop): inside the link's send_samples interpolated between its
+// neighbours, outside them alpha + S/B shifted to pass through the nearest sample; without samples alpha + S/B.
+double send_us(double bytes, const Link& link);
 // Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
 double all_gather_us(double bytes, int64_t ranks, const Link& link);
