@@ -1047,12 +1047,32 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     for (int64_t s = 0; s + 1 < P.pp; ++s) {
       if (pp_link) hop_ms[s] = send_us(static_cast<double>(send_bytes[s]), *pp_link) / 1e3;
     }
-    const double start = bcast_ms + f.other_ms;
+    // The step's rest (Python between the ops, zero_grad, a host's launches beyond the kernels) is each rank's for
+    // its own modules: a stage's share by the recorded ops of its layers (without op counts, by its compute), run
+    // after each of its passes, a forward's and a backward's by their ops.
+    std::vector<double> stage_ops(P.pp, 0.0), stage_fw_ops(P.pp, 0.0);
+    for (size_t i = 0; i < f.per_layer.size(); ++i) {
+      const LayerTiming& l = ref.layers[i];
+      stage_ops[f.per_layer[i].stage] += static_cast<double>(l.forward_ops_all + l.backward_ops_all);
+      stage_fw_ops[f.per_layer[i].stage] += static_cast<double>(l.forward_ops_all);
+    }
+    const double all_ops = std::accumulate(stage_ops.begin(), stage_ops.end(), 0.0);
+    double all_compute = 0;
+    for (int64_t s = 0; s < P.pp; ++s) all_compute += stage_fw[s] + stage_bw[s];
+    std::vector<double> rest_fw(P.pp, 0.0), rest_bw(P.pp, 0.0);  // per pass
+    for (int64_t s = 0; s < P.pp; ++s) {
+      const double share = all_ops > 0         ? stage_ops[s] / all_ops
+                           : all_compute > 0 ? (stage_fw[s] + stage_bw[s]) / all_compute
+                                             : 1.0 / static_cast<double>(P.pp);
+      const double fw_part = stage_ops[s] > 0 ? stage_fw_ops[s] / stage_ops[s] : 0.5;
+      rest_fw[s] = f.other_ms * share * fw_part / static_cast<double>(mbs);
+      rest_bw[s] = f.other_ms * share * (1.0 - fw_part) / static_cast<double>(mbs);
+    }
+    const double start = bcast_ms;
     std::vector<double> free(P.pp, start);
     std::vector<std::vector<double>> fwd_done(P.pp, std::vector<double>(mbs, -1.0)), bwd_done = fwd_done;
     std::vector<std::vector<std::pair<bool, int64_t>>> order(P.pp);
     for (int64_t s = 0; s < P.pp; ++s) {
-      span(other_name, "other", 0, s, bcast_ms, f.other_ms);
       const int64_t warm = std::min<int64_t>(P.pp - s - 1, mbs);
       int64_t fw = 0, bw = 0;
       for (; fw < warm; ++fw) order[s].emplace_back(false, fw);
@@ -1077,7 +1097,10 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
             ready = after + (s + 1 < P.pp ? hop_ms[s] : 0.0);
           }
           const double begin = std::max(free[s], ready);
-          const double end = run_pass(backward ? stage_backward[s] : stage_forward[s], backward, j, s, begin, {});
+          double end = run_pass(backward ? stage_backward[s] : stage_forward[s], backward, j, s, begin, {});
+          if (const double rest = backward ? rest_bw[s] : rest_fw[s]; rest > 0) {
+            end = span(other_name, "other", j, s, end, rest);
+          }
           (backward ? bwd_done : fwd_done)[s][j] = end;
           free[s] = end;
           // The output forward to the next stage, the gradient back to the previous one.
@@ -1099,8 +1122,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     }
     // The slowest stage's rank: its compute, its tensor-parallel all-reduces and its sends.
     int64_t slow = 0;
+    auto stage_work = [&](int64_t s) { return stage_fw[s] + stage_bw[s] + rest_fw[s] + rest_bw[s]; };
     for (int64_t s = 1; s < P.pp; ++s) {
-      if (stage_fw[s] + stage_bw[s] > stage_fw[slow] + stage_bw[slow]) slow = s;
+      if (stage_work(s) > stage_work(slow)) slow = s;
     }
     double slow_tp = 0;
     for (size_t i : forward_layers) {
@@ -1126,7 +1150,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       f.exposed_comm_ms += us / 1e3;
     }
     f.step_ms = t_end;
-    f.compute_ms = m * (stage_fw[slow] + stage_bw[slow] - slow_tp) + f.optimizer_ms + f.other_ms;
+    f.compute_ms = m * (stage_fw[slow] + stage_bw[slow] - slow_tp + rest_fw[slow] + rest_bw[slow]) + f.optimizer_ms;
     // What the slowest stage's rank waits for beside its own work: the fill and drain, and the sends.
     f.bubble_ms = std::max(0.0, f.step_ms - f.compute_ms - f.exposed_comm_ms);
     return f;

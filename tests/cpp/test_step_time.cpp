@@ -1114,14 +1114,17 @@ TEST(StepTime, PipelineOneFOneB) {
   EXPECT_EQ(f.per_layer[0].stage, 0);
   EXPECT_EQ(f.per_layer[1].stage, 1);
   // Stages of 10 ms each (forward 2 + backward 8, and 4 + 6); Net.a's 1 MiB output is sent forward, its gradient
-  // back, c each. Stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3, stage 1 F0 B0 F1 B1 F2 B2 F3 B3. Worked by hand: stage 0's
-  // B0 waits for 2 + c + 4 + 6 + c; it waits 2c more before B2 (stage 1's F2 waited c for stage 0's F2 and c to
-  // send back) and again before B3: the step is 50 + 4c after "other".
-  const double c = (10.0 + 1048576.0 / 1000.0) / 1e3, other = 4 * 40 / 1e6;
-  EXPECT_NEAR(f.step_ms, other + 50.0 + 4 * c + 250 / 1e6, 1e-9);
-  // The slowest stage's rank (stage 0, the first of two equal ones): 4 x 10 ms of compute; it waits the rest.
-  EXPECT_NEAR(f.compute_ms, 40.0 + other + 250 / 1e6, 1e-9);
-  EXPECT_NEAR(f.bubble_ms, 10.0 + 4 * c, 1e-9);
+  // back, c each. Stage 0 runs F0 F1 B0 F2 B1 F3 B2 B3, stage 1 F0 B0 F1 B1 F2 B2 F3 B3. The step's rest (40 ns a
+  // micro-batch, 160 ns a step) is each stage's by its layer's ops (one forward and one backward op each: half),
+  // 10 ns after each of its passes (r). Worked by hand: stage 0's B0 waits for 2 + c + 4 + 6 + c; it waits 2c more
+  // before B2 (stage 1's F2 waited c for stage 0's F2 and c to send back) and again before B3: the step is
+  // 50 + 4c, and ten passes with their rest lie on that path.
+  const double c = (10.0 + 1048576.0 / 1000.0) / 1e3, r = 10 / 1e6;
+  EXPECT_NEAR(f.step_ms, 50.0 + 4 * c + 10 * r + 250 / 1e6, 1e-9);
+  // The slowest stage's rank (stage 0, the first of two equal ones): 4 x 10 ms of compute and 8 rests; it waits
+  // the rest of the step.
+  EXPECT_NEAR(f.compute_ms, 40.0 + 8 * r + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(f.bubble_ms, 10.0 + 4 * c + 2 * r, 1e-9);
   EXPECT_NEAR(f.step_ms, f.compute_ms + f.exposed_comm_ms + f.bubble_ms, 1e-9);
   EXPECT_NEAR(f.pp_comm_ms, 4 * c, 1e-12);  // either stage sends four times
   ASSERT_EQ(f.comm.size(), 8u);
@@ -1130,31 +1133,33 @@ TEST(StepTime, PipelineOneFOneB) {
     EXPECT_EQ(x.bytes, 1 << 20);
     EXPECT_NEAR(x.end_ms - x.start_ms, c, 1e-12);
   }
-  EXPECT_NEAR(f.comm[0].start_ms, other + 2.0, 1e-9);  // stage 0's first output
+  EXPECT_NEAR(f.comm[0].start_ms, 2.0 + r, 1e-9);  // stage 0's first output, after its first pass and rest
   EXPECT_EQ(f.comm[0].stage, 0);
-  // The timeline: per stage "other", 4 forwards and 4 backwards of its one layer, the optimizer step.
-  ASSERT_EQ(f.compute.size(), 2u * (1 + 8 + 1));
+  // The timeline: per stage 4 forwards and 4 backwards of its one layer, each followed by its rest, and the
+  // optimizer step.
+  ASSERT_EQ(f.compute.size(), 2u * (8 + 8 + 1));
   std::vector<std::string> stage1;
   for (const ComputeSpan& x : f.compute) {
     if (x.stage == 1 && (x.kind == "forward" || x.kind == "backward")) {
-      stage1.push_back(fmt::format("{}{}@{:.3f}", x.kind[0], x.micro_batch, x.start_ms - other));
+      stage1.push_back(fmt::format("{}{}@{:.6f}", x.kind[0], x.micro_batch, x.start_ms));
     }
+    if (x.kind == "other") EXPECT_NEAR(x.end_ms - x.start_ms, r, 1e-12);
   }
   EXPECT_EQ(stage1, (std::vector<std::string>{
-                        fmt::format("f0@{:.3f}", 2 + c), fmt::format("b0@{:.3f}", 6 + c),
-                        fmt::format("f1@{:.3f}", 12 + c), fmt::format("b1@{:.3f}", 16 + c),
-                        fmt::format("f2@{:.3f}", 22 + 3 * c), fmt::format("b2@{:.3f}", 26 + 3 * c),
-                        fmt::format("f3@{:.3f}", 32 + 3 * c), fmt::format("b3@{:.3f}", 36 + 3 * c)}));
+                        fmt::format("f0@{:.6f}", 2 + c + r), fmt::format("b0@{:.6f}", 6 + c + 2 * r),
+                        fmt::format("f1@{:.6f}", 12 + c + 3 * r), fmt::format("b1@{:.6f}", 16 + c + 4 * r),
+                        fmt::format("f2@{:.6f}", 22 + 3 * c + 5 * r), fmt::format("b2@{:.6f}", 26 + 3 * c + 6 * r),
+                        fmt::format("f3@{:.6f}", 32 + 3 * c + 7 * r), fmt::format("b3@{:.6f}", 36 + 3 * c + 8 * r)}));
   // One micro-batch: the forward chain and the backward chain, a send each way.
   o.parallel = ParallelConfig::parse("pp:2");
   o.batch_size = 8;
   const StepTimeForecast one = forecast_step_time(probes, o);
-  EXPECT_NEAR(one.step_ms, 40 / 1e6 + 20.0 + 2 * c + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(one.step_ms, 20.0 + 2 * c + 4 * r + 250 / 1e6, 1e-9);
   // Measured sends price the hop instead: 1 MiB between samples at 512 KiB (100 us) and 2 MiB (400 us).
   o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,send_samples:524288/100;2097152/400");
   const StepTimeForecast sent = forecast_step_time(probes, o);
   const double h = (100.0 + 300.0 * (1048576.0 - 524288.0) / (2097152.0 - 524288.0)) / 1e3;
-  EXPECT_NEAR(sent.step_ms, 40 / 1e6 + 20.0 + 2 * h + 250 / 1e6, 1e-9);
+  EXPECT_NEAR(sent.step_ms, 20.0 + 2 * h + 4 * r + 250 / 1e6, 1e-9);
   EXPECT_NEAR(sent.pp_comm_ms, h, 1e-12);
 }
 

@@ -142,11 +142,11 @@ def test_other_strategies_over_a_topology(tmp_path):
     assert [e["args"]["name"] for e in doc if e["name"] == "thread_name"] == [
         "stage 0 compute", "stage 0 communication", "stage 1 compute", "stage 1 communication"]
     spans = [e for e in doc if e["ph"] == "X"]
-    # Each stage: "other", its layers' forward and backward per micro-batch, the optimizer step; the sends on the
-    # senders' streams.
+    # Each stage: its layers' forward and backward per micro-batch, its share of "other" after each of those 8
+    # passes, the optimizer step; the sends on the senders' streams.
     layers = {s: sum(1 for x in pp.per_layer if x["stage"] == s) for s in (0, 1)}
     for s in (0, 1):
-        assert sum(1 for e in spans if e["tid"] == 2 * s) == 2 + 2 * 4 * layers[s]
+        assert sum(1 for e in spans if e["tid"] == 2 * s) == 1 + 2 * 4 + 2 * 4 * layers[s]
         assert sum(1 for e in spans if e["tid"] == 2 * s + 1) == 4
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(pp.step_ms * 1e3)
     ar = [2 * 3 / 4 * b["bytes"] / 11000.0 / 1e3 + 2 * 3 * 30.0 / 1e3 for b in across.buckets]

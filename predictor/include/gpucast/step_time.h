@@ -24,7 +24,9 @@
 //    all-reduces the layer's output; backward all-reduces the same bytes for every pair; on the critical path.
 //  - pp: the layers split into pp contiguous stages of balanced time; 1F1B over micro_batches m gives
 //    sum over stages (f + b) + (m - 1) * max stage (f + b) + the point-to-point sends of one micro-batch's
-//    activations there and back; data-parallel reduction after the pipeline drains (exposed).
+//    activations there and back (each send priced from the link's measured sends where it has them); each stage
+//    runs its share of the step's rest (by its layers' ops) after each pass; data-parallel reduction after the
+//    pipeline drains (exposed).
 #pragma once
 
 #include <cstdint>
@@ -198,8 +200,9 @@ struct CommForecast {
 
 // One span of the forecast step's compute, on its stage's stream, in ms from the step's start: a layer's forward
 // or backward pass at one micro-batch (name "<layer> forward"), or where the layers times the micro-batches are
-// too many to draw, a whole pass ("forward (micro-batch 3)"); "other" (loss, zero_grad, Python) and the optimizer
-// step. Tensor-parallel all-reduces between them are in `comm`.
+// too many to draw, a whole pass ("forward (micro-batch 3)"); "other" (loss, zero_grad, Python; with pipeline
+// stages each stage's share by its layers' recorded ops, after each of its passes) and the optimizer step.
+// Tensor-parallel all-reduces between them are in `comm`.
 struct ComputeSpan {
   std::string name;
   std::string kind;           // forward, backward, other, optimizer
