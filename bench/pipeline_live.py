@@ -29,13 +29,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+from step_time_accuracy import launch_ranks, median_repeats, summary  # noqa: E402  the DDP bench's helpers
 
 BATCH = {"mlp": 512, "gpt": 64}
 
@@ -238,9 +239,8 @@ def worker(args):
         dist.all_gather(every_wait, torch.tensor(waits, dtype=torch.float64))
         if rank == 0:
             slowest = [max(e[i].item() for e in every) for i in range(len(ts))]
-            q = statistics.quantiles(slowest, n=4)
-            med = statistics.median(slowest)
-            row.update(measured_ms=round(med, 3), iqr_ms=round(q[2] - q[0], 3),
+            med, iqr = summary(slowest)
+            row.update(measured_ms=round(med, 3), iqr_ms=round(iqr, 3),
                        err_pct=round(100.0 * (row["forecast_ms"] - med) / med, 2),
                        rank_median_ms=[round(statistics.median(e.tolist()), 3) for e in every],
                        rank_wait_ms=[round(statistics.median(e.tolist()), 3) for e in every_wait],
@@ -252,7 +252,6 @@ def worker(args):
                 row[k] = round(row[k], 3)
             row["stage_forecast_ms"] = [round(x, 3) for x in row["stage_forecast_ms"]]
             out[name] = row
-        del sub, opt, model, x
         dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -264,22 +263,11 @@ def worker(args):
 
 
 def run(args) -> list[dict]:
-    env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", WORLD_SIZE=str(args.world),
-                LOCAL_WORLD_SIZE=str(args.world), OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
-    if args.no_heap_trim:  # glibc keeps the freed top of its heap (as jemalloc and tcmalloc do): no page faults
-        env0["GLIBC_TUNABLES"] = "glibc.malloc.trim_threshold=4000000000:glibc.malloc.mmap_threshold=33554432"
-    procs = []
-    for r in range(args.world):
-        env = dict(env0, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--cases", args.cases,
-                                       "--micro-batches", str(args.micro_batches), "--iterations",
-                                       str(args.iterations)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=3600) for p in procs]
-    for p, (o, e) in sorted(zip(procs, outs), key=lambda x: -x[0].returncode if x[0].returncode else 0):
-        if p.returncode != 0:
-            raise SystemExit(f"pipeline worker {procs.index(p)} failed: {e[-3000:]}")
-    res = json.loads(outs[0][0].strip().splitlines()[-1])
+    # glibc keeps the freed top of its heap with --no-heap-trim (as jemalloc and tcmalloc do): no page faults
+    env = ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=4000000000:glibc.malloc.mmap_threshold=33554432"}
+           if args.no_heap_trim else None)
+    res = launch_ranks(__file__, ["--worker", "--cases", args.cases, "--micro-batches", str(args.micro_batches),
+                                  "--iterations", str(args.iterations)], args.world, 29541, "pipeline", env)
     return [res[n] for n in args.cases.split(",")]
 
 
@@ -299,19 +287,15 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    runs = [run(args) for _ in range(args.repeats)]
-    rows = []
-    for i, name in enumerate(args.cases.split(",")):
-        tries = sorted((r[i] for r in runs), key=lambda r: r["err_pct"])
-        row = dict(tries[len(tries) // 2])
-        row["repeat_err_pct"] = [r[i]["err_pct"] for r in runs]
-        rows.append(row)
+    rows = median_repeats([run(args) for _ in range(args.repeats)])
+    for row in rows:
+        name = row["case"]
         print(f"PP x{row['world']} {name:<5} batch {row['batch']:>4} in {row['micro_batches']} micro-batches: measured "
               f"{row['measured_ms']:.2f} ms (IQR {row['iqr_ms']:.2f}; ranks {row['rank_median_ms']}, of which waiting "
               f"{row['rank_wait_ms']}, working {row['rank_busy_ms']}), forecast "
               f"{row['forecast_ms']:.2f} ms (compute {row['compute_ms']:.2f}, bubble {row['bubble_ms']:.2f}, sends "
               f"{row['pp_comm_ms']:.2f}, rest {row['other_ms']:.2f}, optimizer {row['optimizer_ms']:.2f}), error "
-              f"{row['err_pct']:+.2f} % (median of {len(runs)} runs: "
+              f"{row['err_pct']:+.2f} % (median of {len(row['repeat_err_pct'])} runs: "
               f"{', '.join(f'{e:+.2f}' for e in row['repeat_err_pct'])}); stages cut at top-level children "
               f"{row['starts']}, their work forecast {row['stage_forecast_ms']} ms ({', '.join(f'{e:+.1f}' for e in row['busy_err_pct'])} % against each rank's working time)", flush=True)
     mre = statistics.mean(abs(r["err_pct"]) for r in rows)

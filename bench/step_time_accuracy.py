@@ -259,13 +259,7 @@ def ddp_worker(args):
 def ddp_cases(names, world, iterations, fraction, repeats=1):
     """Each case `repeats` times, every time in fresh processes (calibration, forecast and measurement again); the
     row kept for a case is the repeat with the median error, with every repeat's error beside it."""
-    runs = [ddp_run(names, world, iterations, fraction) for _ in range(repeats)]
-    rows = []
-    for i, name in enumerate(names):
-        tries = sorted((run[i] for run in runs), key=lambda r: r["err_pct"])
-        row = dict(tries[len(tries) // 2])
-        row["repeat_err_pct"] = [run[i]["err_pct"] for run in runs]
-        rows.append(row)
+    rows = median_repeats([ddp_run(names, world, iterations, fraction) for _ in range(repeats)])
     for r in rows:
         print(f"DDP x{world} {r['case']:<14} global batch {r['global_batch']:>4}: measured {r['measured_ms']:.2f} ms "
               f"(IQR {r['iqr_ms']:.2f}), forecast {r['forecast_ms']:.2f} ms (compute {r['compute_ms']:.2f}, exposed "
@@ -284,20 +278,35 @@ def ddp_cases(names, world, iterations, fraction, repeats=1):
     return rows
 
 
-def ddp_run(names, world, iterations, fraction):
-    procs = []
-    env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
-    for r in range(world):
-        env = dict(env0, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--ddp-worker", "--ddp-cases", ",".join(names),
-                                       "--ddp-iterations", str(iterations), "--fraction", str(fraction)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+def median_repeats(runs):
+    """Per case (runs: one list of rows per repeat, the cases in the same order), the repeat with the median error,
+    with every repeat's error beside it (repeat_err_pct)."""
+    rows = []
+    for i in range(len(runs[0])):
+        tries = sorted((run[i] for run in runs), key=lambda r: r["err_pct"])
+        row = dict(tries[len(tries) // 2])
+        row["repeat_err_pct"] = [run[i]["err_pct"] for run in runs]
+        rows.append(row)
+    return rows
+
+
+def launch_ranks(script, argv, world, port, what, env=None):
+    """`world` processes of `script argv` on this machine (RANK, WORLD_SIZE, MASTER_* set; one thread each), waited
+    for; rank 0's last stdout line as JSON. A rank that fails stops the bench with its stderr's tail."""
+    env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}", **(env or {}))
+    procs = [subprocess.Popen([sys.executable, str(script), *argv], env=dict(env0, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=3600) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for r, (p, (_, e)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
-            raise SystemExit(f"DDP worker failed: {e[-2000:]}")
-    res = json.loads(outs[0][0].strip().splitlines()[-1])
+            raise SystemExit(f"{what} worker {r} failed: {e[-3000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def ddp_run(names, world, iterations, fraction):
+    res = launch_ranks(__file__, ["--ddp-worker", "--ddp-cases", ",".join(names), "--ddp-iterations", str(iterations),
+                                  "--fraction", str(fraction)], world, 29533, "DDP")
     return [res[n] for n in names]
 
 

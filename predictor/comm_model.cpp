@@ -16,15 +16,22 @@ double ring_model_us(double bytes, double n, const Link& link) {
   return 2.0 * (n - 1.0) / n * bytes / link.bytes_per_us + 2.0 * (n - 1.0) * link.alpha_us;
 }
 
+// Measured samples (sorted by size, not empty) at `bytes`: linear between neighbours inside them; outside,
+// `model` shifted to pass through the nearest sample (not below 0).
+template <typename Model>
+double interpolate_samples(double bytes, const std::vector<CollectiveSample>& s, Model model) {
+  if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + model(bytes) - model(s.front().bytes));
+  if (bytes >= s.back().bytes) return s.back().us + model(bytes) - model(s.back().bytes);
+  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const CollectiveSample& x) { return b < x.bytes; });
+  const auto lo = hi - 1;
+  return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+}
+
 // The measured samples where they apply (ring, the rank count they were measured on); < 0 otherwise.
 double from_samples_us(double bytes, int64_t ranks, const Link& link, const std::vector<CollectiveSample>& s) {
   if (s.empty() || ranks != link.sample_ranks) return -1.0;
   const double n = static_cast<double>(ranks);
-  if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + ring_model_us(bytes, n, link) - ring_model_us(s.front().bytes, n, link));
-  if (bytes >= s.back().bytes) return s.back().us + ring_model_us(bytes, n, link) - ring_model_us(s.back().bytes, n, link);
-  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const CollectiveSample& x) { return b < x.bytes; });
-  const auto lo = hi - 1;
-  return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+  return interpolate_samples(bytes, s, [&](double b) { return ring_model_us(b, n, link); });
 }
 
 double from_samples_us(double bytes, int64_t ranks, const Link& link) {
@@ -50,14 +57,8 @@ double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm alg
 
 double send_us(double bytes, const Link& link) {
   if (bytes <= 0) return 0.0;
-  const std::vector<CollectiveSample>& s = link.send_samples;
   auto model = [&](double b) { return link.alpha_us + b / link.bytes_per_us; };
-  if (s.empty()) return model(bytes);
-  if (bytes <= s.front().bytes) return std::max(0.0, s.front().us + model(bytes) - model(s.front().bytes));
-  if (bytes >= s.back().bytes) return s.back().us + model(bytes) - model(s.back().bytes);
-  const auto hi = std::upper_bound(s.begin(), s.end(), bytes, [](double b, const CollectiveSample& x) { return b < x.bytes; });
-  const auto lo = hi - 1;
-  return lo->us + (hi->us - lo->us) * (bytes - lo->bytes) / (hi->bytes - lo->bytes);
+  return link.send_samples.empty() ? model(bytes) : interpolate_samples(bytes, link.send_samples, model);
 }
 
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {

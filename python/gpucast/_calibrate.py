@@ -232,8 +232,7 @@ def _sends(sizes, buffers, repeats, group, wait) -> list:
     stage's output and its gradient take to the next stage): half the median of `repeats` round trips, a send
     there and the same tensor back, the other ranks waiting at a barrier. The first round trip of each size is a
     warm-up. [(bytes, us)], the first rank's, on every rank."""
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    first, second = members[0], members[1]
+    first, second = dist.get_process_group_ranks(group or dist.group.WORLD)[:2]
     me = dist.get_rank()
     cuda = buffers[0].device.type == "cuda"
     times = []
