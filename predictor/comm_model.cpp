@@ -61,20 +61,37 @@ double send_us(double bytes, const Link& link) {
   return link.send_samples.empty() ? model(bytes) : interpolate_samples(bytes, link.send_samples, model);
 }
 
-double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
-  if (ranks <= 1 || bytes <= 0) return 0.0;
+namespace {
+
+// Half an all-reduce: its samples where they apply, else the ring model's traffic and steps.
+double half_allreduce_us(double bytes, int64_t ranks, const Link& link) {
   const double n = static_cast<double>(ranks);
   const double measured = from_samples_us(bytes, ranks, link);
   if (measured >= 0) return measured / 2.0;
   return (n - 1.0) / n * bytes / link.bytes_per_us + (n - 1.0) * link.alpha_us;
 }
 
-double all_gather_us(double bytes, int64_t ranks, const Link& link) { return reduce_scatter_us(bytes, ranks, link); }
+double gather_or_scatter_us(double bytes, int64_t ranks, const Link& link, const std::vector<CollectiveSample>& s) {
+  if (ranks <= 1 || bytes <= 0) return 0.0;
+  if (s.empty() || ranks != link.sample_ranks) return half_allreduce_us(bytes, ranks, link);
+  const double n = static_cast<double>(ranks);
+  return interpolate_samples(bytes, s, [&](double b) { return ring_model_us(b, n, link) / 2.0; });
+}
+
+}  // namespace
+
+double reduce_scatter_us(double bytes, int64_t ranks, const Link& link) {
+  return gather_or_scatter_us(bytes, ranks, link, link.reduce_scatter_samples);
+}
+
+double all_gather_us(double bytes, int64_t ranks, const Link& link) {
+  return gather_or_scatter_us(bytes, ranks, link, link.all_gather_samples);
+}
 
 double broadcast_us(double bytes, int64_t ranks, const Link& link) {
   if (ranks <= 1 || bytes <= 0) return 0.0;
   const double n = static_cast<double>(ranks);
-  return all_gather_us(bytes * n / (n - 1.0), ranks, link);
+  return half_allreduce_us(bytes * n / (n - 1.0), ranks, link);
 }
 
 Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ranks) {
@@ -185,6 +202,10 @@ Topology Topology::parse(const std::string& text) {
                        "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
                       {"send_samples", F::String, std::string(), {},
                        "measured one-way point-to-point sends (pipeline hops): BYTES/US;BYTES/US;..."},
+                      {"all_gather_samples", F::String, std::string(), {},
+                       "measured all-gathers by the gathered tensor's bytes (FSDP, ZeRO): BYTES/US;BYTES/US;..."},
+                      {"reduce_scatter_samples", F::String, std::string(), {},
+                       "measured reduce-scatters by the scattered tensor's bytes (FSDP, ZeRO): BYTES/US;..."},
                       {"algorithm", F::Choice, std::string("ring"), {"ring", "tree"},
                        "all-reduce algorithm of the data- and tensor-parallel reductions"}});
   cfg.parse(text);
@@ -268,6 +289,15 @@ Topology Topology::parse(const std::string& text) {
       GPUCAST_USER_ERROR("link: 'send_samples' refine an intra-node link: give alpha_us and bytes_per_us too");
     }
     for (auto [bytes, us] : pairs("send_samples", "BYTES/MICROSECONDS")) t.intra.send_samples.push_back({bytes, us});
+  }
+  for (const char* key : {"all_gather_samples", "reduce_scatter_samples"}) {
+    if (!cfg.was_set(key)) continue;
+    if (!cfg.was_set("samples")) {
+      GPUCAST_USER_ERROR("link: '{}' go with the all-reduce 'samples' and 'ranks' they were measured beside "
+                         "(gpucast.calibrate() gives all of them)", key);
+    }
+    auto& into = std::string(key) == "all_gather_samples" ? t.intra.all_gather_samples : t.intra.reduce_scatter_samples;
+    for (auto [bytes, us] : pairs(key, "BYTES/MICROSECONDS")) into.push_back({bytes, us});
   }
   if (cfg.was_set("memory_contention_samples")) {
     for (auto [bytes, factor] : pairs("memory_contention_samples", "BYTES/FACTOR")) {

@@ -14,6 +14,7 @@
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 #include "gpucast/layer_model.h"
+#include "gpucast/step_time.h"
 #include "gpucast/trace_summary.h"
 
 namespace gpucast {
@@ -1091,11 +1092,26 @@ class Forecaster {
       if (par.dp_mode == "fsdp" && p.initial_category[i] == Category::Parameter) p.initial[i] = shard(p.initial[i], dp);
     }
     if (par.dp_mode == "fsdp") {
-      // Unsharded parameters of the unit being computed and of the one prefetched.
-      const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
-      p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
-      p.initial_category.push_back(Category::Parameter);
-      out_.notes.push_back("FSDP: all-gather buffers for two units, sized by the largest parameter block");
+      // Unsharded parameters of the unit being computed and of the one prefetched: the largest unit of
+      // fsdp_units (its layers' parameters, as the step time groups them), else the largest parameter block.
+      if (!par.fsdp_units.empty() && model_.trace != nullptr) {
+        const IterationTiming it = iteration_timing(*model_.trace, 1);
+        std::vector<std::string> names;
+        std::vector<double> params;
+        for (const LayerTiming& l : it.layers) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
+        const FsdpUnits units = fsdp_units(names, params, par.fsdp_units);
+        const double largest = units.bytes.empty() ? 0.0 : *std::max_element(units.bytes.begin(), units.bytes.end());
+        p.initial.push_back(2 * static_cast<int64_t>(largest));
+        p.initial_category.push_back(Category::Parameter);
+        out_.notes.push_back(fmt::format("FSDP: all-gather buffers for two units, sized by the largest of the {} "
+                                         "(fsdp_units and the root): {}", units.bytes.size(),
+                                         format_bytes(static_cast<int64_t>(largest))));
+      } else {
+        const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
+        p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
+        p.initial_category.push_back(Category::Parameter);
+        out_.notes.push_back("FSDP: all-gather buffers for two units, sized by the largest parameter block");
+      }
     }
   }
 

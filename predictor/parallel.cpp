@@ -19,7 +19,9 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                           {"broadcast_buffers", F::Bool, true, {}, "DDP broadcasts the module's buffers every forward"},
                           {"buffer_bytes", F::NonNegativeInt, int64_t{0}, {}, "bytes of the module's buffers"},
                           {"bucket_cap_mb", F::String, std::string("25"), {},
-                           "DDP's bucket_cap_mb: MiB per gradient bucket (not given: the first 1 MiB, the rest 25)"}});
+                           "DDP's bucket_cap_mb: MiB per gradient bucket (not given: the first 1 MiB, the rest 25)"},
+                          {"fsdp_units", F::String, std::string(""), {},
+                           "FSDP's units: module paths separated by '|' (not given: every layer with parameters)"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -37,6 +39,23 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
   }
   p.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(std::llround(*mb * (1 << 20))));
   p.bucket_cap_given = cfg.was_set("bucket_cap_mb");
+  const std::string& units = cfg.get_string("fsdp_units");
+  if (!units.empty()) {
+    for (size_t start = 0;;) {
+      const size_t bar = units.find('|', start);
+      std::string path = units.substr(start, bar == std::string::npos ? std::string::npos : bar - start);
+      if (path.empty()) {
+        GPUCAST_USER_ERROR("parallel: option 'fsdp_units' expects module paths separated by '|', got an empty one "
+                           "in '{}'", units);
+      }
+      p.fsdp_units.push_back(std::move(path));
+      if (bar == std::string::npos) break;
+      start = bar + 1;
+    }
+    if (p.dp_mode != "fsdp") {
+      GPUCAST_USER_ERROR("parallel: option 'fsdp_units' applies to dp_mode 'fsdp', got dp_mode '{}'", p.dp_mode);
+    }
+  }
   return p;
 }
 

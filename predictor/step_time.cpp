@@ -491,6 +491,52 @@ std::vector<size_t> choose_timed_indices(const IterationTiming& t, double fracti
 
 }  // namespace
 
+FsdpUnits fsdp_units(const std::vector<std::string>& layers, const std::vector<double>& bytes,
+                     const std::vector<std::string>& paths) {
+  FsdpUnits u;
+  u.unit_of.assign(layers.size(), -1);
+  if (paths.empty()) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (bytes[i] <= 0) continue;
+      u.unit_of[i] = static_cast<int64_t>(u.bytes.size());
+      u.bytes.push_back(bytes[i]);
+    }
+    return u;
+  }
+  // A path without a dot is the root module itself (layer paths begin with its class name): the root unit, which
+  // holds the layers outside every other unit anyway; it must begin the layers' paths.
+  u.root = static_cast<int64_t>(paths.size());
+  u.bytes.assign(paths.size() + 1, 0.0);
+  std::vector<char> holds(paths.size(), 0);
+  for (size_t k = 0; k < paths.size(); ++k) holds[k] = paths[k].find('.') == std::string::npos ? 2 : 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string& name = layers[i];
+    int64_t best = u.root;
+    size_t best_len = 0;
+    for (size_t k = 0; k < paths.size(); ++k) {
+      const std::string& p = paths[k];
+      const bool inside = name == p || (name.size() > p.size() && name.compare(0, p.size(), p) == 0 && name[p.size()] == '.');
+      if (!inside) continue;
+      if (holds[k] >= 2) {
+        holds[k] = 3;  // the root, named: it holds the layer unless a deeper unit does
+      } else if (p.size() > best_len) {
+        best = static_cast<int64_t>(k), best_len = p.size();
+      }
+    }
+    u.unit_of[i] = best;
+    u.bytes[static_cast<size_t>(best)] += bytes[i];
+    if (best != u.root) holds[static_cast<size_t>(best)] = 1;
+  }
+  for (size_t k = 0; k < paths.size(); ++k) {
+    if (holds[k] == 1 || holds[k] == 3) continue;
+    std::string some;
+    for (size_t i = 0; i < layers.size() && i < 3; ++i) some += fmt::format("{}'{}'", i ? ", " : "", layers[i]);
+    GPUCAST_USER_ERROR("parallel: option 'fsdp_units' names '{}', which holds no layer of the traced step (module "
+                       "paths as the trace names them, such as {}{})", paths[k], some, layers.size() > 3 ? ", ..." : "");
+  }
+  return u;
+}
+
 std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fraction, const std::string& design,
                                              uint64_t seed, double time_budget) {
   std::vector<std::string> out;
@@ -1160,32 +1206,62 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
   const double other_mb = f.other_ms / m;
   f.exposed_comm_ms += f.tp_comm_ms;
   if (P.dp > 1 && dp_link && P.dp_mode == "fsdp") {
-    // Units: layers with parameters (the probes hold them whole: a unit's gather moves its full size). Each pass
-    // gathers unit j + 1 when unit j starts computing (prefetch), on one communication stream in issue order;
-    // every micro-batch gathers again (gradient accumulation under no_sync keeps the gradients, not the
-    // parameters), the last one reduce-scatters the gradients.
+    // Units (ParallelConfig::fsdp_units): each given module path with the layers inside it (the innermost unit
+    // holds a layer), the rest the root unit; without units every layer with parameters is one. A unit's bytes
+    // are its layers' parameters (the probes hold them whole: its gather moves their full size). Each pass gathers
+    // the next unit when the current one starts computing (prefetch), on one communication stream in issue order;
+    // the root unit is gathered first in forward and kept for backward (not resharded after forward); a unit's
+    // gradients are reduce-scattered once its last layer's backward is done, the root's once backward is. Every micro-batch gathers again
+    // (gradient accumulation under no_sync keeps the gradients, not the parameters), the last one reduce-scatters.
+    std::vector<std::string> names;
+    std::vector<double> params;
+    for (const LayerForecast& l : f.per_layer) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
+    const FsdpUnits U = fsdp_units(names, params, P.fsdp_units);
     double comm_free = 0, compute = 0;
-    auto pass = [&](const std::vector<size_t>& units, bool backward, int64_t mb, bool reduce) {
-      std::vector<double> gathered(units.size(), 0.0);
-      auto gather = [&](size_t n, double not_before) {
-        const double bytes = static_cast<double>(f.per_layer[units[n]].grad_bytes);
-        if (bytes <= 0) return;
-        comm_free = add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before),
-                             all_gather_us(bytes, P.dp, *dp_link));
-        gathered[n] = comm_free;
+    auto pass = [&](const std::vector<size_t>& layers, bool backward, int64_t mb, bool reduce) {
+      std::vector<int64_t> order;  // the units this pass gathers, in issue order
+      std::vector<char> listed(U.bytes.size(), 0);
+      std::vector<int64_t> left(U.bytes.size(), 0);  // the unit's layers still to run in this pass
+      auto list = [&](int64_t u) {
+        if (u < 0 || listed[static_cast<size_t>(u)] || U.bytes[static_cast<size_t>(u)] <= 0) return;
+        if (backward && u == U.root) return;
+        listed[static_cast<size_t>(u)] = 1;
+        order.push_back(u);
       };
-      if (!units.empty()) gather(0, compute);
-      for (size_t n = 0; n < units.size(); ++n) {
-        const size_t i = units[n];
-        const double ready = std::max(compute, gathered[n]);
-        if (n + 1 < units.size()) gather(n + 1, ready);
-        compute = run_pass({i}, backward, mb, 0, ready, {});
-        const double bytes = static_cast<double>(f.per_layer[i].grad_bytes);
-        if (backward && reduce && bytes > 0) {
-          comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute),
-                               reduce_scatter_us(bytes, P.dp, *dp_link));
-        }
+      if (!backward) list(U.root);
+      for (size_t i : layers) {
+        list(U.unit_of[i]);
+        if (U.unit_of[i] >= 0) ++left[static_cast<size_t>(U.unit_of[i])];
       }
+      std::vector<double> gathered(U.bytes.size(), -1.0);  // when the unit's gather ends (-1: not issued)
+      size_t next = 0;
+      auto gather = [&](double not_before) {
+        const int64_t u = order[next++];
+        const double bytes = U.bytes[static_cast<size_t>(u)];
+        comm_free = add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before), all_gather_us(bytes, P.dp, *dp_link));
+        gathered[static_cast<size_t>(u)] = comm_free;
+      };
+      if (!order.empty()) gather(compute);
+      auto scatter = [&](int64_t u) {
+        const double bytes = U.bytes[static_cast<size_t>(u)];
+        if (bytes <= 0) return;
+        comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute), reduce_scatter_us(bytes, P.dp, *dp_link));
+      };
+      std::vector<char> started(U.bytes.size(), 0);
+      for (size_t i : layers) {
+        const int64_t u = U.unit_of[i];
+        double ready = compute;
+        if (u >= 0 && listed[static_cast<size_t>(u)]) {
+          const bool first = !started[static_cast<size_t>(u)];
+          started[static_cast<size_t>(u)] = 1;
+          while (gathered[static_cast<size_t>(u)] < 0) gather(compute);  // the units listed before it, then its own
+          ready = std::max(compute, gathered[static_cast<size_t>(u)]);
+          if (first && next < order.size()) gather(ready);  // prefetch the next unit as this one starts
+        }
+        compute = run_pass({i}, backward, mb, 0, ready, {});
+        if (backward && reduce && u >= 0 && u != U.root && --left[static_cast<size_t>(u)] == 0) scatter(u);
+      }
+      if (backward && reduce && U.root >= 0) scatter(U.root);  // the root's gradients once backward is done
     };
     for (int64_t mb = 0; mb < mbs; ++mb) {
       compute = span(other_name, "other", mb, 0, compute, other_mb);

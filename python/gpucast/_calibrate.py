@@ -25,7 +25,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     late_gap_us (left out where that burst was not the longer one). send_samples: a point-to-point send
     of each size between the group's first two ranks, one way (half the median round trip over repeats // 3
     rounds, at least 3): what a pipeline stage's output and gradient take to the next stage (the forecast prices
-    pipeline sends from them; without them, from alpha_us and bytes_per_us).
+    pipeline sends from them; without them, from alpha_us and bytes_per_us). all_gather_samples and
+    reduce_scatter_samples: all_gather_into_tensor and reduce_scatter_tensor of each size (the whole tensor's
+    bytes), timed as the all-reduces are over repeats // 3 rounds (at least 3): FSDP's and ZeRO's collectives are
+    priced from them (without them, as half an all-reduce; gloo's reduce-scatter costs about a whole one).
 
     On a CPU backend (gloo) the ranks share this host, and the result also says how they share it:
     memory_contention and compute_contention (a large copy and a matmul timed on rank 0 alone, then on every
@@ -94,10 +97,11 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
                                             wait, ranks, burst=_matmuls(_LATE_MATMULS))
     sends = _sends(sizes, buffers, max(3, repeats // 3), group, wait)
     del buffers
+    sharded = _gathers_and_scatters(sizes, max(3, repeats // 3), group, wait, ranks, device)
     alpha, bw = _fit_link(samples, ranks)
     out = {"ranks": ranks, "backend": backend, "alpha_us": alpha, "bytes_per_us": bw,
            "samples": [{"bytes": s, "us": u} for s, u in samples],
-           "send_samples": [{"bytes": s, "us": u} for s, u in sends]}
+           "send_samples": [{"bytes": s, "us": u} for s, u in sends], **sharded}
     if device.type == "cpu":
         out["samples_gap_us"] = round(gap, 1)
         if late and late_gap > gap:
@@ -159,7 +163,7 @@ def _matmuls(count: int):
     return run
 
 
-def _idle_rounds(sizes, buffers, repeats, group, wait) -> list:
+def _idle_rounds(sizes, buffers, repeats, group, wait, run=None, what="an all-reduce") -> list:
     """Each size's median time on an otherwise idle process group (GPU collectives: the host only launches
     them). In rounds over the sizes, the first a warm-up, so that a slow spell of the machine spreads over every
     size instead of shifting one."""
@@ -167,14 +171,14 @@ def _idle_rounds(sizes, buffers, repeats, group, wait) -> list:
     for i in range(repeats + 1):
         for j, (size, t) in enumerate(zip(sizes, buffers)):
             t0 = time.perf_counter()
-            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
+            wait(run(j) if run else dist.all_reduce(t, group=group, async_op=True), f"{what} of {size} bytes")
             torch.cuda.synchronize()
             if i:
                 times[j].append((time.perf_counter() - t0) * 1e6)
     return [(float(size), statistics.median(ts)) for size, ts in zip(sizes, times)]
 
 
-def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> tuple:
+def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None, run=None, what="an all-reduce") -> tuple:
     """Each size's mean time the way a training step meets a CPU collective: every rank computes a burst of
     matmuls first and enters the all-reduce when its own burst ends, so the ranks arrive apart and the early ones
     sleep in the collective. Waking a sleeping thread on a host whose cores are shared (a virtual machine, other
@@ -187,7 +191,8 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
     up to each rank's own exit instead (a late exit there is time sharing, which the contention factors count).
     Without that shared clock, from the rank's own arrival to its own exit, on the finest clock.
     Every rank's samples count; in rounds over the sizes, the first a warm-up. burst: the compute before each
-    sample (by default eight 256 x 256 matmuls). Returns the samples and the bursts' mean duration in microseconds
+    sample (by default eight 256 x 256 matmuls); run(j): another collective on the j-th size (what: its name in
+    errors) instead of the all-reduce of buffers[j]. Returns the samples and the bursts' mean duration in microseconds
     over every rank (how long the group sat idle before each collective)."""
     burst = burst or _matmuls(8)
     local = _local_ranks(ranks)
@@ -203,7 +208,7 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None) -> t
             if i:
                 busy += time.perf_counter() - b0
             t0 = clock()
-            wait(dist.all_reduce(t, group=group, async_op=True), f"an all-reduce of {size} bytes")
+            wait(run(j) if run else dist.all_reduce(t, group=group, async_op=True), f"{what} of {size} bytes")
             t1 = clock()
             if i:
                 arrive[i - 1, j], done[i - 1, j] = t0, t1
@@ -254,6 +259,36 @@ def _sends(sizes, buffers, repeats, group, wait) -> list:
     out = torch.tensor(times, dtype=torch.float64, device=buffers[0].device)
     wait(dist.broadcast(out, src=first, group=group, async_op=True), "a broadcast of the send times")
     return [(float(size), u) for size, u in zip(sizes, out.tolist())]
+
+
+def _gathers_and_scatters(sizes, repeats, group, wait, ranks, device) -> dict:
+    """all_gather_samples and reduce_scatter_samples: all_gather_into_tensor and reduce_scatter_tensor of each size
+    (the bytes of the whole tensor, each rank holding 1/ranks of it), timed as the all-reduces are (a GPU
+    backend's median on the idle group, a CPU backend's mean after a burst of compute) over `repeats` rounds: what
+    FSDP's and ZeRO's collectives take (gloo's reduce-scatter costs about a whole all-reduce, not half of one).
+    Left out, with a warning, where the backend has no such collective."""
+    fulls = [torch.ones(max(1, int(s) // 4 // ranks) * ranks, dtype=torch.float32, device=device) for s in sizes]
+    shards = [torch.ones(f.numel() // ranks, dtype=torch.float32, device=device) for f in fulls]
+    whole = [f.numel() * 4 for f in fulls]
+    runs = {"all_gather_samples": ("an all-gather", "all-gathers", lambda j: dist.all_gather_into_tensor(
+                fulls[j], shards[j], group=group, async_op=True)),
+            "reduce_scatter_samples": ("a reduce-scatter", "reduce-scatters", lambda j: dist.reduce_scatter_tensor(
+                shards[j], fulls[j], group=group, async_op=True))}
+    out = {}
+    for key, (what, plural, run) in runs.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the collectives' names, renamed in newer torch
+                if device.type == "cuda":
+                    samples = _idle_rounds(whole, fulls, repeats, group, wait, run, what)
+                else:
+                    samples, _ = _after_compute(whole, fulls, repeats, group, wait, ranks, run=run, what=what)
+        except (RuntimeError, NotImplementedError) as e:
+            warnings.warn(f"gpucast.calibrate: {what} cannot run on this process group ({e}); FSDP's and ZeRO's "
+                          f"{plural} are priced as half an all-reduce", stacklevel=3)
+            continue
+        out[key] = [{"bytes": s, "us": u} for s, u in samples]
+    return out
 
 
 def _cores() -> int:

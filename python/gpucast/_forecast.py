@@ -51,7 +51,8 @@ def devices() -> list[dict]:
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "send_samples", "algorithm")
+              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "send_samples", "all_gather_samples",
+              "reduce_scatter_samples", "algorithm")
 
 # What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.
 _CALIBRATE_INFO_KEYS = ("backend", "cores", "local_ranks", "threads")
@@ -100,7 +101,8 @@ def _format_link(link: dict | str | None) -> str:
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
         second = {"samples": "us", "late_samples": "us", "memory_contention_samples": "factor",
-                  "ddp_overhead_samples": "us", "send_samples": "us"}.get(k)
+                  "ddp_overhead_samples": "us", "send_samples": "us", "all_gather_samples": "us",
+                  "reduce_scatter_samples": "us"}.get(k)
         if second and isinstance(v, (list, tuple)):
             try:
                 return ";".join(f"{float(x['bytes']):.17g}/{float(x[second]):.17g}" for x in v)
@@ -113,14 +115,15 @@ def _format_link(link: dict | str | None) -> str:
     keys = [k for k in _LINK_KEYS if k in link]
     if "alpha_us" not in keys and "intra" not in keys:  # samples refine an intra-node link; alone they are not one
         keys = [k for k in keys if k not in ("samples", "send_samples")]
-    if "samples" not in keys:  # the rank count and the idle spells describe the samples
-        keys = [k for k in keys if k not in ("ranks", "samples_gap_us", "late_samples", "late_gap_us")]
+    if "samples" not in keys:  # the rank count, the idle spells and the other collectives go with the samples
+        keys = [k for k in keys if k not in ("ranks", "samples_gap_us", "late_samples", "late_gap_us",
+                                             "all_gather_samples", "reduce_scatter_samples")]
     return ",".join(f"{k}:{text(k, link[k])}" for k in keys)
 
 
-def _format_parallel(parallel: dict | None, buffer_bytes: int = 0) -> str:
+def _format_parallel(parallel: dict | None, buffer_bytes: int = 0, modules: dict | None = None) -> str:
     """The parallel configuration text; buffer_bytes (the model's buffers, which DDP broadcasts every step) is
-    added where the caller did not give it."""
+    added where the caller did not give it; fsdp_units resolved to module paths by `modules` (_module_paths)."""
     if not parallel:
         return ""
     if not isinstance(parallel, dict):
@@ -129,10 +132,62 @@ def _format_parallel(parallel: dict | None, buffer_bytes: int = 0) -> str:
     for k, v in parallel.items():
         if isinstance(v, bool):
             v = "True" if v else "False"
+        elif k == "fsdp_units":
+            v = _unit_paths(v, modules or {})
         out.append(f"{k}:{v}")
     if buffer_bytes > 0 and "buffer_bytes" not in parallel:
         out.append(f"buffer_bytes:{buffer_bytes}")
     return ",".join(out)
+
+
+def _module_paths(model) -> dict:
+    """The model's modules as gpucast's trace names them: {"paths": {id(module): path}, "classes": {class name:
+    [paths]}, "root": the root's path}; empty without a model."""
+    if model is None or not isinstance(model, torch.nn.Module):
+        return {}
+    root = type(model).__name__
+    paths, classes = {}, {}
+    for n, m in model.named_modules():
+        path = f"{root}.{n}" if n else root
+        paths[id(m)] = path
+        classes.setdefault(type(m).__name__, []).append(path)
+    return {"paths": paths, "classes": classes, "root": root}
+
+
+def _unit_paths(units, modules: dict) -> str:
+    """parallel's fsdp_units as the configuration's '|'-joined module paths. Each item: a module of the model, a
+    module class or its name (every module of that class is a unit, as PyTorch's ModuleWrapPolicy wraps them), or
+    a module path as gpucast names it ("GPT.blocks.0"; its root class alone: the root unit only). A string with
+    '|' is taken as the paths themselves."""
+    if isinstance(units, str) and "|" in units:
+        return units
+    items = [units] if isinstance(units, (str, type, torch.nn.Module)) else units
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"parallel: 'fsdp_units' expects modules, module classes, class names or module paths (one "
+                        f"or a list), got {type(units).__name__}") from None
+    classes, paths = modules.get("classes", {}), []
+    for u in items:
+        if isinstance(u, torch.nn.Module):
+            if id(u) not in modules.get("paths", {}):
+                raise ValueError(f"parallel: 'fsdp_units' holds a {type(u).__name__} that is not a module of the "
+                                 f"forecast's model")
+            paths.append(modules["paths"][id(u)])
+        elif isinstance(u, type):
+            if u.__name__ not in classes:
+                raise ValueError(f"parallel: 'fsdp_units' names the class {u.__name__}, which no module of the "
+                                 f"forecast's model is (its classes: {', '.join(sorted(classes)) or 'no model given'})")
+            paths += classes[u.__name__]
+        elif isinstance(u, str) and u:
+            paths += classes.get(u, [u])
+        else:
+            raise ValueError(f"parallel: 'fsdp_units' expects modules, module classes, class names or module paths, "
+                             f"got {u!r}")
+    root = modules.get("root")
+    inner = [p for p in dict.fromkeys(paths) if p != root]
+    # The root is a unit whatever is given: named alone, it is the only one.
+    return "|".join(inner or ([root] if root else list(dict.fromkeys(paths))))
 
 
 def _buffer_bytes(model) -> int:
@@ -235,6 +290,8 @@ class Forecast:
     optimizer_name: str = "other"
     seq_len: int | None = None  # the forecast's sequence length (probes at several lengths), or None
     buffer_bytes: int = 0  # the model's buffers (what DDP broadcasts every step)
+    # The model's modules by path and class (_module_paths): what parallel's fsdp_units names resolve to
+    modules: dict = field(default_factory=dict, repr=False, compare=False)
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",
@@ -259,7 +316,7 @@ class Forecast:
         every = time_fraction is not None or time_budget is not None
         prior = _prior(self.target, min(fraction, budget), self.timings, every)
         text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size,
-                                                    _format_parallel(parallel, self.buffer_bytes),
+                                                    _format_parallel(parallel, self.buffer_bytes, self.modules),
                                                     _format_link(_default_link(link, self.target)),
                                                     float(time_scale), fraction,
                                                     str(design), 0, *prior,
@@ -430,7 +487,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     another for the rest) takes them all as a list: optimizer=[opt_a, opt_b]; steps with no backward pass
     between them are one iteration's optimizer. `target` is "cpu" (this host's CPU allocator bytes) or a
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
-    dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=); `batch_size` is global.
+    dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=), and for the step time
+    gradient_as_bucket_view=, broadcast_buffers=, buffer_bytes=, bucket_cap_mb= (DDP) and fsdp_units= (FSDP's
+    units: modules of `model`, module classes or class names, or module paths such as "GPT.blocks.0"; without
+    it every layer with parameters is a unit); `batch_size` is global.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
     For a GPU target from CPU probes, convolutions run on cuDNN, whose workspace per call is chosen on the GPU:
     `conv_workspace` (bytes) models one at every convolution; without it CUDNN_CONV_WSCAP_DBG's cap (MiB) is
@@ -506,7 +566,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         if target.lower() not in known:
             names = ", ".join(d["name"] for d in devices())
             raise ValueError(f"forecast: unknown target '{target}'; known targets: cpu, {names}")
-    parallel_text = _format_parallel(parallel)
+    modules = _module_paths(model)
+    parallel_text = _format_parallel(parallel, modules=modules)
     # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
     dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
     if batch_size < dp * micro_batches:
@@ -688,7 +749,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     buffer_bytes = _buffer_bytes(model)
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
                              time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn,
-                             seq_len=seq_len, buffer_bytes=buffer_bytes)
+                             seq_len=seq_len, buffer_bytes=buffer_bytes, modules=modules)
     if time_fc is not None and kernel_probes:
         time_fc.notes.insert(0, f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on "
                                 f"one thread below batch 16), the target batch runs them through mkldnn: timing "
@@ -706,7 +767,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [],
                   timing_rounds=rounds if time_fc is not None else [], target=target,
-                  optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes)
+                  optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes,
+                  modules=modules)
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -1007,14 +1069,16 @@ def _with_seq(timing: str, length: int) -> str:
 def _forecast_time(timings: list, batch_size: int, target: str, probe_device: str, parallel: dict,
                    link: dict | str | None, time_scale: float = 1.0, time_fraction: float = 1.0,
                    optimizer_name: str = "other", gnn: str | None = "",
-                   seq_len: int | None = None, buffer_bytes: int = 0) -> TimeForecast | None:
+                   seq_len: int | None = None, buffer_bytes: int = 0,
+                   modules: dict | None = None) -> TimeForecast | None:
     """The step time from the probes' timings where the probes ran on the target; for a GPU target from CPU
     probes, priced from the GPU rates table (None, with a warning, where the table has no such GPU)."""
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
     def run(rates: dict) -> str:
-        return torch.ops.gpucast.forecast_step_time(timings, int(batch_size), _format_parallel(parallel, buffer_bytes),
+        return torch.ops.gpucast.forecast_step_time(timings, int(batch_size),
+                                                    _format_parallel(parallel, buffer_bytes, modules),
                                                     _format_link(_default_link(link, target)), float(time_scale),
                                                     float(time_fraction),
                                                     "d-optimal", 0, *_prior(target, time_fraction, timings), **rates,

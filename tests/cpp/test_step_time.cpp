@@ -349,6 +349,15 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
             "parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '0'");
   EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("bucket_cap_mb:25MB"); }),
             "parallel: option 'bucket_cap_mb' expects a positive number of MiB, got '25MB'");
+  // FSDP's units: module paths joined by '|', for dp_mode fsdp only.
+  EXPECT_EQ(ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:GPT.blocks.0|GPT.blocks.1").fsdp_units,
+            (std::vector<std::string>{"GPT.blocks.0", "GPT.blocks.1"}));
+  EXPECT_TRUE(ParallelConfig::parse("dp:2,dp_mode:fsdp").fsdp_units.empty());
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:GPT.blocks.0||GPT.head"); }),
+            "parallel: option 'fsdp_units' expects module paths separated by '|', got an empty one in "
+            "'GPT.blocks.0||GPT.head'");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:2,fsdp_units:GPT.blocks.0"); }),
+            "parallel: option 'fsdp_units' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
 }
 
 TEST(StepTime, DdpReductionsAfterALongIdleSpellTakeTheLateSamples) {
@@ -1263,6 +1272,109 @@ TEST(StepTime, FsdpGathersPerUnitWithPrefetch) {
   EXPECT_NEAR(f.exposed_comm_ms, end - (t + 20.0), 1e-9);
   EXPECT_NEAR(f.optimizer_ms, 250 / 1e6, 1e-15);
   EXPECT_NEAR(f.step_ms, end + 250 / 1e6, 1e-9);
+}
+
+// Probes (batch 2 and 4, the same times: the fits keep them) of a model Net = emb, blk (lin, act), head, with
+// each layer's parameter bytes, forward and backward ms; backward runs head, act, lin, emb.
+std::vector<IterationTiming> fsdp_probes() {
+  std::vector<IterationTiming> probes;
+  for (int64_t b : {2, 4}) {
+    IterationTiming it;
+    it.batch = b;
+    auto layer = [](const char* name, int64_t bytes, double fw_ms, double bw_ms, int64_t order) {
+      LayerTiming l{name, fw_ms * 1e6, bw_ms * 1e6, bytes};
+      l.backward_order = order;
+      l.forward_ops_all = l.backward_ops_all = l.ops = 1;
+      return l;
+    };
+    it.layers = {layer("Net.emb", 102400, 1, 1, 3), layer("Net.blk.lin", 409600, 2, 4, 2),
+                 layer("Net.blk.act", 0, 1, 1, 1), layer("Net.head", 204800, 1, 2, 0)};
+    it.wall_ns = 13e6;
+    probes.push_back(it);
+  }
+  return probes;
+}
+
+TEST(StepTime, FsdpUnitsGatherTheirLayersTogetherAndTheRootOnce) {
+  const auto probes = fsdp_probes();
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  auto g = [](double bytes) { return (0.5 * bytes / 1000.0 + 10.0) / 1e3; };  // all-gather / reduce-scatter, 2 ranks
+  // blk a unit; emb and head the root's (300 KiB), gathered first in forward and kept for backward. Forward: the
+  // root's gather, then blk's prefetched as emb starts (done before emb's 1 ms ends). Backward: blk gathered as
+  // backward starts, while head runs (not regathered); blk's gradients reduce-scattered after lin, the root's
+  // after emb, when backward is done.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk");
+  ASSERT_EQ(o.parallel.fsdp_units, std::vector<std::string>{"Net.blk"});
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  std::vector<std::string> comm;
+  for (const CommForecast& x : f.comm) comm.push_back(fmt::format("{} {} @{:.4f}", x.kind, x.bytes, x.start_ms));
+  const double r = g(307200), b = g(409600);
+  EXPECT_EQ(comm, (std::vector<std::string>{
+                      fmt::format("fsdp_all_gather 307200 @{:.4f}", 0.0),
+                      fmt::format("fsdp_all_gather 409600 @{:.4f}", r),
+                      fmt::format("fsdp_all_gather 409600 @{:.4f}", r + 5),
+                      fmt::format("fsdp_reduce_scatter 409600 @{:.4f}", r + 12),
+                      fmt::format("fsdp_reduce_scatter 307200 @{:.4f}", r + 13)}));
+  EXPECT_NEAR(f.step_ms, 13 + 2 * r, 1e-9);
+  EXPECT_NEAR(f.exposed_comm_ms, 2 * r, 1e-9);
+  EXPECT_NEAR(f.comm_ms, 2 * r + 3 * b, 1e-9);
+  // Without units every layer with parameters is one, gathered in both passes: 3 + 3 gathers, 3 reduce-scatters.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp");
+  const StepTimeForecast each = forecast_step_time(probes, o);
+  int gathers = 0, scatters = 0;
+  for (const CommForecast& x : each.comm) gathers += x.kind == "fsdp_all_gather", scatters += x.kind == "fsdp_reduce_scatter";
+  EXPECT_EQ(gathers, 6);
+  EXPECT_EQ(scatters, 3);
+  // The root alone (the model wrapped whole): one gather of everything before forward, one reduce-scatter after
+  // backward.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net");
+  const StepTimeForecast whole = forecast_step_time(probes, o);
+  ASSERT_EQ(whole.comm.size(), 2u);
+  EXPECT_EQ(whole.comm[0].bytes, 716800);
+  EXPECT_EQ(whole.comm[0].start_ms, 0);
+  EXPECT_EQ(whole.comm[1].kind, "fsdp_reduce_scatter");
+  EXPECT_NEAR(whole.comm[1].start_ms, g(716800) + 13, 1e-9);
+  EXPECT_NEAR(whole.step_ms, 13 + 2 * g(716800), 1e-9);
+  // Nested units: the innermost holds a layer.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk|Net.blk.lin");
+  const StepTimeForecast nested = forecast_step_time(probes, o);
+  EXPECT_EQ(nested.comm[1].bytes, 409600);  // lin's unit (blk keeps no parameters: no gather of its own)
+  EXPECT_EQ(nested.comm.size(), 5u);
+  // A unit that holds no layer, and the root named by another name.
+  for (const char* units : {"Net.body", "Model"}) {
+    o.parallel = ParallelConfig::parse(fmt::format("dp:2,dp_mode:fsdp,fsdp_units:Net.blk|{}", units));
+    EXPECT_EQ(err([&] { forecast_step_time(probes, o); }),
+              fmt::format("parallel: option 'fsdp_units' names '{}', which holds no layer of the traced step (module "
+                          "paths as the trace names them, such as 'Net.emb', 'Net.blk.lin', 'Net.blk.act', ...)",
+                          units));
+  }
+}
+
+TEST(StepTime, FsdpCollectivesFromTheirOwnSamples) {
+  // gloo's reduce-scatter costs a whole all-reduce: measured all-gathers and reduce-scatters price FSDP's
+  // collectives instead of half the all-reduce samples.
+  Topology t = Topology::parse("alpha_us:10,bytes_per_us:1000,ranks:2,samples:1000/100;100000/300,"
+                               "all_gather_samples:1000/70;100000/170,reduce_scatter_samples:1000/90;100000/290");
+  EXPECT_NEAR(all_gather_us(50500, 2, t.intra), 120, 1e-9);
+  EXPECT_NEAR(reduce_scatter_us(50500, 2, t.intra), 190, 1e-9);
+  // Outside them the ring model's half all-reduce, shifted through the nearest sample: 0.5 * 100000 / 1000 = 50
+  // us more per 100 kB.
+  EXPECT_NEAR(all_gather_us(200000, 2, t.intra), 170 + 50, 1e-9);
+  // Another rank count than measured, or no samples of their own: half the all-reduce.
+  EXPECT_NEAR(all_gather_us(50500, 4, t.intra), 0.75 * 50500 / 1000 + 30, 1e-9);
+  const Topology plain = Topology::parse("alpha_us:10,bytes_per_us:1000,ranks:2,samples:1000/100;100000/300");
+  EXPECT_NEAR(reduce_scatter_us(50500, 2, plain.intra), 100, 1e-9);
+  // The buffers' broadcast stays priced from the all-reduce (a collective of its own).
+  EXPECT_NEAR(broadcast_us(50500, 2, t.intra), broadcast_us(50500, 2, plain.intra), 1e-12);
+  EXPECT_EQ(err([] { Topology::parse("alpha_us:10,bytes_per_us:1000,all_gather_samples:1000/70;100000/170"); }),
+            "link: 'all_gather_samples' go with the all-reduce 'samples' and 'ranks' they were measured beside "
+            "(gpucast.calibrate() gives all of them)");
+  EXPECT_EQ(err([] { Topology::parse("alpha_us:10,bytes_per_us:1000,ranks:2,samples:1000/100;100000/300,"
+                                     "reduce_scatter_samples:1000/-1"); }),
+            "link: 'reduce_scatter_samples' should be BYTES/MICROSECONDS pairs joined by ';' (positive numbers), got "
+            "'1000/-1' in '1000/-1'");
 }
 
 TEST(StepTime, ZeroReduceScattersThenGathersParameters) {

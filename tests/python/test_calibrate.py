@@ -70,11 +70,20 @@ if {mode!r} == "sharing_oversubscribed":  # both ranks' threads fill every core,
     if rank == 0:
         print(json.dumps(out), flush=True)
     os._exit(0)
-try:
-    r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
-    out = r
-except Exception as e:
-    out = {{"error": type(e).__name__ + ": " + str(e)}}
+if {mode!r} == "no_scatter":  # a backend without reduce-scatter
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("reduce_scatter_tensor is not supported here")
+    dist.reduce_scatter_tensor = unsupported
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        r = gpucast.calibrate(sizes=(2**16, 2**18, 2**20, 2**22), repeats=3, timeout_s={timeout})
+        out = r
+    except Exception as e:
+        out = {{"error": type(e).__name__ + ": " + str(e)}}
+if {mode!r} == "no_scatter":
+    out["warned"] = [str(w.message) for w in caught if "gpucast" in str(w.message)]
 if rank == 0 or "error" in out:
     print(json.dumps(out), flush=True)
 os._exit(0)
@@ -125,6 +134,10 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     # Point-to-point sends between the two ranks, one way, every size.
     assert [s["bytes"] for s in r["send_samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert all(s["us"] > 0 for s in r["send_samples"])
+    # All-gathers and reduce-scatters of every size (the whole tensor's bytes).
+    for key in ("all_gather_samples", "reduce_scatter_samples"):
+        assert [s["bytes"] for s in r[key]] == [2**16, 2**18, 2**20, 2**22]
+        assert all(s["us"] > 0 for s in r[key])
     # What the forecast reads from it: the samples, their rank count and the host keys.
     from gpucast._forecast import _format_link
     text = _format_link(r)
@@ -133,7 +146,9 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     assert [s["bytes"] for s in r["memory_contention_samples"]] == [2 << 20, 8 << 20, 32 << 20, 128 << 20]
     assert all(s["factor"] >= 1.0 for s in r["memory_contention_samples"])
     late = ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r["late_samples"])
-    sends = ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r["send_samples"])
+    def pairs(key):
+        return ";".join(f"{s['bytes']:.17g}/{s['us']:.17g}" for s in r[key])
+    sends = pairs("send_samples")
     assert text.endswith(f",ranks:2,samples_gap_us:{r['samples_gap_us']},late_samples:{late},"
                          f"late_gap_us:{r['late_gap_us']},overlap:{r['overlap']},"
                          f"memory_contention:{r['memory_contention']},"
@@ -142,9 +157,12 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
                          f"sync_wait_us:{r['sync_wait_us']},drift_compute:{r['drift_compute']},"
                          f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']},"
                          f"ddp_overhead_samples:19240/{r['ddp_overhead_us']:.17g};2316840/"
-                         f"{r['ddp_overhead_samples'][1]['us']:.17g},send_samples:{sends}")
-    # four all-reduce samples, four late ones, four contention samples, two DDP overheads, four sends
-    assert text.count(";") == 3 + 3 + 3 + 1 + 3
+                         f"{r['ddp_overhead_samples'][1]['us']:.17g},send_samples:{sends},"
+                         f"all_gather_samples:{pairs('all_gather_samples')},"
+                         f"reduce_scatter_samples:{pairs('reduce_scatter_samples')}")
+    # four all-reduce samples, four late ones, four contention samples, two DDP overheads, four sends, four
+    # all-gathers and four reduce-scatters
+    assert text.count(";") == 3 + 3 + 3 + 1 + 3 + 3 + 3
 
 
 def test_a_late_rank_is_not_counted_in_the_samples(tmp_path):
@@ -190,6 +208,15 @@ def test_sends_that_hang_time_out(tmp_path):
     r = run_pair(tmp_path, "hang_in_sends", 3)
     assert r["error"].startswith("TimeoutError: gpucast.calibrate: a barrier before the sends did not complete "
                                  "within 3 s on 2 ranks (gloo)"), r
+
+
+def test_a_backend_without_reduce_scatter_keeps_the_rest(tmp_path):
+    r = run_pair(tmp_path, "no_scatter", 60)
+    assert "error" not in r, r["error"]
+    assert "reduce_scatter_samples" not in r
+    assert [s["bytes"] for s in r["all_gather_samples"]] == [2**16, 2**18, 2**20, 2**22]
+    assert r["warned"] == ["gpucast.calibrate: a reduce-scatter cannot run on this process group (reduce_scatter_tensor "
+                           "is not supported here); FSDP's and ZeRO's reduce-scatters are priced as half an all-reduce"]
 
 
 def test_without_a_process_group():

@@ -87,6 +87,44 @@ def test_a_gpu_target_without_a_link_takes_its_usual_node():
         "intra:pcie3,gpus_per_node:8,inter:eth-100g"]
 
 
+def test_fsdp_units_by_module_class_or_path():
+    case = zoo.CASES["gpt"]
+    model, opt, step, _ = build(case, "adamw")
+    link = {"alpha_us": 20.0, "bytes_per_us": 500.0}
+    fc = gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt, link=link, gnn=None,
+                          parallel=dict(dp=2, dp_mode="fsdp", fsdp_units={zoo.Block}))
+    grads = {x["layer"]: x["grad_bytes"] for x in fc.time.per_layer}
+    blocks = [f"GPT.blocks.{i}" for i in range(len(model.blocks))]
+    unit = [sum(b for name, b in grads.items() if name.startswith(p + ".")) for p in blocks]
+    root = sum(grads.values()) - sum(unit)
+    assert all(u > 0 for u in unit) and root > 0
+    # The root (embeddings, final norm, head) gathered once before forward, each block before its forward and
+    # again before its backward; the blocks' gradients reduce-scattered in backward order, the root's last.
+    gathers = [c["bytes"] for c in fc.time.comm if c["kind"] == "fsdp_all_gather"]
+    assert gathers == [root] + unit + unit[::-1]
+    assert [c["bytes"] for c in fc.time.comm if c["kind"] == "fsdp_reduce_scatter"] == unit[::-1] + [root]
+    # The memory forecast holds two of the largest unit's gathered parameters.
+    largest = max(unit + [root])
+    size = f"{largest / 2**20:.2f} MiB" if largest >= 2**20 else f"{largest / 1024:.2f} KiB"
+    assert (f"FSDP: all-gather buffers for two units, sized by the largest of the {len(blocks) + 1} (fsdp_units and "
+            f"the root): {size}") in fc.memory.notes
+    # The same units by class name, by path and by the modules themselves; the root's class alone: one unit.
+    for units in ("Block", blocks, list(model.blocks)):
+        assert fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=units), link=link,
+                            gnn=None).comm == fc.time.comm
+    whole = fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=[type(model)]), link=link, gnn=None)
+    assert [(c["kind"], c["bytes"]) for c in whole.comm] == [("fsdp_all_gather", sum(grads.values())),
+                                                             ("fsdp_reduce_scatter", sum(grads.values()))]
+    with pytest.raises(ValueError, match=r"parallel: 'fsdp_units' names the class Conv2d, which no module of the "
+                                         r"forecast's model is \(its classes: Block, "):
+        fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=[torch.nn.Conv2d]), link=link)
+    with pytest.raises(ValueError, match=r"parallel: option 'fsdp_units' names 'GPT.block.0', which holds no layer"):
+        fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units="GPT.block.0"), link=link)
+    with pytest.raises(ValueError, match=r"parallel: 'fsdp_units' holds a Linear that is not a module of the "
+                                         r"forecast's model"):
+        fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=[torch.nn.Linear(2, 2)]), link=link)
+
+
 def test_ddp_broadcasts_the_models_buffers(tmp_path):
     case = zoo.CASES["cnn"]  # BatchNorm: running statistics and batch counts
     model, opt, step, _ = build(case, "adamw")
@@ -260,7 +298,7 @@ def test_gpu_rates_table():
                               "late_samples, late_gap_us, overlap, memory_contention, "
                               "memory_contention_samples, compute_contention, balance, sync_wait_us, "
                               "drift_compute, drift_memory, ddp_overhead_us, ddp_overhead_samples, send_samples, "
-                              "algorithm), got {'alpha': 1}"),
+                              "all_gather_samples, reduce_scatter_samples, algorithm), got {'alpha': 1}"),
     (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])
@@ -279,7 +317,8 @@ def test_a_misspelt_link_key_is_named():
         "forecast: link: unknown key 'gpus_per_nodes'; known: intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
         "inter_alpha_us, inter_bytes_per_us, samples, ranks, samples_gap_us, late_samples, late_gap_us, overlap, "
         "memory_contention, memory_contention_samples, compute_contention, balance, sync_wait_us, drift_compute, "
-        "drift_memory, ddp_overhead_us, ddp_overhead_samples, send_samples, algorithm (and what gpucast.calibrate() "
+        "drift_memory, ddp_overhead_us, ddp_overhead_samples, send_samples, all_gather_samples, "
+        "reduce_scatter_samples, algorithm (and what gpucast.calibrate() "
         "also returns: backend, cores, local_ranks, threads)")
 
 

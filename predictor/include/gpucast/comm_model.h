@@ -39,6 +39,11 @@ struct Link {
   // One-way point-to-point sends measured on this link (gpucast.calibrate(): half a round trip between two
   // ranks), sorted by size: what a pipeline stage's output and gradient take to the next stage.
   std::vector<CollectiveSample> send_samples;
+  // All-gathers and reduce-scatters measured on this link over sample_ranks ranks (gpucast.calibrate()), by the
+  // bytes of the whole (gathered, or to be scattered) tensor, sorted by size: what FSDP's and ZeRO's collectives
+  // take where they are not half an all-reduce (gloo's reduce-scatter costs a whole one).
+  std::vector<CollectiveSample> all_gather_samples;
+  std::vector<CollectiveSample> reduce_scatter_samples;
 };
 
 enum class Algorithm { Ring, Tree };
@@ -52,7 +57,9 @@ double allreduce_us(double bytes, int64_t ranks, const Link& link, Algorithm alg
 // One point-to-point send of `bytes` (a pipeline hop): inside the link's send_samples interpolated between its
 // neighbours, outside them alpha + S/B shifted to pass through the nearest sample; without samples alpha + S/B.
 double send_us(double bytes, const Link& link);
-// Reduce-scatter and all-gather (ring): half the all-reduce's traffic and steps.
+// Reduce-scatter and all-gather of `bytes` (the whole tensor): the link's all_gather_samples /
+// reduce_scatter_samples for their rank count (interpolated as send_us does, the ring model half an all-reduce's
+// traffic and steps outside them); else half the all-reduce (its samples, or the ring model).
 double reduce_scatter_us(double bytes, int64_t ranks, const Link& link);
 double all_gather_us(double bytes, int64_t ranks, const Link& link);
 // Broadcast of `bytes` from one rank (pipelined along the ring): the message once over each link and N-1

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace gpucast {
 
@@ -19,6 +20,12 @@ struct ParallelConfig {
   // bucket that size (as DDP does).
   int64_t bucket_bytes = int64_t{25} << 20;
   bool bucket_cap_given = false;
+  // FSDP's units (dp_mode fsdp): module paths as the trace names them ("GPT.blocks.0"), each the root of one unit
+  // (fully_shard / FSDP wrapping of that module); a layer belongs to the innermost unit whose path is it or
+  // contains it, every other layer to the root unit (the whole model's wrapping), which is gathered once per
+  // forward and kept for backward. Empty: every layer with parameters its own unit, gathered in both passes.
+  // Given as "fsdp_units:GPT.blocks.0|GPT.blocks.1".
+  std::vector<std::string> fsdp_units;
   // "dp:8,dp_mode:fsdp,micro_batches:4,bucket_cap_mb:50" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };

@@ -151,6 +151,18 @@ std::vector<std::string> choose_timed_layers(const IterationTiming& t, double fr
                                              const std::string& design = "d-optimal", uint64_t seed = 0,
                                              double time_budget = 1.0);
 
+// FSDP's units (ParallelConfig::fsdp_units) over `layers` (module paths) holding `bytes` of parameters each: each
+// given path with the layers inside it (the innermost unit holds a layer), every other layer the root unit's (a
+// path without a dot names the root itself); without paths, every layer with parameters is a unit. UserError for
+// a path that holds no layer.
+struct FsdpUnits {
+  std::vector<int64_t> unit_of;  // per layer: its unit (-1: none, a layer without parameters when no units are given)
+  std::vector<double> bytes;     // per unit: its layers' parameters
+  int64_t root = -1;             // the root unit; -1 without units
+};
+FsdpUnits fsdp_units(const std::vector<std::string>& layers, const std::vector<double>& bytes,
+                     const std::vector<std::string>& paths);
+
 struct StepTimeOptions {
   int64_t batch_size = 0;     // global
   ParallelConfig parallel;
