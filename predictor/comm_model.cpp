@@ -198,6 +198,12 @@ Topology Topology::parse(const std::string& text) {
                        "the last rank's lag per unit of memory-bound work since the ranks last met"},
                       {"ddp_overhead_us", F::String, std::string("0"), {},
                        "a DDP step's cost outside backward beyond the plain module's, per step"},
+                      {"fsdp_overhead_unit_us", F::String, std::string("0"), {},
+                       "what FSDP spends beside its collectives per unit and micro-batch"},
+                      {"fsdp_overhead_layer_us", F::String, std::string("0"), {},
+                       "what FSDP spends beside its collectives per layer with parameters and micro-batch"},
+                      {"fsdp_overhead_mib_us", F::String, std::string("0"), {},
+                       "what FSDP spends beside its collectives per MiB of parameters and micro-batch"},
                       {"ddp_overhead_samples", F::String, std::string(), {},
                        "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
                       {"send_samples", F::String, std::string(), {},
@@ -310,6 +316,9 @@ Topology Topology::parse(const std::string& text) {
   t.balance = number("balance", true);
   t.sync_wait_us = number("sync_wait_us", false);
   t.ddp_overhead_us = number("ddp_overhead_us", false);
+  t.fsdp_overhead_unit_us = number("fsdp_overhead_unit_us", false);
+  t.fsdp_overhead_layer_us = number("fsdp_overhead_layer_us", false);
+  t.fsdp_overhead_mib_us = number("fsdp_overhead_mib_us", false);
   t.algorithm = cfg.get_string("algorithm") == "tree" ? Algorithm::Tree : Algorithm::Ring;
   if (cfg.was_set("ddp_overhead_samples")) {
     for (auto [bytes, us] : pairs("ddp_overhead_samples", "BYTES/MICROSECONDS", true)) {

@@ -1008,6 +1008,26 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                                       : fmt::format(", for {:.3g} MiB of gradients per rank",
                                                     static_cast<double>(rank_grad) / (1 << 20))));
   }
+  const double fsdp_unit = T.fsdp_overhead_unit_us, fsdp_layer = T.fsdp_overhead_layer_us, fsdp_mib = T.fsdp_overhead_mib_us;
+  if (P.dp > 1 && P.dp_mode == "fsdp" && (fsdp_unit > 0 || fsdp_layer > 0 || fsdp_mib > 0)) {
+    // FSDP's own work beside its collectives, every micro-batch: by its units, their layers with parameters and
+    // the parameters' MiB (the probes hold them whole).
+    std::vector<std::string> names;
+    std::vector<double> params;
+    for (const LayerForecast& l : f.per_layer) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
+    const FsdpUnits U = fsdp_units(names, params, P.fsdp_units);
+    int64_t units = 0, layers = 0;
+    double mib = 0;
+    for (double b : U.bytes) units += b > 0, mib += b / (1 << 20);
+    for (double b : params) layers += b > 0;
+    const double us = static_cast<double>(m) * (units * fsdp_unit + layers * fsdp_layer + mib * fsdp_mib);
+    f.other_ms += us / 1e3;
+    f.notes.push_back(fmt::format("FSDP's own work beside its collectives (its hooks, copies into and out of the "
+                                  "gathered buffers, the optimizer over sharded tensors; measured by "
+                                  "gpucast.calibrate()): {:.3f} ms per step for {} unit(s), {} layer(s) with "
+                                  "parameters and {:.3g} MiB of them{}",
+                                  us / 1e3, units, layers, mib, m > 1 ? fmt::format(", {} micro-batches", m) : ""));
+  }
   f.compute_ms = f.forward_ms + f.backward_ms + f.optimizer_ms + f.other_ms;
   // The ranks' drift per ms of this step's compute: its layers by their memory-bound shares, the optimizer as
   // memory-bound, the rest as compute-bound.

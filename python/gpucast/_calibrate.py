@@ -48,7 +48,10 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
     wrapped, every rank at once): the wrapper, and the collective's threads finishing on the shared cores while the
     next work runs. ddp_overhead_samples: the same on two models, [{"bytes": gradient bytes, "us": ...}], 19 KB and
     2.3 MB (the threads' aftermath grows with the bytes they moved); the forecast reads it by the gradient bytes a
-    rank reduces."""
+    rank reduces. fsdp_overhead_unit_us, fsdp_overhead_layer_us, fsdp_overhead_mib_us: what FSDP2 (fully_shard)
+    spends in a step beside its collectives (hooks, copies into and out of the gathered buffers, the optimizer over
+    sharded tensors), per unit, per layer with parameters and per MiB of parameters, from three small models
+    sharded over one-rank groups on every rank at once (left out where FSDP2 cannot be imported)."""
     # The arguments first: a bad one is said before any collective runs.
     try:
         [int(s) for s in sizes]
@@ -122,6 +125,13 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
             dist.destroy_process_group(sub)
         out["ddp_overhead_us"] = overheads[0][1]
         out["ddp_overhead_samples"] = [{"bytes": b, "us": us} for b, us in overheads]
+        try:
+            out.update(_fsdp_overhead(group, wait, timeout))
+        except TimeoutError:
+            raise
+        except Exception as e:  # FSDP's own failure leaves its keys out, not the link
+            warnings.warn(f"gpucast.calibrate: FSDP's own work could not be measured ({type(e).__name__}: {e}); "
+                          f"the forecast leaves it out of FSDP's steps", stacklevel=2)
     return out
 
 
@@ -259,6 +269,79 @@ def _sends(sizes, buffers, repeats, group, wait) -> list:
     out = torch.tensor(times, dtype=torch.float64, device=buffers[0].device)
     wait(dist.broadcast(out, src=first, group=group, async_op=True), "a broadcast of the send times")
     return [(float(size), u) for size, u in zip(sizes, out.tolist())]
+
+
+# The models _fsdp_overhead shards: (units, linear layers per unit, width): many small units, few large ones, few
+# units of many layers.
+_FSDP_OVERHEAD_MODELS = ((8, 1, 64), (2, 1, 1024), (2, 6, 64))
+
+
+def _fsdp_overhead(group, wait, timeout=None, steps: int = 10, blocks: int = 3) -> dict:
+    """What FSDP2 (fully_shard) spends beside its collectives in a step, per unit, per layer with parameters and
+    per MiB of parameters: on every rank at once, each rank's model sharded over a group of that rank alone (its
+    collectives move nothing), against the same model plain, in alternating blocks, AdamW; three models
+    (_FSDP_OVERHEAD_MODELS) give the three costs (least squares on each rank's differences of medians, a cost
+    that comes out below 0 left out and the others fitted again; averaged over the ranks). {} where FSDP2 cannot
+    be imported. The caller's RNG stays as it was."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        return {}
+    members = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me = dist.get_rank()
+    backend = dist.get_backend(group)
+    # Every rank creates each one (waiting at most `timeout` for the others).
+    singles = [dist.new_group(ranks=[r], backend=backend, timeout=timeout) for r in members]
+    rng = torch.get_rng_state()
+    try:
+        mesh = DeviceMesh.from_group(singles[members.index(me)], "cpu")
+        rows, extra = [], []
+        for units, layers, width in _FSDP_OVERHEAD_MODELS:
+            def make(shard: bool):
+                m = torch.nn.Sequential(*[torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+                                          for _ in range(units)])
+                if shard:
+                    for block in m:
+                        fully_shard(block, mesh=mesh)
+                    fully_shard(m, mesh=mesh)
+                return m, torch.optim.AdamW(m.parameters(), lr=0.0)
+            x = torch.full((16, width), 0.5)
+
+            def step(m, o) -> float:
+                t0 = time.perf_counter()
+                o.zero_grad(set_to_none=True)
+                m(x).sum().backward()
+                o.step()
+                return time.perf_counter() - t0
+
+            plain, sharded = make(False), make(True)
+            for _ in range(3):
+                step(*plain), step(*sharded)
+            runs = {"plain": [], "sharded": []}
+            for _ in range(blocks):
+                wait(dist.barrier(group=group, async_op=True), "a barrier")
+                runs["plain"] += [step(*plain) for _ in range(steps)]
+                wait(dist.barrier(group=group, async_op=True), "a barrier")
+                runs["sharded"] += [step(*sharded) for _ in range(steps)]
+            rows.append([units, units * layers, units * layers * (width * width + width) * 4 / 2**20])
+            extra.append(1e6 * (statistics.median(runs["sharded"]) - statistics.median(runs["plain"])))
+        a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(extra, dtype=torch.float64)
+        keep = [0, 1, 2]
+        cost = torch.zeros(3, dtype=torch.float64)
+        while keep:
+            fit = torch.linalg.lstsq(a[:, keep], y.unsqueeze(1)).solution.squeeze(1)
+            if (fit >= 0).all():
+                cost[keep] = fit
+                break
+            keep.pop(int(fit.argmin()))
+        wait(dist.all_reduce(cost, group=group, async_op=True), "an all-reduce")
+        cost /= len(members)
+        return {"fsdp_overhead_unit_us": round(cost[0].item(), 1), "fsdp_overhead_layer_us": round(cost[1].item(), 1),
+                "fsdp_overhead_mib_us": round(cost[2].item(), 1)}
+    finally:
+        torch.set_rng_state(rng)
+        dist.destroy_process_group(singles[members.index(me)])  # the others' groups are not this rank's
 
 
 def _gathers_and_scatters(sizes, repeats, group, wait, ranks, device) -> dict:

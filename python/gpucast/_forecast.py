@@ -51,7 +51,8 @@ def devices() -> list[dict]:
 _LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
               "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
               "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "send_samples", "all_gather_samples",
+              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "fsdp_overhead_unit_us",
+              "fsdp_overhead_layer_us", "fsdp_overhead_mib_us", "send_samples", "all_gather_samples",
               "reduce_scatter_samples", "algorithm")
 
 # What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.

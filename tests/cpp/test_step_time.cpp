@@ -1342,6 +1342,29 @@ TEST(StepTime, FsdpUnitsGatherTheirLayersTogetherAndTheRootOnce) {
   const StepTimeForecast nested = forecast_step_time(probes, o);
   EXPECT_EQ(nested.comm[1].bytes, 409600);  // lin's unit (blk keeps no parameters: no gather of its own)
   EXPECT_EQ(nested.comm.size(), 5u);
+  // FSDP's own work measured by calibrate(): per unit (2: blk and the root), layer with parameters (3) and MiB
+  // (700 KiB), every micro-batch.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000,fsdp_overhead_unit_us:100,fsdp_overhead_layer_us:10,"
+                               "fsdp_overhead_mib_us:1000");
+  const double own = (2 * 100 + 3 * 10 + 716800.0 / 1048576 * 1000) / 1e3;
+  const StepTimeForecast busy = forecast_step_time(probes, o);
+  EXPECT_NEAR(busy.other_ms, f.other_ms + own, 1e-9);
+  EXPECT_NEAR(busy.compute_ms, f.compute_ms + own, 1e-9);
+  EXPECT_NEAR(busy.step_ms, f.step_ms + own, 1e-9);
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk,micro_batches:2");
+  o.batch_size = 16;
+  const std::vector<std::string> notes = forecast_step_time(probes, o).notes;
+  EXPECT_NE(std::find(notes.begin(), notes.end(),
+                      fmt::format("FSDP's own work beside its collectives (its hooks, copies into and out of the "
+                                  "gathered buffers, the optimizer over sharded tensors; measured by "
+                                  "gpucast.calibrate()): {:.3f} ms per step for 2 unit(s), 3 layer(s) with parameters "
+                                  "and 0.684 MiB of them, 2 micro-batches", 2 * own)),
+            notes.end());
+  EXPECT_EQ(err([] { Topology::parse("alpha_us:10,bytes_per_us:1000,fsdp_overhead_mib_us:-1"); }),
+            "link: 'fsdp_overhead_mib_us' should be a non-negative number, got '-1'");
+  o.batch_size = 8;
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
   // A unit that holds no layer, and the root named by another name.
   for (const char* units : {"Net.body", "Model"}) {
     o.parallel = ParallelConfig::parse(fmt::format("dp:2,dp_mode:fsdp,fsdp_units:Net.blk|{}", units));

@@ -34,6 +34,12 @@ if {mode!r} == "hang_in_sends" and rank == 1:  # leaves before the point-to-poin
         time.sleep({timeout} + 6)
         os._exit(0)
     _calibrate._sends = gone
+if {mode!r} == "hang_in_fsdp" and rank == 1:  # leaves before FSDP's small models
+    from gpucast import _calibrate
+    def gone(*args, **kwargs):
+        time.sleep({timeout} + 6)
+        os._exit(0)
+    _calibrate._fsdp_overhead = gone
 if {mode!r} == "late":  # rank 1's compute before each sample takes 200 ms longer than rank 0's
     import datetime
     from gpucast import _calibrate
@@ -134,6 +140,9 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
     # Point-to-point sends between the two ranks, one way, every size.
     assert [s["bytes"] for s in r["send_samples"]] == [2**16, 2**18, 2**20, 2**22]
     assert all(s["us"] > 0 for s in r["send_samples"])
+    # FSDP's own work per unit, layer with parameters and MiB.
+    assert all(r[k] >= 0 for k in ("fsdp_overhead_unit_us", "fsdp_overhead_layer_us", "fsdp_overhead_mib_us"))
+    assert r["fsdp_overhead_unit_us"] + r["fsdp_overhead_layer_us"] + r["fsdp_overhead_mib_us"] > 0
     # All-gathers and reduce-scatters of every size (the whole tensor's bytes).
     for key in ("all_gather_samples", "reduce_scatter_samples"):
         assert [s["bytes"] for s in r[key]] == [2**16, 2**18, 2**20, 2**22]
@@ -157,7 +166,10 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
                          f"sync_wait_us:{r['sync_wait_us']},drift_compute:{r['drift_compute']},"
                          f"drift_memory:{r['drift_memory']},ddp_overhead_us:{r['ddp_overhead_us']},"
                          f"ddp_overhead_samples:19240/{r['ddp_overhead_us']:.17g};2316840/"
-                         f"{r['ddp_overhead_samples'][1]['us']:.17g},send_samples:{sends},"
+                         f"{r['ddp_overhead_samples'][1]['us']:.17g},"
+                         f"fsdp_overhead_unit_us:{r['fsdp_overhead_unit_us']},"
+                         f"fsdp_overhead_layer_us:{r['fsdp_overhead_layer_us']},"
+                         f"fsdp_overhead_mib_us:{r['fsdp_overhead_mib_us']},send_samples:{sends},"
                          f"all_gather_samples:{pairs('all_gather_samples')},"
                          f"reduce_scatter_samples:{pairs('reduce_scatter_samples')}")
     # four all-reduce samples, four late ones, four contention samples, two DDP overheads, four sends, four
@@ -208,6 +220,16 @@ def test_sends_that_hang_time_out(tmp_path):
     r = run_pair(tmp_path, "hang_in_sends", 3)
     assert r["error"].startswith("TimeoutError: gpucast.calibrate: a barrier before the sends did not complete "
                                  "within 3 s on 2 ranks (gloo)"), r
+
+
+def test_fsdp_steps_that_hang_do_not_hang_the_calibration(tmp_path):
+    # Rank 0 waits for rank 1 to create the one-rank groups (or at a barrier) at most the timeout: it then leaves
+    # FSDP's keys out with a warning, or raises, but returns.
+    r = run_pair(tmp_path, "hang_in_fsdp", 3)
+    if "error" in r:
+        assert r["error"].startswith("TimeoutError: gpucast.calibrate: a barrier did not complete within 3 s"), r
+    else:
+        assert "fsdp_overhead_unit_us" not in r and "alpha_us" in r
 
 
 def test_a_backend_without_reduce_scatter_keeps_the_rest(tmp_path):

@@ -297,7 +297,8 @@ def test_gpu_rates_table():
                               "inter_alpha_us, inter_bytes_per_us, samples, ranks, samples_gap_us, "
                               "late_samples, late_gap_us, overlap, memory_contention, "
                               "memory_contention_samples, compute_contention, balance, sync_wait_us, "
-                              "drift_compute, drift_memory, ddp_overhead_us, ddp_overhead_samples, send_samples, "
+                              "drift_compute, drift_memory, ddp_overhead_us, ddp_overhead_samples, "
+                              "fsdp_overhead_unit_us, fsdp_overhead_layer_us, fsdp_overhead_mib_us, send_samples, "
                               "all_gather_samples, reduce_scatter_samples, algorithm), got {'alpha': 1}"),
     (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
@@ -317,8 +318,9 @@ def test_a_misspelt_link_key_is_named():
         "forecast: link: unknown key 'gpus_per_nodes'; known: intra, alpha_us, bytes_per_us, gpus_per_node, inter, "
         "inter_alpha_us, inter_bytes_per_us, samples, ranks, samples_gap_us, late_samples, late_gap_us, overlap, "
         "memory_contention, memory_contention_samples, compute_contention, balance, sync_wait_us, drift_compute, "
-        "drift_memory, ddp_overhead_us, ddp_overhead_samples, send_samples, all_gather_samples, "
-        "reduce_scatter_samples, algorithm (and what gpucast.calibrate() "
+        "drift_memory, ddp_overhead_us, ddp_overhead_samples, fsdp_overhead_unit_us, fsdp_overhead_layer_us, "
+        "fsdp_overhead_mib_us, send_samples, all_gather_samples, reduce_scatter_samples, algorithm (and what "
+        "gpucast.calibrate() "
         "also returns: backend, cores, local_ranks, threads)")
 
 

@@ -133,6 +133,12 @@ struct Topology {
   // The same cost by the gradient bytes a rank reduces (calibrate(): two models of 19 KB and 2.1 MB; the
   // collective threads' aftermath grows with the bytes they moved), sorted by bytes; empty: ddp_overhead_us.
   std::vector<OverheadSample> ddp_overhead_samples;
+  // What FSDP spends beside its collectives in a step (its hooks, copies into and out of the gathered buffers,
+  // the optimizer over sharded tensors; gpucast.calibrate() on CPU backends): per unit, per layer with parameters
+  // and per MiB of parameters, each micro-batch.
+  double fsdp_overhead_unit_us = 0.0;
+  double fsdp_overhead_layer_us = 0.0;
+  double fsdp_overhead_mib_us = 0.0;
   // "intra:nvlink4,gpus_per_node:8,inter:ib-ndr", or numbers: "alpha_us:9,bytes_per_us:230000" (intra),
   // "inter_alpha_us:..,inter_bytes_per_us:..", measured intra samples "samples:65536/120.5;1048576/900,ranks:2",
   // with "samples_gap_us:7000,late_samples:65536/2400;4194304/5100,late_gap_us:34000" after idle spells,
