@@ -515,7 +515,8 @@ FsdpUnits fsdp_units(const std::vector<std::string>& layers, const std::vector<d
     size_t best_len = 0;
     for (size_t k = 0; k < paths.size(); ++k) {
       const std::string& p = paths[k];
-      const bool inside = name == p || (name.size() > p.size() && name.compare(0, p.size(), p) == 0 && name[p.size()] == '.');
+      const bool inside =
+          name == p || (name.size() > p.size() && name.compare(0, p.size(), p) == 0 && name[p.size()] == '.');
       if (!inside) continue;
       if (holds[k] >= 2) {
         holds[k] = 3;  // the root, named: it holds the layer unless a deeper unit does
@@ -1008,14 +1009,18 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
                                       : fmt::format(", for {:.3g} MiB of gradients per rank",
                                                     static_cast<double>(rank_grad) / (1 << 20))));
   }
+  // FSDP's units over the layers, by their parameters (the probes hold them whole).
+  std::vector<double> params;
+  FsdpUnits U;
+  if (P.dp > 1 && P.dp_mode == "fsdp") {
+    std::vector<std::string> names;
+    for (const LayerForecast& l : f.per_layer) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
+    U = fsdp_units(names, params, P.fsdp_units);
+  }
   const double fsdp_unit = T.fsdp_overhead_unit_us, fsdp_layer = T.fsdp_overhead_layer_us, fsdp_mib = T.fsdp_overhead_mib_us;
   if (P.dp > 1 && P.dp_mode == "fsdp" && (fsdp_unit > 0 || fsdp_layer > 0 || fsdp_mib > 0)) {
     // FSDP's own work beside its collectives, every micro-batch: by its units, their layers with parameters and
-    // the parameters' MiB (the probes hold them whole).
-    std::vector<std::string> names;
-    std::vector<double> params;
-    for (const LayerForecast& l : f.per_layer) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
-    const FsdpUnits U = fsdp_units(names, params, P.fsdp_units);
+    // the parameters' MiB.
     int64_t units = 0, layers = 0;
     double mib = 0;
     for (double b : U.bytes) units += b > 0, mib += b / (1 << 20);
@@ -1231,12 +1236,9 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
     // are its layers' parameters (the probes hold them whole: its gather moves their full size). Each pass gathers
     // the next unit when the current one starts computing (prefetch), on one communication stream in issue order;
     // the root unit is gathered first in forward and kept for backward (not resharded after forward); a unit's
-    // gradients are reduce-scattered once its last layer's backward is done, the root's once backward is. Every micro-batch gathers again
-    // (gradient accumulation under no_sync keeps the gradients, not the parameters), the last one reduce-scatters.
-    std::vector<std::string> names;
-    std::vector<double> params;
-    for (const LayerForecast& l : f.per_layer) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
-    const FsdpUnits U = fsdp_units(names, params, P.fsdp_units);
+    // gradients are reduce-scattered once its last layer's backward is done, the root's once backward is. Every
+    // micro-batch gathers again (gradient accumulation under no_sync keeps the gradients, not the parameters), the
+    // last one reduce-scatters.
     double comm_free = 0, compute = 0;
     auto pass = [&](const std::vector<size_t>& layers, bool backward, int64_t mb, bool reduce) {
       std::vector<int64_t> order;  // the units this pass gathers, in issue order
@@ -1258,14 +1260,16 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       auto gather = [&](double not_before) {
         const int64_t u = order[next++];
         const double bytes = U.bytes[static_cast<size_t>(u)];
-        comm_free = add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before), all_gather_us(bytes, P.dp, *dp_link));
+        comm_free = add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before),
+                             all_gather_us(bytes, P.dp, *dp_link));
         gathered[static_cast<size_t>(u)] = comm_free;
       };
       if (!order.empty()) gather(compute);
       auto scatter = [&](int64_t u) {
         const double bytes = U.bytes[static_cast<size_t>(u)];
         if (bytes <= 0) return;
-        comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute), reduce_scatter_us(bytes, P.dp, *dp_link));
+        comm_free = add_comm("fsdp_reduce_scatter", bytes, std::max(comm_free, compute),
+                             reduce_scatter_us(bytes, P.dp, *dp_link));
       };
       std::vector<char> started(U.bytes.size(), 0);
       for (size_t i : layers) {
