@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import statistics
 import time
@@ -271,6 +272,21 @@ def _sends(sizes, buffers, repeats, group, wait) -> list:
     return [(float(size), u) for size, u in zip(sizes, out.tolist())]
 
 
+def _extra_seconds(plain, wrapped, group, wait, steps: int, blocks: int) -> float:
+    """How much longer wrapped() takes than plain() (each runs once and returns its seconds) on this rank, every
+    rank at once: three warm-up calls of each, then `blocks` blocks of `steps` calls of plain() and of wrapped() in
+    turn, a barrier before each block; the difference of their medians."""
+    for _ in range(3):
+        plain(), wrapped()
+    runs = {"plain": [], "wrapped": []}
+    for _ in range(blocks):
+        wait(dist.barrier(group=group, async_op=True), "a barrier")
+        runs["plain"] += [plain() for _ in range(steps)]
+        wait(dist.barrier(group=group, async_op=True), "a barrier")
+        runs["wrapped"] += [wrapped() for _ in range(steps)]
+    return statistics.median(runs["wrapped"]) - statistics.median(runs["plain"])
+
+
 # The models _fsdp_overhead shards: (units, linear layers per unit, width): many small units, few large ones, few
 # units of many layers.
 _FSDP_OVERHEAD_MODELS = ((8, 1, 64), (2, 1, 1024), (2, 6, 64))
@@ -316,16 +332,9 @@ def _fsdp_overhead(group, wait, timeout=None, steps: int = 10, blocks: int = 3) 
                 return time.perf_counter() - t0
 
             plain, sharded = make(False), make(True)
-            for _ in range(3):
-                step(*plain), step(*sharded)
-            runs = {"plain": [], "sharded": []}
-            for _ in range(blocks):
-                wait(dist.barrier(group=group, async_op=True), "a barrier")
-                runs["plain"] += [step(*plain) for _ in range(steps)]
-                wait(dist.barrier(group=group, async_op=True), "a barrier")
-                runs["sharded"] += [step(*sharded) for _ in range(steps)]
             rows.append([units, units * layers, units * layers * (width * width + width) * 4 / 2**20])
-            extra.append(1e6 * (statistics.median(runs["sharded"]) - statistics.median(runs["plain"])))
+            extra.append(1e6 * _extra_seconds(lambda: step(*plain), lambda: step(*sharded), group, wait, steps,
+                                              blocks))
         a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(extra, dtype=torch.float64)
         keep = [0, 1, 2]
         cost = torch.zeros(3, dtype=torch.float64)
@@ -519,16 +528,10 @@ def _ddp_overhead(ranks: int, group, wait, hidden: tuple = (64,), steps: int = 1
             o.step()
             return (t1 - t0) + (time.perf_counter() - t2)
 
-        for _ in range(3):  # warm-up (DDP rebuilds its buckets after the first iteration)
-            outside(plain, plain_opt), outside(ddp, opt)
-        runs = {"plain": [], "ddp": []}
-        for _ in range(blocks):
-            wait(dist.barrier(group=group, async_op=True), "a barrier")
-            runs["plain"] += [outside(plain, plain_opt) for _ in range(steps)]
-            wait(dist.barrier(group=group, async_op=True), "a barrier")
-            runs["ddp"] += [outside(ddp, opt) for _ in range(steps)]
-        mine = torch.tensor([max(0.0, statistics.median(runs["ddp"]) - statistics.median(runs["plain"]))],
-                            dtype=torch.float64)
+        # (the warm-up also lets DDP rebuild its buckets after the first iteration)
+        extra = _extra_seconds(functools.partial(outside, plain, plain_opt), functools.partial(outside, ddp, opt), group,
+                               wait, steps, blocks)
+        mine = torch.tensor([max(0.0, extra)], dtype=torch.float64)
         wait(dist.all_reduce(mine, group=group, async_op=True), "an all-reduce")
         del ddp
         return sum(p.numel() * p.element_size() for p in model.parameters()), round(mine.item() / ranks * 1e6, 1)
