@@ -1,6 +1,8 @@
 #include "gpucast/trace_json.h"
 
 #include <cerrno>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -29,7 +31,9 @@ json value_to_json(const Value& v) {
     for (const auto& t : v.tensors) list.push_back(tensor_to_json(t));
     j["tensors"] = std::move(list);
   } else if (v.kind == Value::Kind::Scalar) {
-    j["value"] = v.scalar;
+    // JSON has no infinities or NaN (a mask's -inf fill value, a loss scale's inf): those are written as text.
+    if (std::isfinite(v.scalar)) j["value"] = v.scalar;
+    else j["value"] = std::isnan(v.scalar) ? "nan" : (v.scalar > 0 ? "inf" : "-inf");
   }
   return j;
 }
@@ -94,6 +98,20 @@ TensorMeta tensor_from_json(const Reader& r, const json& j, const std::string& w
   return t;
 }
 
+// A scalar argument: a number, or the text value_to_json writes for a non-finite one ("inf", "-inf", "nan");
+// null, which files written before that text hold for a non-finite value, reads as NaN.
+double scalar_from_json(const Reader& r, const json& v, const std::string& where) {
+  if (v.is_number()) return v.get<double>();
+  if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+  if (v.is_string()) {
+    const std::string& s = v.get_ref<const std::string&>();
+    if (s == "inf") return std::numeric_limits<double>::infinity();
+    if (s == "-inf") return -std::numeric_limits<double>::infinity();
+    if (s == "nan") return std::numeric_limits<double>::quiet_NaN();
+  }
+  r.fail(where, "a number, \"inf\", \"-inf\" or \"nan\"", v);
+}
+
 std::vector<Value> values_from_json(const Reader& r, const json& a, const std::string& where) {
   std::vector<Value> out;
   if (!a.is_array()) r.fail(where, "a list", a);
@@ -114,7 +132,7 @@ std::vector<Value> values_from_json(const Reader& r, const json& a, const std::s
         v.tensors.push_back(tensor_from_json(r, list[k], fmt::format("{}.tensors[{}]", w, k)));
       }
     } else if (v.kind == Value::Kind::Scalar) {
-      v.scalar = r.get<double>(a[i], "value", w);
+      v.scalar = scalar_from_json(r, r.field(a[i], "value", w), w + ".value");
     }
     out.push_back(std::move(v));
   }

@@ -1,7 +1,9 @@
 // The profiler's plain-C++ side: assembly of per-thread records, backward links, categories, JSON.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <memory>
 
 #include "gpucast/cuda_block.h"
@@ -180,6 +182,35 @@ TEST_F(AssemblyTest, JsonRoundTripIsExact) {
   EXPECT_EQ(back.ops[1].inputs, t.ops[1].inputs);
   EXPECT_EQ(back.ops[1].outputs, t.ops[1].outputs);
   EXPECT_EQ(back.context.torch_version, "2.14.1");
+}
+
+TEST_F(AssemblyTest, NonFiniteScalarsSurviveTheRoundTrip) {
+  // An attention mask's -inf fill value: JSON has no number for it, and a saved trace must load again.
+  Trace t = assemble_trace(std::move(in));
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double x : {-inf, inf, std::numeric_limits<double>::quiet_NaN()}) {
+    t.ops[1].inputs.push_back(Value{Value::Kind::Scalar, {}, x});
+  }
+  const std::string text = trace_to_json(t);
+  EXPECT_NE(text.find(R"("value":"-inf")"), std::string::npos);
+  Trace back = trace_from_json(text);
+  const auto& in = back.ops[1].inputs;
+  ASSERT_EQ(in.size(), 3u);
+  EXPECT_EQ(in[0].scalar, -inf);
+  EXPECT_EQ(in[1].scalar, inf);
+  EXPECT_TRUE(std::isnan(in[2].scalar));
+  EXPECT_EQ(trace_to_json(back), text);
+  // Files written before: null where the value was not finite.
+  std::string old = text;
+  old.replace(old.find(R"("value":"inf")"), 13, R"("value":null)");
+  EXPECT_TRUE(std::isnan(trace_from_json(old).ops[1].inputs[1].scalar));
+  old.replace(old.find(R"("value":"nan")"), 13, R"("value":"x")");
+  try {
+    trace_from_json(old, "x.json");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), R"(x.json: field 'ops[1].inputs[2].value' should be a number, "inf", "-inf" or "nan", got "x")");
+  }
 }
 
 TEST(TraceJson, RejectsMalformedJsonNamingThePosition) {
