@@ -10,9 +10,11 @@
 #include <map>
 #include <optional>
 
+#include "config_keys.h"
 #include "gpucast/config.h"
+#include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
-#include "gpucast/exporters.h"
+#include "gpucast/trace_exporters.h"
 #include "gpucast/gpu_rates.h"
 #include "gpucast/layer_model.h"
 #include "gpucast/comm_model.h"

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpucast/config.h"
+#include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
 
 namespace gpucast {

@@ -17,7 +17,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
-#include "gpucast/weights_cache.h"
+#include "weights_cache.h"
 #include "gpucast/job_features.h"
 
 namespace gpucast {

@@ -1,7 +1,7 @@
 // ScaleDL's step-time graph network: LibTorch nn, trained by `gpucast-train step-gnn`, loaded by the plugin.
 #include "gpucast/step_gnn.h"
 
-#include "gpucast/config.h"
+#include "gpucast/shipped_data.h"
 
 #include <sys/stat.h>
 
@@ -20,7 +20,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
-#include "gpucast/weights_cache.h"
+#include "weights_cache.h"
 #include "gpucast/job_features.h"
 
 namespace gpucast {

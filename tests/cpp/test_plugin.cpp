@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "config_keys.h"
 #include "gpucast/config.h"
 #include "gpucast/error.h"
 

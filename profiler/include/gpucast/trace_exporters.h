@@ -1,4 +1,4 @@
-// gpucast/exporters.h: a recorded trace in the formats other tools read.
+// gpucast/trace_exporters.h: a recorded trace in the formats other tools read.
 #pragma once
 
 #include <string>

@@ -1,4 +1,4 @@
-#include "gpucast/exporters.h"
+#include "gpucast/trace_exporters.h"
 
 #include <algorithm>
 #include <array>

@@ -1,14 +1,11 @@
 #include "gpucast/config.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
-#include <filesystem>
 
 #include "gpucast/error.h"
 
@@ -177,35 +174,6 @@ std::string Config::describe() const {
   return out;
 }
 
-std::vector<ConfigKey> trace_config_keys() {
-  using F = ConfigKey::Form;
-  return {
-      {"record_shapes", F::Bool, true, {}, "record shapes, strides, dtypes and devices of op inputs and outputs"},
-      {"memory", F::Bool, true, {}, "record allocations and frees (CPU allocator wrapper, CUDA caching allocator)"},
-      {"module_paths", F::Bool, true, {}, "attribute ops to module paths through global module forward hooks"},
-      {"nested_ops", F::Bool, true, {},
-       "record ops nested in another op; False: count them in the enclosing op instead (the forecast's timing "
-       "traces), except those a backward node links to"},
-      {"max_ops", F::PositiveInt, int64_t{2000000}, {}, "bound on recorded ops; more are counted as dropped"},
-      {"max_events", F::PositiveInt, int64_t{4000000}, {}, "bound on recorded memory events; more are counted as dropped"},
-      {"device_timing", F::Bool, true, {}, "time device work (CUPTI, else CUDA events) where a CUDA device is present"},
-      {"external_profiler", F::Bool, false, {},
-       "another client records CUDA activity (set by gpucast.trace() while torch.profiler runs): leave CUPTI alone"},
-  };
-}
-
-std::vector<ConfigKey> auto_config_keys() {
-  using F = ConfigKey::Form;
-  return {
-      {"enabled", F::Bool, false, {}, "trace the first iteration by itself, forecast the run, warn on risk"},
-      {"target", F::String, std::string("auto"), {},
-       "cpu, a device table name (python -m gpucast devices), or auto: this process's GPU, else cpu"},
-      {"capacity_mb", F::NonNegativeInt, int64_t{0}, {}, "device memory in MiB, overriding the table (0: the table's)"},
-      {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
-      {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
-  };
-}
-
 std::string ascii_lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
@@ -219,15 +187,6 @@ std::optional<double> parse_number(std::string_view text) {
   const double v = std::strtod(s.c_str(), &end);
   if (end != s.c_str() + s.size() || errno == ERANGE) return std::nullopt;
   return v;
-}
-
-std::string shipped_data_file(const char* env, const char* name) {
-  if (const char* v = env != nullptr ? std::getenv(env) : nullptr; v != nullptr && *v != '\0') return v;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&shipped_data_file), &info) == 0 || info.dli_fname == nullptr) return "";
-  std::error_code ec;
-  const std::filesystem::path lib = std::filesystem::weakly_canonical(info.dli_fname, ec);
-  return (lib.parent_path().parent_path() / "data" / name).string();
 }
 
 }  // namespace gpucast

@@ -1,4 +1,5 @@
-// gpucast/weights_cache.h: the learned models' weights in LibTorch: a network's parameters to and from a weights
+// weights_cache.h (predictor, private: it includes LibTorch, which no public header may): the learned models'
+// weights in LibTorch: a network's parameters to and from a weights
 // file (job_features.h), and a model loaded once per weights file and modification time.
 //
 // Both learned models (job_model.h, step_gnn.h) are asked many times per process; their weights files are read

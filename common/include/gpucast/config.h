@@ -1,4 +1,4 @@
-// gpucast/config.h: one grammar for every setting, PyTorch's allocator grammar:
+// gpucast/config.h (common): one grammar for every setting, PyTorch's allocator grammar:
 //   key:value,key:value,key:[a,b]      booleans True/False
 // Each key is declared once in a registry with its form, default and documentation; an unknown key or
 // a bad value is an error naming the key, the expected form and what was given.
@@ -58,21 +58,11 @@ class Config {
 // (naming `what` and the position) for an item without ':' or an unclosed '['.
 std::vector<std::pair<std::string, std::string>> split_config(std::string_view text, std::string_view what);
 
-// The options of gpucast.trace() / torch.ops.gpucast.start_trace.
-std::vector<ConfigKey> trace_config_keys();
-// The keys of GPUCAST_CONF (auto mode).
-std::vector<ConfigKey> auto_config_keys();
-
 // `text` as a number when all of it is one (strtod's forms) and in double's range; nullopt otherwise. Callers
 // check the sign and finiteness they need and word their own errors.
 std::optional<double> parse_number(std::string_view text);
 
 // `s` with its ASCII letters lower-cased (names compared without regard to case: devices, GPUs, links).
 std::string ascii_lower(std::string s);
-
-// A file shipped with the library: $env when set and not empty, else data/<name> beside the directory of the
-// library holding this code (lib/ and data/ sit side by side in the installed package and in the build tree);
-// "" when that library cannot be found. env nullptr: the shipped file whatever the environment says.
-std::string shipped_data_file(const char* env, const char* name);
 
 }  // namespace gpucast
