@@ -16,6 +16,7 @@
 #include "gpucast/layer_model.h"
 #include "gpucast/step_time.h"
 #include "gpucast/trace_summary.h"
+#include "least_squares.h"
 
 namespace gpucast {
 
@@ -395,38 +396,12 @@ Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l
     f.c0 = s[0];
     return f;
   }
-  constexpr int K = 5;
-  auto phi = [&](size_t i) {
-    return std::array<double, K>{1.0, b[i], l[i], b[i] * l[i], b[i] * l[i] * l[i]};
-  };
-  double A[K][K + 1] = {};
-  for (size_t i = 0; i < n; ++i) {
-    const auto p = phi(i);
-    for (int r = 0; r < K; ++r) {
-      for (int c = 0; c < K; ++c) A[r][c] += p[r] * p[c];
-      A[r][K] += p[r] * s[i];
-    }
-  }
-  // Gaussian elimination with partial pivoting; a singular design leaves the unresolved terms at zero.
-  std::array<double, K> x{};
-  int rank_ok = 1;
-  for (int c = 0; c < K; ++c) {
-    int piv = c;
-    for (int r = c + 1; r < K; ++r) {
-      if (std::abs(A[r][c]) > std::abs(A[piv][c])) piv = r;
-    }
-    if (std::abs(A[piv][c]) < 1e-9) {
-      rank_ok = 0;
-      continue;
-    }
-    for (int k = 0; k <= K; ++k) std::swap(A[c][k], A[piv][k]);
-    for (int r = 0; r < K; ++r) {
-      if (r == c) continue;
-      const double m = A[r][c] / A[c][c];
-      for (int k = c; k <= K; ++k) A[r][k] -= m * A[c][k];
-    }
-  }
-  for (int c = 0; c < K; ++c) x[c] = std::abs(A[c][c]) < 1e-9 ? 0.0 : A[c][K] / A[c][c];
+  // A singular design (probes at one length, or one batch size) leaves the unresolved terms at zero.
+  std::vector<std::vector<double>> rows;
+  for (size_t i = 0; i < n; ++i) rows.push_back({1.0, b[i], l[i], b[i] * l[i], b[i] * l[i] * l[i]});
+  const detail::LeastSquaresFit fit = detail::least_squares(rows, s);
+  const std::vector<double>& x = fit.coef;
+  const bool rank_ok = fit.full_rank;
   f.c0 = x[0];
   f.c1 = x[1];
   f.cl = x[2];
@@ -474,24 +449,14 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
     f.linear = false;
     return f;
   }
-  // Quadratic least squares (normal equations, 3x3, Cramer's rule).
-  double S[5] = {0, 0, 0, 0, 0}, T[3] = {0, 0, 0};
-  for (size_t i = 0; i < n; ++i) {
-    double p = 1;
-    for (int k = 0; k < 5; ++k) {
-      S[k] += p;
-      if (k < 3) T[k] += p * s[i];
-      p *= b[i];
-    }
-  }
-  auto det3 = [](double a, double b1, double c, double d, double e, double g, double h, double i1, double j) {
-    return a * (e * j - g * i1) - b1 * (d * j - g * h) + c * (d * i1 - e * h);
-  };
-  const double D = det3(S[0], S[1], S[2], S[1], S[2], S[3], S[2], S[3], S[4]);
-  if (std::abs(D) < 1e-12) return f;
-  f.c0 = det3(T[0], S[1], S[2], T[1], S[2], S[3], T[2], S[3], S[4]) / D;
-  f.c1 = det3(S[0], T[0], S[2], S[1], T[1], S[3], S[2], T[2], S[4]) / D;
-  f.c2 = det3(S[0], S[1], T[0], S[1], S[2], T[1], S[2], S[3], T[2]) / D;
+  // Quadratic least squares over {1, b, b^2}.
+  std::vector<std::vector<double>> rows;
+  for (size_t i = 0; i < n; ++i) rows.push_back({1.0, b[i], b[i] * b[i]});
+  const detail::LeastSquaresFit q = detail::least_squares(rows, s);
+  if (!q.full_rank) return f;
+  f.c0 = q.coef[0];
+  f.c1 = q.coef[1];
+  f.c2 = q.coef[2];
   f.linear = false;
   return f;
 }
