@@ -145,8 +145,8 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
   int64_t op_workspace_batch = 0;
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
-                  const std::string& cublas_config, const std::vector<int64_t>& exclude, double memory_fraction,
-                  int64_t conv_workspace, const std::string& cudnn_conv_wscap) {
+                  const std::string& cublas_config, const std::vector<int64_t>& exclude, int64_t conv_workspace,
+                  const std::string& cudnn_conv_wscap) {
     return translate([&] {
       MemoryForecastInput in;
       for (const auto& p : probes) in.probes.push_back(&p->get());
@@ -161,7 +161,6 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.parallel = ParallelConfig::parse(parallel);
       in.allocator = alloc_conf.empty() ? AllocatorConfig{} : AllocatorConfig::parse(alloc_conf);
       in.cublas_workspace_config = cublas_config;
-      in.memory_fraction = memory_fraction;
       in.conv_workspace_bytes = conv_workspace;
       in.cudnn_conv_wscap = cudnn_conv_wscap;
       in.conv_workspaces = conv_workspaces;
@@ -277,7 +276,14 @@ TORCH_LIBRARY(gpucast, m) {
       .def("set_target_seq", &MemoryForecasterHolder::set_target_seq)
       .def("set_conv_workspaces", &MemoryForecasterHolder::set_conv_workspaces)
       .def("set_op_workspaces", &MemoryForecasterHolder::set_op_workspaces)
-      .def("run", &MemoryForecasterHolder::run);
+      // Called with keywords: the settings of the target and the environment PyTorch's allocator reads
+      // (PYTORCH_ALLOC_CONF, CUBLAS_WORKSPACE_CONFIG, CUDNN_CONV_WSCAP_DBG); exclude: storages that are not the job's.
+      .def("run", &MemoryForecasterHolder::run, "the memory forecast at target_batch, as JSON",
+           {torch::arg("target_batch"), torch::arg("target") = "cpu", torch::arg("capacity_bytes") = 0,
+            torch::arg("safety_fraction") = 0.9, torch::arg("probe_device") = "cpu", torch::arg("parallel") = "",
+            torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
+            torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,
+            torch::arg("cudnn_conv_wscap") = ""});
   m.def("predict_job(str job_json, str? weights=None) -> str",
         [](const std::string& text, std::optional<std::string> weights) {
           return gpucast::translate([&] {
@@ -286,7 +292,7 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });
         });
-  m.def("forecast_step_time(str[] probes, int batch_size, str parallel, str link, float time_scale=1.0, "
+  m.def("forecast_step_time(str[] probes, int batch_size, str parallel=\"\", str link=\"\", float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
         "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
         "bool tf32_conv=True, int seq_len=0, bool every_layer=False, float time_budget=1.0) -> str",
@@ -317,8 +323,9 @@ TORCH_LIBRARY(gpucast, m) {
               if (g == nullptr) {
                 std::string known;
                 for (const auto& r : table) known += (known.empty() ? "" : ", ") + r.name;
-                GPUCAST_USER_ERROR("forecast_step_time: the GPU rates table '{}' has no '{}'; it has: {}", path, gpu,
-                                   known);
+                GPUCAST_USER_ERROR_CODE("gpu-rates",
+                                        "forecast_step_time: the GPU rates table '{}' has no '{}'; it has: {}", path,
+                                        gpu, known);
               }
               return gpucast::step_time_to_json(
                   gpucast::forecast_step_time_on_gpu(its, o, *g, gpucast::GpuPrecision{tf32_matmul, tf32_conv}));
@@ -402,6 +409,11 @@ TORCH_LIBRARY(gpucast, m) {
       }
       return out.dump();
     });
+  });
+  m.def("link_keys() -> str[]", [] {
+    std::vector<std::string> names;
+    for (const gpucast::ConfigKey& k : gpucast::link_config_keys()) names.push_back(k.name);
+    return names;
   });
   m.def("interconnects() -> str", [] {
     std::string out = "[";

@@ -114,7 +114,7 @@ Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ra
   if (std::abs(det) < 1e-300) GPUCAST_USER_ERROR("fit: the all-reduce samples do not determine a link");
   const double x = (sut * svv - svt * suv) / det;
   const double a = (suu * svt - suv * sut) / det;
-  if (x <= 0) GPUCAST_USER_ERROR("fit: the all-reduce samples give a non-positive bandwidth");
+  if (x <= 0) GPUCAST_USER_ERROR_CODE("link-bandwidth", "fit: the all-reduce samples give a non-positive bandwidth");
   return Link{std::max(a, 0.0), 1.0 / x};
 }
 
@@ -168,52 +168,58 @@ const Interconnect& find_interconnect(const std::string& name) {
   GPUCAST_USER_ERROR("link: unknown interconnect '{}'; known: {}", name, names);
 }
 
-Topology Topology::parse(const std::string& text) {
+std::vector<ConfigKey> link_config_keys() {
   using F = ConfigKey::Form;
-  Config cfg("link", {{"intra", F::String, std::string(), {}, "interconnect inside a node (interconnect table)"},
-                      {"alpha_us", F::String, std::string(), {}, "intra-node latency per ring step, microseconds"},
-                      {"bytes_per_us", F::String, std::string(), {}, "intra-node bus bandwidth, bytes per microsecond"},
-                      {"gpus_per_node", F::NonNegativeInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
-                      {"inter", F::String, std::string(), {}, "interconnect between nodes (interconnect table)"},
-                      {"inter_alpha_us", F::String, std::string(), {}, "inter-node latency per ring step"},
-                      {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"},
-                      {"samples", F::String, std::string(), {}, "measured intra-node all-reduces: BYTES/US;BYTES/US;..."},
-                      {"ranks", F::PositiveInt, int64_t{0}, {}, "the rank count the samples were measured on"},
-                      {"samples_gap_us", F::String, std::string("0"), {},
-                       "the compute before each of the samples, microseconds (the group's idle spell)"},
-                      {"late_samples", F::String, std::string(), {},
-                       "all-reduces after a longer idle spell, same ranks: BYTES/US;BYTES/US;..."},
-                      {"late_gap_us", F::String, std::string("0"), {}, "the idle spell before late_samples"},
-                      {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
-                      {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
-                      {"memory_contention_samples", F::String, std::string(), {},
-                       "memory-bound slowdown by working set: BYTES/FACTOR;BYTES/FACTOR;..."},
-                      {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
-                      {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
-                      {"sync_wait_us", F::String, std::string("0"), {},
-                       "the last rank's lag at a step's first collective, ranks sharing cores"},
-                      {"drift_compute", F::String, std::string("0"), {},
-                       "the last rank's lag per unit of compute-bound work since the ranks last met"},
-                      {"drift_memory", F::String, std::string("0"), {},
-                       "the last rank's lag per unit of memory-bound work since the ranks last met"},
-                      {"ddp_overhead_us", F::String, std::string("0"), {},
-                       "a DDP step's cost outside backward beyond the plain module's, per step"},
-                      {"ddp_overhead_samples", F::String, std::string(), {},
-                       "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
-                      {"fsdp_overhead_unit_us", F::String, std::string("0"), {},
-                       "what FSDP spends beside its collectives per unit and micro-batch"},
-                      {"fsdp_overhead_layer_us", F::String, std::string("0"), {},
-                       "what FSDP spends beside its collectives per layer with parameters and micro-batch"},
-                      {"fsdp_overhead_mib_us", F::String, std::string("0"), {},
-                       "what FSDP spends beside its collectives per MiB of parameters and micro-batch"},
-                      {"send_samples", F::String, std::string(), {},
-                       "measured one-way point-to-point sends (pipeline hops): BYTES/US;BYTES/US;..."},
-                      {"all_gather_samples", F::String, std::string(), {},
-                       "measured all-gathers by the gathered tensor's bytes (FSDP, ZeRO): BYTES/US;BYTES/US;..."},
-                      {"reduce_scatter_samples", F::String, std::string(), {},
-                       "measured reduce-scatters by the scattered tensor's bytes (FSDP, ZeRO): BYTES/US;..."},
-                      {"algorithm", F::Choice, std::string("ring"), {"ring", "tree"},
-                       "all-reduce algorithm of the data- and tensor-parallel reductions"}});
+  return {
+      {"intra", F::String, std::string(), {}, "interconnect inside a node (interconnect table)"},
+      {"alpha_us", F::String, std::string(), {}, "intra-node latency per ring step, microseconds"},
+      {"bytes_per_us", F::String, std::string(), {}, "intra-node bus bandwidth, bytes per microsecond"},
+      {"gpus_per_node", F::NonNegativeInt, int64_t{0}, {}, "GPUs in one node (0: one node)"},
+      {"inter", F::String, std::string(), {}, "interconnect between nodes (interconnect table)"},
+      {"inter_alpha_us", F::String, std::string(), {}, "inter-node latency per ring step"},
+      {"inter_bytes_per_us", F::String, std::string(), {}, "inter-node bus bandwidth per GPU"},
+      {"samples", F::String, std::string(), {}, "measured intra-node all-reduces: BYTES/US;BYTES/US;..."},
+      {"ranks", F::PositiveInt, int64_t{0}, {}, "the rank count the samples were measured on"},
+      {"samples_gap_us", F::String, std::string("0"), {},
+       "the compute before each of the samples, microseconds (the group's idle spell)"},
+      {"late_samples", F::String, std::string(), {},
+       "all-reduces after a longer idle spell, same ranks: BYTES/US;BYTES/US;..."},
+      {"late_gap_us", F::String, std::string("0"), {}, "the idle spell before late_samples"},
+      {"overlap", F::Bool, true, {}, "collectives run beside the compute"},
+      {"memory_contention", F::String, std::string("1"), {}, "memory-bound slowdown, all ranks at work"},
+      {"memory_contention_samples", F::String, std::string(), {},
+       "memory-bound slowdown by working set: BYTES/FACTOR;BYTES/FACTOR;..."},
+      {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
+      {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
+      {"sync_wait_us", F::String, std::string("0"), {},
+       "the last rank's lag at a step's first collective, ranks sharing cores"},
+      {"drift_compute", F::String, std::string("0"), {},
+       "the last rank's lag per unit of compute-bound work since the ranks last met"},
+      {"drift_memory", F::String, std::string("0"), {},
+       "the last rank's lag per unit of memory-bound work since the ranks last met"},
+      {"ddp_overhead_us", F::String, std::string("0"), {},
+       "a DDP step's cost outside backward beyond the plain module's, per step"},
+      {"ddp_overhead_samples", F::String, std::string(), {},
+       "that cost by the gradient bytes per rank: BYTES/US;BYTES/US;..."},
+      {"fsdp_overhead_unit_us", F::String, std::string("0"), {},
+       "what FSDP spends beside its collectives per unit and micro-batch"},
+      {"fsdp_overhead_layer_us", F::String, std::string("0"), {},
+       "what FSDP spends beside its collectives per layer with parameters and micro-batch"},
+      {"fsdp_overhead_mib_us", F::String, std::string("0"), {},
+       "what FSDP spends beside its collectives per MiB of parameters and micro-batch"},
+      {"send_samples", F::String, std::string(), {},
+       "measured one-way point-to-point sends (pipeline hops): BYTES/US;BYTES/US;..."},
+      {"all_gather_samples", F::String, std::string(), {},
+       "measured all-gathers by the gathered tensor's bytes (FSDP, ZeRO): BYTES/US;BYTES/US;..."},
+      {"reduce_scatter_samples", F::String, std::string(), {},
+       "measured reduce-scatters by the scattered tensor's bytes (FSDP, ZeRO): BYTES/US;..."},
+      {"algorithm", F::Choice, std::string("ring"), {"ring", "tree"},
+       "all-reduce algorithm of the data- and tensor-parallel reductions"},
+  };
+}
+
+Topology Topology::parse(const std::string& text) {
+  Config cfg("link", link_config_keys());
   cfg.parse(text);
   auto number = [&](const char* key, bool positive) {
     const std::string& v = cfg.get_string(key);

@@ -115,13 +115,18 @@ std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string
 std::vector<GpuRates> load_gpu_rates(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) {
-    GPUCAST_USER_ERROR("GPU rates table '{}' cannot be read (missing?): give a table written by bench/gpu_rates.py, "
-                       "or unset GPUCAST_GPU_RATES to use the shipped one",
-                       path);
+    GPUCAST_USER_ERROR_CODE("gpu-rates",
+                            "GPU rates table '{}' cannot be read (missing?): give a table written by "
+                            "bench/gpu_rates.py, or unset GPUCAST_GPU_RATES to use the shipped one",
+                            path);
   }
   std::stringstream s;
   s << f.rdbuf();
-  return parse_gpu_rates(s.str(), path);
+  try {
+    return parse_gpu_rates(s.str(), path);
+  } catch (const UserError& e) {
+    throw with_code("gpu-rates", e);  // whatever is wrong with it, the table is not usable
+  }
 }
 
 std::string gpu_rates_to_json(const std::vector<GpuRates>& table) {

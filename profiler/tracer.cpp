@@ -110,7 +110,7 @@ struct OpenOp {
 };
 
 // A thread's buffer lock: taken by its own thread around each record (uncontended: one exchange and one store),
-// and by stop_trace for the moment it takes the records over.
+// and by stop_recording for the moment it takes the records over.
 class SpinLock {
  public:
   void lock() noexcept {
@@ -125,7 +125,7 @@ class SpinLock {
 };
 
 struct ThreadState {
-  SpinLock mu;  // uncontended while recording; taken by stop_trace when draining
+  SpinLock mu;  // uncontended while recording; taken by stop_recording when draining
   bool busy = false;  // set while this thread is inside gpucast code holding `mu`
   uint64_t tid = 0;
   uint64_t slot = 0;  // position in the registry: the high half of this thread's op keys
@@ -748,8 +748,6 @@ RecordedTrace stop_recording() {
   raw.in.context = current_context();
   return out;
 }
-
-Trace stop_trace() { return stop_recording().trace(); }
 
 bool trace_active() { return state().active.load(); }
 int installed_callbacks() { return state().installed.load(); }

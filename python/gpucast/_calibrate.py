@@ -11,6 +11,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ._errors import error_code
+
 
 def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int | None = None,
               timeout_s: float = 60.0, group=None) -> dict:
@@ -143,7 +145,7 @@ def _fit_link(samples: list, ranks: int) -> tuple:
     try:
         return tuple(torch.ops.gpucast.fit_allreduce([s for s, _ in samples], [u for _, u in samples], ranks))
     except ValueError as e:
-        if "non-positive bandwidth" not in str(e):
+        if error_code(e) != "link-bandwidth":
             raise
     # T = x * u with u = 2(N-1)/N * S, least squares weighted by 1/T^2: x = sum(u/T) / sum(u^2/T^2).
     n = float(ranks)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ._errors import error_code
 from ._trace import _flatten, mark_iteration_end, trace
 
 SCHEMA_VERSION = 1
@@ -48,12 +49,10 @@ def devices() -> list[dict]:
     return rows
 
 
-_LINK_KEYS = ("intra", "alpha_us", "bytes_per_us", "gpus_per_node", "inter", "inter_alpha_us", "inter_bytes_per_us",
-              "samples", "ranks", "samples_gap_us", "late_samples", "late_gap_us", "overlap", "memory_contention",
-              "memory_contention_samples", "compute_contention", "balance", "sync_wait_us", "drift_compute",
-              "drift_memory", "ddp_overhead_us", "ddp_overhead_samples", "fsdp_overhead_unit_us",
-              "fsdp_overhead_layer_us", "fsdp_overhead_mib_us", "send_samples", "all_gather_samples",
-              "reduce_scatter_samples", "algorithm")
+def _link_keys() -> tuple:
+    """The link configuration's keys, in order (the C++ registry: comm_model.h's link_config_keys)."""
+    return tuple(torch.ops.gpucast.link_keys())
+
 
 # What gpucast.calibrate() returns beside the link: it describes the measurement, the forecast does not read it.
 _CALIBRATE_INFO_KEYS = ("backend", "cores", "local_ranks", "threads")
@@ -91,13 +90,14 @@ def _format_link(link: dict | str | None) -> str:
     if not isinstance(link, dict):
         raise TypeError(f"link: expected a dict (what gpucast.calibrate() returns) or a text such as "
                         f"'intra:nvlink4,gpus_per_node:8', got {type(link).__name__}")
-    if not any(k in link for k in _LINK_KEYS):
+    link_keys = _link_keys()
+    if not any(k in link for k in link_keys):
         raise ValueError("forecast: link should hold alpha_us and bytes_per_us (what gpucast.calibrate() returns) "
-                         f"or topology keys ({', '.join(_LINK_KEYS)}), got {link!r}")
-    unknown = [k for k in link if k not in _LINK_KEYS and k not in _CALIBRATE_INFO_KEYS]
+                         f"or topology keys ({', '.join(link_keys)}), got {link!r}")
+    unknown = [k for k in link if k not in link_keys and k not in _CALIBRATE_INFO_KEYS]
     if unknown:
         raise ValueError(f"forecast: link: unknown key{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(repr(k) for k in unknown)}; known: {', '.join(_LINK_KEYS)} (and what "
+                         f"{', '.join(repr(k) for k in unknown)}; known: {', '.join(link_keys)} (and what "
                          f"gpucast.calibrate() also returns: {', '.join(_CALIBRATE_INFO_KEYS)})")
     def text(k, v):
         # What calibrate() returns: [{"bytes":, "us":}, ...] and [{"bytes":, "factor":}, ...].
@@ -113,7 +113,7 @@ def _format_link(link: dict | str | None) -> str:
         if isinstance(v, bool):
             return "True" if v else "False"
         return v
-    keys = [k for k in _LINK_KEYS if k in link]
+    keys = [k for k in link_keys if k in link]
     if "alpha_us" not in keys and "intra" not in keys:  # samples refine an intra-node link; alone they are not one
         keys = [k for k in keys if k not in ("samples", "send_samples")]
     if "samples" not in keys:  # the rank count, the idle spells and the other collectives go with the samples
@@ -315,15 +315,13 @@ class Forecast:
         fraction = 1.0 if time_fraction is None else float(time_fraction)
         budget = 1.0 if time_budget is None else float(time_budget)
         every = time_fraction is not None or time_budget is not None
-        prior = _prior(self.target, min(fraction, budget), self.timings, every)
-        text = torch.ops.gpucast.forecast_step_time(self.timings, batch_size,
-                                                    _format_parallel(parallel, self.buffer_bytes, self.modules),
-                                                    _format_link(_default_link(link, self.target)),
-                                                    float(time_scale), fraction,
-                                                    str(design), 0, *prior,
-                                                    **_gpu_pricing(self.target, self.probe_device),
-                                                    seq_len=int(length or 0), every_layer=every,
-                                                    time_budget=budget)
+        prior_flops, prior_bytes = _prior(self.target, min(fraction, budget), self.timings, every)
+        text = torch.ops.gpucast.forecast_step_time(
+            self.timings, batch_size, parallel=_format_parallel(parallel, self.buffer_bytes, self.modules),
+            link=_format_link(_default_link(link, self.target)), time_scale=float(time_scale), time_fraction=fraction,
+            design=str(design), prior_flops_per_s=prior_flops, prior_bytes_per_s=prior_bytes,
+            **_gpu_pricing(self.target, self.probe_device), seq_len=int(length or 0), every_layer=every,
+            time_budget=budget)
         tf = TimeForecast(**json.loads(text))
         _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
         _note_default_link(tf, link, self.target)
@@ -464,9 +462,10 @@ def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safe
     """MemoryForecaster.run with the settings PyTorch takes from the environment, read as PyTorch reads them:
     PYTORCH_ALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF), CUBLAS_WORKSPACE_CONFIG and CUDNN_CONV_WSCAP_DBG."""
     alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    text = forecaster.run(batch, target, capacity, safety, probe_device, parallel, alloc_conf,
-                          os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), exclude, 0.0, conv_workspace,
-                          os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
+    text = forecaster.run(target_batch=batch, target=target, capacity_bytes=capacity, safety_fraction=safety,
+                          probe_device=probe_device, parallel=parallel, alloc_conf=alloc_conf,
+                          cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), exclude=exclude,
+                          conv_workspace=conv_workspace, cudnn_conv_wscap=os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
     return MemoryForecast(**json.loads(text))
 
 
@@ -828,7 +827,7 @@ def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, 
     if per_rank is None or per_rank <= _REACH * largest:
         return []
     b = per_rank // 2
-    est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b, "", "", 1.0, 1.0, "d-optimal", 0, 0.0, 0.0))
+    est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b))
     if est["step_ms"] > _REACH_BUDGET_S * 1e3:
         return []
     return [b] if fits is None or fits(b) else []
@@ -1077,13 +1076,14 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
+    prior_flops, prior_bytes = _prior(target, time_fraction, timings)
+
     def run(rates: dict) -> str:
-        return torch.ops.gpucast.forecast_step_time(timings, int(batch_size),
-                                                    _format_parallel(parallel, buffer_bytes, modules),
-                                                    _format_link(_default_link(link, target)), float(time_scale),
-                                                    float(time_fraction),
-                                                    "d-optimal", 0, *_prior(target, time_fraction, timings), **rates,
-                                                    seq_len=int(seq_len or 0))
+        return torch.ops.gpucast.forecast_step_time(
+            timings, int(batch_size), parallel=_format_parallel(parallel, buffer_bytes, modules),
+            link=_format_link(_default_link(link, target)), time_scale=float(time_scale),
+            time_fraction=float(time_fraction), prior_flops_per_s=prior_flops, prior_bytes_per_s=prior_bytes,
+            **rates, seq_len=int(seq_len or 0))
     try:
         text = run(pricing)
     except (ValueError, RuntimeError) as e:
@@ -1091,7 +1091,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
             warnings.warn(f"gpucast.forecast: the step-time forecast failed ({type(e).__name__}: {e}); no step "
                           f"time, the memory forecast stands", stacklevel=3)
             return None
-        if not pricing or "GPU rates" not in str(e):
+        if not pricing or error_code(e) != "gpu-rates":
             raise
         # A table of the user's (GPUCAST_GPU_RATES) that cannot be used: the shipped one, said aloud.
         shipped = Path(torch.ops.gpucast.gpu_rates_path(True))

@@ -87,9 +87,14 @@ TEST(GpuRates, BadTablesNameTheKeyAndWhatWasGiven) {
   j = table_json();
   j["gpus"].push_back(j["gpus"][0]);
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }), "t.json: gpus[1] ('G1'): GPU 'G1' listed twice");
+  // Loaded from a file, every error carries the code by which the caller falls back to the shipped table.
   EXPECT_EQ(err([] { load_gpu_rates("/nonexistent/rates.json"); }),
-            "GPU rates table '/nonexistent/rates.json' cannot be read (missing?): give a table written by "
-            "bench/gpu_rates.py, or unset GPUCAST_GPU_RATES to use the shipped one");
+            "[gpucast:gpu-rates] GPU rates table '/nonexistent/rates.json' cannot be read (missing?): give a table "
+            "written by bench/gpu_rates.py, or unset GPUCAST_GPU_RATES to use the shipped one");
+  const std::string path = ::testing::TempDir() + "gpucast_rates_twice.json";
+  std::ofstream(path) << j.dump();
+  EXPECT_EQ(err([&] { load_gpu_rates(path); }),
+            "[gpucast:gpu-rates] " + path + ": gpus[1] ('G1'): GPU 'G1' listed twice");
 }
 
 TEST(GpuRates, TheShippedTableLoadsAndCoversTheDeviceTablesDatacenterGpus) {

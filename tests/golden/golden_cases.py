@@ -95,8 +95,8 @@ def _memory(traces: list, target: str, batch: int, parallel: dict, alloc_conf: s
     f = torch.classes.gpucast.MemoryForecaster()
     for handle, b in traces:
         f.add_probe(handle, b)
-    text = f.run(batch, target, capacity, 0.9, probe_device, _forecast._format_parallel(parallel), alloc_conf, "",
-                 [], 0.0, -1, "")
+    text = f.run(target_batch=batch, target=target, capacity_bytes=capacity, probe_device=probe_device,
+                 parallel=_forecast._format_parallel(parallel), alloc_conf=alloc_conf)
     out = dict(_forecast.MemoryForecast(**json.loads(text)).__dict__)
     del out["forecast_ms"]  # how long the forecast took to compute: a timing of this machine, not a forecast
     return out

@@ -294,6 +294,12 @@ def test_samples_that_do_not_grow_with_the_size_fit_a_bandwidth_alone():
         alpha, bw = _calibrate._fit_link([(1024.0, 300.0), (4096.0, 200.0)], 2)
     assert alpha == 0.0
     assert bw == pytest.approx(((1024 / 300) ** 2 + (4096 / 200) ** 2) / (1024 / 300 + 4096 / 200), rel=1e-12)
+    # What _fit_link reads: the error's code, not its text.
+    from gpucast._errors import error_code
+    with pytest.raises(ValueError) as e:
+        torch.ops.gpucast.fit_allreduce([1024.0, 4096.0], [300.0, 200.0], 2)
+    assert error_code(e.value) == "link-bandwidth"
+    assert error_code(ValueError("fit: the all-reduce samples give a non-positive bandwidth")) is None
 
 
 def test_oversubscribed_ranks_get_no_drift_rates(tmp_path):

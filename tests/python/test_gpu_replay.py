@@ -23,7 +23,7 @@ def replay(case: str) -> tuple[dict, dict]:
     for n, b in enumerate((2, 4, 8)):
         text = gzip.decompress((DATA / "gpu_probes" / f"{case}_{n}.json.gz").read_bytes()).decode()
         f.add_probe(torch.ops.gpucast.trace_from_json(text), b)
-    fc = json.loads(f.run(TARGET_BATCH[case], "H200-141GB", 0, 0.9, "cuda:0", "", "", "", [], 0.0, -1, ""))
+    fc = json.loads(f.run(target_batch=TARGET_BATCH[case], target="H200-141GB", probe_device="cuda:0"))
     real = json.loads((DATA / f"alloc_history_{case}.json").read_text())
     return fc, real
 
@@ -104,13 +104,13 @@ def test_a_workspace_measured_at_the_target_batch_replaces_the_probes():
         text = gzip.decompress((DATA / "gpu_probes" / f"cnn_{n}.json.gz").read_bytes()).decode()
         f.add_probe(torch.ops.gpucast.trace_from_json(text), b)
     f.set_conv_workspaces({"CNN.features.4|backward": 57671680})
-    fc = json.loads(f.run(64, "H200-141GB", 0, 0.9, "cuda:0", "", "", "", [], 0.0, -1, ""))
+    fc = json.loads(f.run(target_batch=64, target="H200-141GB", probe_device="cuda:0"))
     real = json.loads((DATA / "alloc_history_cnn.json").read_text())
     assert fc["conv_calls_measured"] == 1
     assert (fc["peak_allocated_bytes"], fc["peak_reserved_bytes"]) == (real["max_memory_allocated"],
                                                                         real["max_memory_reserved"])
     f.set_conv_workspaces({"CNN.features.0|backward": 57671680})
-    fc = json.loads(f.run(64, "H200-141GB", 0, 0.9, "cuda:0", "", "", "", [], 0.0, -1, ""))
+    fc = json.loads(f.run(target_batch=64, target="H200-141GB", probe_device="cuda:0"))
     assert round(err_pct(fc["peak_allocated_bytes"], real["max_memory_allocated"]), 2) == -13.22
     assert [n for n in fc["notes"] if n.startswith("cuDNN: the workspaces")] == [
         "cuDNN: the workspaces of 1 of 6 convolution call(s) per iteration measured on the GPU at the target batch "

@@ -258,7 +258,8 @@ def test_gpu_target_from_cpu_probes_is_priced_from_the_rates_table(tmp_path):
 
 def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
     model, opt, step, make = _linear_case()
-    with pytest.warns(UserWarning, match="no step time for RTX-4090: forecast_step_time: the GPU rates table '.*' "
+    with pytest.warns(UserWarning, match="no step time for RTX-4090: \\[gpucast:gpu-rates\\] forecast_step_time: the "
+                                         "GPU rates table '.*' "
                                          "has no 'RTX-4090'; it has: H100-80GB, H200-141GB"):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="RTX-4090", probe_batch_sizes=(2, 4))
     assert fc.time is None
@@ -268,15 +269,27 @@ def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
     bad.write_text(_rates_table(tmp_path / "full.json").read_text()[:100])
     monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
     # A table of the user's that cannot be used: the shipped one prices the step, and a warning says so.
-    with pytest.warns(UserWarning, match=f"GPUCAST_GPU_RATES could not be used for H100-80GB \\({bad}: not JSON"):
+    with pytest.warns(UserWarning, match=f"GPUCAST_GPU_RATES could not be used for H100-80GB "
+                                         f"\\(\\[gpucast:gpu-rates\\] {bad}: not JSON"):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
     assert fc.time is not None and fc.memory is not None
+    # Valid JSON with a field of the wrong type is as unusable (it raised before its error had a code).
+    wrong = tmp_path / "wrong_type.json"
+    doc = json.loads(_rates_table(tmp_path / "full.json").read_text())
+    doc["gpus"][0]["fp32_tflops"] = "fast"
+    wrong.write_text(json.dumps(doc))
+    monkeypatch.setenv("GPUCAST_GPU_RATES", str(wrong))
+    with pytest.warns(UserWarning, match=f"GPUCAST_GPU_RATES could not be used for H100-80GB "
+                                         f"\\(\\[gpucast:gpu-rates\\] {wrong}: gpus\\[0\\]"):
+        typed = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB",
+                                 probe_batch_sizes=(2, 4))
+    assert typed.time is not None
     monkeypatch.delenv("GPUCAST_GPU_RATES")
     shipped = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
     assert [x["forward_ms"] for x in fc.time.per_layer] == [x["forward_ms"] for x in shipped.time.per_layer]
     # Neither the user's table nor the shipped one knows the GPU: no step time, the memory forecast stands.
     monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
-    with pytest.warns(UserWarning, match=f"no step time for RTX-4090: {bad}: not JSON"):
+    with pytest.warns(UserWarning, match=f"no step time for RTX-4090: \\[gpucast:gpu-rates\\] {bad}: not JSON"):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="RTX-4090", probe_batch_sizes=(2, 4))
     assert fc.time is None and fc.memory is not None
 
@@ -732,10 +745,10 @@ def test_an_internal_error_in_the_step_time_leaves_the_memory_forecast(monkeypat
 
     real = torch.ops.gpucast.forecast_step_time
 
-    def broken(probes, batch, parallel, *args, **kwargs):  # the forecast's own call (with its parallel strategy)
+    def broken(probes, batch, *args, parallel="", **kwargs):  # the forecast's own call (with its parallel strategy)
         if parallel:
             raise RuntimeError("step time: the 1F1B schedule stopped at stage 1 of 2")
-        return real(probes, batch, parallel, *args, **kwargs)
+        return real(probes, batch, *args, parallel=parallel, **kwargs)
     monkeypatch.setattr(torch.ops.gpucast, "forecast_step_time", broken)
     with pytest.warns(UserWarning, match=r"gpucast.forecast: the step-time forecast failed \(RuntimeError: step time: "
                                          r"the 1F1B schedule stopped at stage 1 of 2\); no step time, the memory "

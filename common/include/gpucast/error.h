@@ -17,7 +17,20 @@ class UserError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// An error a caller may act on carries a stable code (lower-case words joined by '-') at the start of its message:
+// "[gpucast:<code>] ...". Python reads it (gpucast._errors.error_code) instead of the prose; docs/design.md lists
+// the codes. `e` with `code` put before its message (an error of a lower function that this caller classifies),
+// unless it already has one.
+inline UserError with_code(const char* code, const UserError& e) {
+  const std::string what = e.what();
+  if (what.rfind("[gpucast:", 0) == 0) return e;
+  return UserError(fmt::format("[gpucast:{}] {}", code, what));
+}
+
 }  // namespace gpucast
 
 #define GPUCAST_THROW(ExceptionType, ...) throw ExceptionType(fmt::format(__VA_ARGS__))
 #define GPUCAST_USER_ERROR(...) GPUCAST_THROW(::gpucast::UserError, __VA_ARGS__)
+// A UserError with a stable code (a string literal), e.g. GPUCAST_USER_ERROR_CODE("gpu-rates", "{}: ...", path).
+#define GPUCAST_USER_ERROR_CODE(code, format, ...) \
+  GPUCAST_THROW(::gpucast::UserError, "[gpucast:" code "] " format __VA_OPT__(, ) __VA_ARGS__)

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "gpucast/config.h"
+
 namespace gpucast {
 
 struct CollectiveSample {
@@ -146,7 +148,7 @@ struct Topology {
   // "drift_compute:0.03,drift_memory:0.09",
   // with "memory_contention_samples:2097152/1;33554432/1.36" (BYTES/FACTOR), "ddp_overhead_us:600" and
   // "ddp_overhead_samples:19240/120;2122280/560" (BYTES/MICROSECONDS). Errors name the key.
-  static Topology parse(const std::string& text);
+  static Topology parse(const std::string& text);  // its keys: link_config_keys()
   // The memory-bound slowdown of a working set of `bytes` per rank: between two samples linear in log(bytes),
   // outside them the nearest; memory_contention without samples.
   double memory_contention_for(double bytes) const;
@@ -160,5 +162,9 @@ struct Topology {
 // nccl-tests all_reduce_perf output as vTrain stores it: "size(B),count,type,time(ns),busbw(GB/s),..." (the
 // first time column is out-of-place). Errors name the path and the line.
 std::vector<CollectiveSample> parse_nccl_tests_csv(const std::string& text, const std::string& source);
+
+// The keys of the link configuration (Topology::parse), in the configuration grammar (gpucast/config.h), with
+// their forms, defaults and meaning: the one list of them (Python asks for it: torch.ops.gpucast.link_keys).
+std::vector<ConfigKey> link_config_keys();
 
 }  // namespace gpucast

@@ -55,7 +55,6 @@ struct MemoryForecastInput {
   int64_t capacity_bytes = 0;           // overrides the table's capacity when > 0
   double safety_fraction = 0.9;         // for max_batch_size
   AllocatorConfig allocator;
-  double memory_fraction = 0.0;
   ParallelConfig parallel;
   std::string cublas_workspace_config;  // CUBLAS_WORKSPACE_CONFIG, empty if unset
   // cuDNN's workspace per convolution call (forward, and backward), for a GPU target from CPU probes: >= 0 is

@@ -1,7 +1,7 @@
 // gpucast/tracer.h: record one or more training iterations at the dispatcher.
 //
 // start_trace installs global at::RecordFunction callbacks (FUNCTION, BACKWARD_FUNCTION, USER_SCOPE);
-// stop_trace removes them and returns the assembled Trace. Records go to per-thread buffers; inside a
+// stop_recording removes them and returns the records, assembled into a Trace on first use. Records go to per-thread buffers; inside a
 // callback gpucast takes no GIL, dispatches nothing, allocates nothing through torch and lets no
 // exception escape.
 #pragma once
@@ -52,7 +52,6 @@ class RecordedTrace {
 void start_trace(const TraceOptions& options);
 // Throws UserError if no trace is running.
 RecordedTrace stop_recording();
-Trace stop_trace();  // stop_recording().trace(), for callers that want the Trace at once
 bool trace_active();
 // Tests and rehearsals: later traces with device_timing on use make_cpu_span_timer() (device_timer.h) in place of
 // CUPTI and CUDA events, with or without a GPU, so that the device-timing path runs on any machine.
