@@ -95,7 +95,6 @@ class T5Seq2Seq(nn.Module):
 def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iterations, rates) -> dict:
     import torch
     import gpucast
-    from gpucast._forecast import step_graph
     from examples import zoo
     from step_time_accuracy import bracketed  # the same measurement as the accuracy bench
 
@@ -115,8 +114,9 @@ def record(family, name, make_model, make_batch, loss_fn, optimizer, batch, iter
     first = (dataclasses.replace(fc, timings=fc.timing_rounds[0]).step_time(batch, gnn=None).compute_ms
              if fc.timing_rounds else None)
     probes = [json.loads(x) for x in fc.timings]
-    # The graph exactly as the forecast builds it for the network (gpucast._forecast.step_graph).
-    g = step_graph(fc.timings, t, optimizer, rates)
+    # The graph exactly as the forecast builds it for the network (C++: forecast_step_graph), from the same probes.
+    g = json.loads(torch.ops.gpucast.forecast_step_time(list(fc.timings), batch, optimizer=optimizer,
+                                                        threads=torch.get_num_threads(), output="graph", **rates))
     return {"family": family, "model": name, "batch": batch, "optimizer": optimizer, "global": g["global"],
             "nodes": g["nodes"], "edges": g["edges"],
             "sum_layers_ms": g["sum_layers_ms"], "comm_ms": g["comm_ms"], "optimizer_ms": t.optimizer_ms,

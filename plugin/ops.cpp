@@ -23,6 +23,7 @@
 #include "gpucast/job_model.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
+#include "gpucast/step_gnn.h"
 #include "gpucast/step_time.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
@@ -240,6 +241,21 @@ const bool g_cpu_hook_installed = [] {
   return install_cpu_allocator_hook(&why);
 }();
 
+// The rates of `gpu` in the table at `path` ("": the default table); a table without it is an error of the table's
+// kind (gpu-rates: the caller may fall back to the shipped one). The table is read once per call: it is small.
+GpuRates gpu_rates_of(const std::string& gpu, const std::string& path_or_default) {
+  const std::string path = path_or_default.empty() ? default_gpu_rates_path() : path_or_default;
+  const auto table = load_gpu_rates(path);
+  const GpuRates* g = find_gpu_rates(table, gpu);
+  if (g == nullptr) {
+    std::string known;
+    for (const auto& r : table) known += (known.empty() ? "" : ", ") + r.name;
+    GPUCAST_USER_ERROR_CODE("gpu-rates", "forecast_step_time: the GPU rates table '{}' has no '{}'; it has: {}", path,
+                            gpu, known);
+  }
+  return *g;
+}
+
 // An iteration timing from an op's argument; a bad one names the op and the argument.
 IterationTiming timing_argument(const std::string& text, const std::string& op, const std::string& which) {
   try {
@@ -292,14 +308,21 @@ TORCH_LIBRARY(gpucast, m) {
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });
         });
+  // The step time from the probes' timings; with correct, the graph network's correction applied (gnn: a weights
+  // file, "" the shipped one, None disabled; target, optimizer, threads and this CPU's rates: what it reads).
+  // output "graph": instead of the forecast, the graph the network reads for it (the step-time dataset's records).
   m.def("forecast_step_time(str[] probes, int batch_size, str parallel=\"\", str link=\"\", float time_scale=1.0, "
         "float time_fraction=1.0, str design=\"d-optimal\", int design_seed=0, float prior_flops_per_s=0.0, "
         "float prior_bytes_per_s=0.0, str gpu=\"\", str gpu_rates=\"\", bool tf32_matmul=False, "
-        "bool tf32_conv=True, int seq_len=0, bool every_layer=False, float time_budget=1.0) -> str",
+        "bool tf32_conv=True, int seq_len=0, bool every_layer=False, float time_budget=1.0, bool correct=False, "
+        "str? gnn=None, str target=\"cpu\", str optimizer=\"other\", int threads=1, float peak_gflops=1.0, "
+        "float mem_gbps=1.0, str output=\"forecast\") -> str",
         [](const std::vector<std::string>& probes, int64_t batch, const std::string& parallel, const std::string& link,
            double time_scale, double time_fraction, const std::string& design, int64_t design_seed,
            double prior_flops, double prior_bytes, const std::string& gpu, const std::string& gpu_rates,
-           bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer, double time_budget) {
+           bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer, double time_budget, bool correct,
+           std::optional<std::string> gnn, const std::string& target, const std::string& optimizer, int64_t threads,
+           double peak_gflops, double mem_gbps, const std::string& output) {
           return gpucast::translate([&] {
             std::vector<gpucast::IterationTiming> its;
             for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
@@ -316,21 +339,18 @@ TORCH_LIBRARY(gpucast, m) {
             o.time_budget = time_budget;
             if (prior_flops > 0) o.prior.flops_per_s = prior_flops;  // the device's measured or table rates
             if (prior_bytes > 0) o.prior.bytes_per_s = prior_bytes;
-            if (!gpu.empty()) {  // the probes ran elsewhere: every layer priced for the GPU from a rates table
-              const std::string path = gpu_rates.empty() ? gpucast::default_gpu_rates_path() : gpu_rates;
-              const auto table = gpucast::load_gpu_rates(path);
-              const gpucast::GpuRates* g = gpucast::find_gpu_rates(table, gpu);
-              if (g == nullptr) {
-                std::string known;
-                for (const auto& r : table) known += (known.empty() ? "" : ", ") + r.name;
-                GPUCAST_USER_ERROR_CODE("gpu-rates",
-                                        "forecast_step_time: the GPU rates table '{}' has no '{}'; it has: {}", path,
-                                        gpu, known);
-              }
-              return gpucast::step_time_to_json(
-                  gpucast::forecast_step_time_on_gpu(its, o, *g, gpucast::GpuPrecision{tf32_matmul, tf32_conv}));
+            gpucast::StepTimeForecast f =
+                gpu.empty() ? gpucast::forecast_step_time(its, o)
+                            : gpucast::forecast_step_time_on_gpu(its, o, gpucast::gpu_rates_of(gpu, gpu_rates),
+                                                                 gpucast::GpuPrecision{tf32_matmul, tf32_conv});
+            const gpucast::StepCorrectionSettings c{gnn.has_value(), gnn.value_or(""), target, seq_len, optimizer,
+                                                    threads, peak_gflops, mem_gbps};
+            if (output == "graph") return gpucast::step_graph_to_json(gpucast::forecast_step_graph(f, its, c));
+            if (output != "forecast") {
+              GPUCAST_USER_ERROR("forecast_step_time: output should be forecast or graph, got '{}'", output);
             }
-            return gpucast::step_time_to_json(gpucast::forecast_step_time(its, o));
+            if (correct) gpucast::correct_step_time(f, its, c);
+            return gpucast::step_time_to_json(f);
           });
         });
   m.def("timing_with_structure(str timing, str structure) -> str",

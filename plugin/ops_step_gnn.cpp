@@ -22,7 +22,8 @@ auto translate_step_gnn(F&& f) -> decltype(f()) {
   throw std::logic_error("unreachable");
 }
 
-// {"alpha", "beta", "source", "step_ms", "distance", "radius"}: step_ms = alpha * sum_layers_ms + beta * comm_ms;
+// {"alpha", "beta", "source", "step_ms", "distance", "radius"}: step_ms the graph's step (sum_layers_ms + comm_ms)
+// corrected (corrected_step_ms: alpha * sum_layers_ms + beta * comm_ms);
 // distance and radius: where the graph lies against the network's training graphs (-1: not computed, no limit).
 std::string step_correction_json(const std::string& graph_json, const std::string& weights) {
   return translate_step_gnn([&] {
@@ -31,7 +32,8 @@ std::string step_correction_json(const std::string& graph_json, const std::strin
     const nlohmann::json out = {{"alpha", c.alpha},
                                 {"beta", c.beta},
                                 {"source", c.source},
-                                {"step_ms", c.alpha * g.sum_layers_ms + c.beta * g.comm_ms},
+                                {"step_ms", corrected_step_ms(g.sum_layers_ms + g.comm_ms, g.sum_layers_ms,
+                                                              g.comm_ms, c.alpha, c.beta)},
                                 {"distance", c.distance},
                                 {"radius", c.radius}};
     return out.dump();

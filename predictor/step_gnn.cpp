@@ -470,6 +470,7 @@ struct Applicability {
   std::vector<float> mean, sd;
   std::vector<float> points;  // graphs x kDescriptor, standardised
   double radius = -1;
+  std::vector<int64_t> batches;  // the training graphs' batch sizes, ascending (empty: not recorded)
 
   int64_t count() const { return static_cast<int64_t>(points.size()) / kDescriptor; }
 
@@ -648,9 +649,16 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
     a.sd = aj.at("std").get<std::vector<float>>();
     a.points = aj.at("points").get<std::vector<float>>();
     a.radius = aj.at("radius").get<double>();
+    if (aj.contains("batches")) a.batches = aj.at("batches").get<std::vector<int64_t>>();
   } catch (const json::exception& e) {
     GPUCAST_USER_ERROR("weights file '{}': applicability: expected an object with number lists \"mean\", \"std\" "
-                       "and \"points\" and a number \"radius\" ({}){}", path, e.what(), kFix);
+                       "and \"points\", a number \"radius\" and optionally a list of integers \"batches\" ({}){}",
+                       path, e.what(), kFix);
+  }
+  if (a.batches.size() > 4096 || !std::is_sorted(a.batches.begin(), a.batches.end()) ||
+      std::any_of(a.batches.begin(), a.batches.end(), [](int64_t b) { return b < 1 || b > (int64_t{1} << 30); })) {
+    GPUCAST_USER_ERROR("weights file '{}': applicability batches should be at most 4096 ascending batch sizes of 1 to "
+                       "2^30{}", path, kFix);
   }
   if (c.d_model < 1 || c.d_model > 4096 || c.heads < 1 || c.d_model % c.heads != 0 || c.head_hidden < 1 ||
       c.head_hidden > 65536) {
@@ -695,6 +703,7 @@ StepCorrection step_correction(const StepGnn& model, const StepGraph& graph) {
   StepCorrection c;
   c.distance = model.reach.nearest(model.reach.standardise(descriptor_of(f)).data());
   c.radius = model.reach.radius;
+  c.trained_batches = model.reach.batches;
   if (c.radius >= 0 && c.distance > c.radius) {
     c.source = fmt::format("none: the step lies outside the graph network's training data (its descriptor {:.2f} from "
                            "the nearest training step's; no training step lies farther than {:.2f} from its nearest)",
@@ -736,6 +745,113 @@ StepCorrection predict_step_correction(const StepGraph& graph, const std::string
 }
 
 std::string default_step_gnn_weights() { return shipped_data_file("GPUCAST_STEP_GNN_WEIGHTS", "step_gnn.gcw"); }
+
+StepGraph forecast_step_graph(const StepTimeForecast& f, const std::vector<IterationTiming>& timings,
+                              const StepCorrectionSettings& s) {
+  if (timings.empty()) GPUCAST_USER_ERROR("step graph: no probe timings");
+  size_t r = 0;
+  for (size_t i = 1; i < timings.size(); ++i) {
+    if (timings[i].batch > timings[r].batch) r = i;
+  }
+  const IterationTiming& ref = timings[r];
+  if (ref.batch < 1) GPUCAST_USER_ERROR("step graph: the largest probe's batch is {}", ref.batch);
+  const double scale = static_cast<double>(f.per_rank_batch) / static_cast<double>(ref.batch);
+  StepGraph g;
+  for (size_t i = 0; i < std::min(ref.layers.size(), f.per_layer.size()); ++i) {
+    const LayerTiming& l = ref.layers[i];
+    g.nodes.push_back({l.cost_kind, l.flops * scale, l.bytes * scale,
+                       f.per_layer[i].forward_ms + f.per_layer[i].backward_ms});
+  }
+  for (const LayerEdge& e : ref.edges) g.edges.push_back({e.src, e.dst, static_cast<double>(e.bytes) * scale});
+  const int64_t world = f.dp * f.tp * f.pp;
+  g.globals = {f.batch_size, s.threads, s.optimizer, world,
+               world == 1           ? "single"
+               : f.pp > 1           ? "pp"
+               : f.tp > 1           ? "tp"
+               : f.dp_mode == "fsdp" ? "fsdp"
+                                     : "ddp",
+               s.peak_gflops, s.mem_gbps};
+  g.sum_layers_ms = f.compute_ms;
+  g.comm_ms = f.exposed_comm_ms;
+  return g;
+}
+
+std::string step_graph_to_json(const StepGraph& g) {
+  json nodes = json::array(), edges = json::array();
+  for (const StepNode& n : g.nodes) {
+    nodes.push_back({{"kind", n.kind}, {"flops", n.flops}, {"bytes", n.bytes}, {"pred_ms", n.pred_ms}});
+  }
+  for (const StepEdge& e : g.edges) edges.push_back({e.src, e.dst, e.bytes});
+  const StepGlobals& x = g.globals;
+  return json{{"family", g.family},
+              {"model", g.model},
+              {"global",
+               {{"batch", x.batch}, {"threads", x.threads}, {"optimizer", x.optimizer}, {"world", x.world},
+                {"strategy", x.strategy}, {"peak_gflops", x.peak_gflops}, {"mem_gbps", x.mem_gbps}}},
+              {"nodes", nodes},
+              {"edges", edges},
+              {"sum_layers_ms", g.sum_layers_ms},
+              {"comm_ms", g.comm_ms},
+              {"measured_ms", g.measured_ms < 0 ? json() : json(g.measured_ms)}}
+      .dump();
+}
+
+namespace {
+
+// Why the network is not asked about f at all ("" where it is).
+std::string outside_the_network(const StepTimeForecast& f, const StepCorrectionSettings& s, const std::string& path) {
+  if (!s.enabled) return "none: disabled (gnn=None)";
+  if (s.target != "cpu") return "none: the shipped graph network is trained on CPU steps only";
+  if (s.seq_len > 0) return "none: the graph network is trained on steps at their probes' sequence length";
+  std::string why;  // a file that does not load is said by predict_step_correction
+  const auto model = path.empty() ? nullptr : cached_model<StepGnn>(path, &load_step_gnn, &why);
+  if (model && !model->reach.batches.empty()) {
+    const std::vector<int64_t>& b = model->reach.batches;
+    const int64_t lo = b.front() / kStepGnnBatchReach, hi = b.back() * kStepGnnBatchReach;
+    if (f.per_rank_batch < lo || f.per_rank_batch > hi) {
+      return fmt::format("none: the graph network is trained on batch sizes {}; a rank's batch of {} is outside {}-{}",
+                         fmt::join(b, ", "), f.per_rank_batch, lo, hi);
+    }
+  }
+  if (f.per_layer.empty()) {
+    return "none: no layer in the iteration (its forward and backward ran inside the optimizer's step?)";
+  }
+  return "";
+}
+
+}  // namespace
+
+void correct_step_time(StepTimeForecast& f, const std::vector<IterationTiming>& timings,
+                       const StepCorrectionSettings& s) {
+  f.uncorrected_step_ms = f.step_ms;
+  const std::string path = s.weights.empty() ? default_step_gnn_weights() : s.weights;
+  if (std::string why = outside_the_network(f, s, path); !why.empty()) {
+    f.correction = std::move(why);
+    return;
+  }
+  StepGraph g = forecast_step_graph(f, timings, s);
+  const int64_t world = f.dp * f.tp * f.pp;
+  if (world > 1) {  // the rank's compute, asked as a single-process step
+    g.globals.world = 1;
+    g.globals.strategy = "single";
+    g.globals.batch = f.per_rank_batch;
+    g.comm_ms = 0.0;
+  }
+  const StepCorrection c = predict_step_correction(g, path);
+  f.correction = c.source;
+  if (c.source != "gnn") {
+    f.notes.push_back(fmt::format("graph network not applied ({}): alpha = beta = 1", c.source));
+    return;
+  }
+  f.alpha = c.alpha;
+  f.beta = world == 1 ? c.beta : 1.0;
+  f.step_ms = corrected_step_ms(f.step_ms, f.compute_ms, f.exposed_comm_ms, f.alpha, f.beta);
+  f.compute_ms *= f.alpha;
+  f.exposed_comm_ms *= f.beta;
+  if (world > 1) {
+    f.notes.push_back("graph network: alpha from the rank's compute; beta = 1 (trained without communication)");
+  }
+}
 
 StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std::vector<StepGraph>& val,
                                   const StepGnnTrainOptions& o, const std::string& out_path) {
@@ -894,8 +1010,13 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
   r.train_loss = mean_loss(ensemble, batches_of(range(0, ftr.size())), ftr.size());
   r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Where the network may answer: around every graph it was trained or validated on.
-  const Applicability reach = Applicability::fit(fall, keys);
+  Applicability reach = Applicability::fit(fall, keys);
   r.radius = reach.radius;
+  for (const auto* gs : {&train, &val}) {
+    for (const StepGraph& g : *gs) reach.batches.push_back(g.globals.batch);
+  }
+  std::sort(reach.batches.begin(), reach.batches.end());
+  reach.batches.erase(std::unique(reach.batches.begin(), reach.batches.end()), reach.batches.end());
 
   WeightsFile w;
   json h = {{"model", kStepGnnName},
@@ -912,7 +1033,11 @@ StepGnnTrainResult train_step_gnn(const std::vector<StepGraph>& train, const std
             {"global_mean", norm.global_mean},
             {"global_std", norm.global_std},
             {"applicability",
-             {{"mean", reach.mean}, {"std", reach.sd}, {"points", reach.points}, {"radius", reach.radius}}},
+             {{"mean", reach.mean},
+              {"std", reach.sd},
+              {"points", reach.points},
+              {"radius", reach.radius},
+              {"batches", reach.batches}}},
             {"trained",
              {{"train_graphs", train.size()}, {"val_graphs", val.size()}, {"rotate_val", o.rotate_val},
               {"seed", o.seed}, {"epochs", r.epochs},

@@ -550,6 +550,7 @@ StepTimeForecast forecast_step_time(const std::vector<IterationTiming>& traced, 
       detail::schedule_ddp_zero(s);
     }
   }
+  s.f.uncorrected_step_ms = s.f.step_ms;
   return std::move(s.f);
 }
 
@@ -581,7 +582,9 @@ std::string step_time_to_json(const StepTimeForecast& f) {
               {"comm_ms", f.comm_ms}, {"exposed_comm_ms", f.exposed_comm_ms}, {"tp_comm_ms", f.tp_comm_ms},
               {"pp_comm_ms", f.pp_comm_ms}, {"bubble_ms", f.bubble_ms}, {"timed_layers", f.timed_layers},
               {"per_layer", layers},
-              {"buckets", buckets}, {"comm", comm}, {"compute", compute}, {"clock", f.clock}, {"notes", f.notes}}
+              {"buckets", buckets}, {"comm", comm}, {"compute", compute}, {"clock", f.clock}, {"notes", f.notes},
+              {"alpha", f.alpha}, {"beta", f.beta}, {"correction", f.correction},
+              {"uncorrected_step_ms", f.uncorrected_step_ms}}
       .dump();
 }
 

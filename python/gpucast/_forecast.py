@@ -321,9 +321,8 @@ class Forecast:
             link=_format_link(_default_link(link, self.target)), time_scale=float(time_scale), time_fraction=fraction,
             design=str(design), prior_flops_per_s=prior_flops, prior_bytes_per_s=prior_bytes,
             **_gpu_pricing(self.target, self.probe_device), seq_len=int(length or 0), every_layer=every,
-            time_budget=budget)
+            time_budget=budget, **_correction(self.target, self.optimizer_name, gnn, length))
         tf = TimeForecast(**json.loads(text))
-        _correct(tf, self.timings, self.target, self.optimizer_name, gnn, length)
         _note_default_link(tf, link, self.target)
         return tf
 
@@ -947,25 +946,6 @@ def cpu_rates() -> dict:
     return dict(_RATES)
 
 
-def step_graph(timings: list, tf: TimeForecast, optimizer: str, rates: dict) -> dict:
-    """The graph network's input for a forecast step: the layers of the largest probe at the forecast's per-rank
-    batch (kind, FLOPs, bytes, forecast ms), the bytes passed between them, and the global settings."""
-    probes = [json.loads(x) for x in timings]
-    ref = max(probes, key=lambda p: p["batch"])
-    scale = tf.per_rank_batch / ref["batch"]
-    nodes = [{"kind": lay.get("cost_kind", "elementwise"), "flops": lay.get("flops", 0.0) * scale,
-              "bytes": lay.get("bytes", 0.0) * scale, "pred_ms": pl["forward_ms"] + pl["backward_ms"]}
-             for lay, pl in zip(ref["layers"], tf.per_layer)]
-    world = tf.dp * tf.tp * tf.pp
-    strategy = ("single" if world == 1 else "pp" if tf.pp > 1 else "tp" if tf.tp > 1 else
-                "fsdp" if tf.dp_mode == "fsdp" else "ddp")
-    return {"family": "", "model": "",
-            "global": {"batch": tf.batch_size, "threads": torch.get_num_threads(), "optimizer": optimizer,
-                       "world": world, "strategy": strategy, **rates},
-            "nodes": nodes, "edges": [[e[0], e[1], e[2] * scale] for e in ref.get("edges", [])],
-            "sum_layers_ms": tf.compute_ms, "comm_ms": tf.exposed_comm_ms, "measured_ms": None}
-
-
 def _prior(target: str, time_fraction: float, timings: list, every_layer: bool = False) -> tuple:
     """The layer models' prior rates (FLOP/s, bytes/s) for sparse timing (a fraction below 1, or probes traced with
     a choice of layers, unless every_layer): this CPU's, measured; 0 elsewhere (the core's defaults)."""
@@ -999,51 +979,15 @@ def _optimizer_name(optimizer) -> str:
     return name if name in ("sgd", "adam", "adamw") else "other"
 
 
-# The batch sizes of the shipped network's training data (bench/dataset/step_times_3 and _4). It corrects a rank's
-# batch within a factor of 2 of them only: beyond, its alpha extrapolates (0.57 for the MLP at batch 256).
-_SHIPPED_GNN_BATCHES = (16, 32)
-
-
-def _correct(tf: TimeForecast, timings: list, target: str, optimizer_name: str, weights: str | None,
-             seq_len: int | None = None) -> None:
-    """Apply the graph network's alpha and beta. The shipped network is trained on single-process CPU steps: it
-    corrects target "cpu" only, and with communication (world > 1) its alpha corrects the compute of the rank
-    (asked as a single-process step) while beta stays 1. weights: a file, "" for the shipped one, None for none."""
-    tf.uncorrected_step_ms = tf.step_ms
-    if weights is None:
-        tf.correction = "none: disabled (gnn=None)"
-        return
-    if target != "cpu":
-        tf.correction = "none: the shipped graph network is trained on CPU steps only"
-        return
-    if seq_len:
-        tf.correction = "none: the graph network is trained on steps at their probes' sequence length"
-        return
-    lo, hi = min(_SHIPPED_GNN_BATCHES) // 2, max(_SHIPPED_GNN_BATCHES) * 2
-    if weights == "" and not lo <= tf.per_rank_batch <= hi:
-        tf.correction = (f"none: the shipped graph network is trained on batch sizes "
-                         f"{', '.join(map(str, _SHIPPED_GNN_BATCHES))}; a rank's batch of {tf.per_rank_batch} is "
-                         f"outside {lo}-{hi}")
-        return
-    if not tf.per_layer:
-        tf.correction = "none: no layer in the iteration (its forward and backward ran inside the optimizer's step?)"
-        return
-    graph = step_graph(timings, tf, optimizer_name, cpu_rates())
-    world = graph["global"]["world"]
-    if world > 1:
-        graph["global"].update(world=1, strategy="single", batch=tf.per_rank_batch)
-        graph["comm_ms"] = 0.0
-    c = json.loads(torch.ops.gpucast.step_correction(json.dumps(graph), weights))
-    tf.correction = c["source"]
-    if c["source"] == "gnn":
-        tf.alpha, tf.beta = c["alpha"], (c["beta"] if world == 1 else 1.0)
-        tf.step_ms = tf.step_ms + (tf.alpha - 1.0) * tf.compute_ms + (tf.beta - 1.0) * tf.exposed_comm_ms
-        tf.compute_ms *= tf.alpha
-        tf.exposed_comm_ms *= tf.beta
-        if world > 1:
-            tf.notes.append("graph network: alpha from the rank's compute; beta = 1 (trained without communication)")
-    else:
-        tf.notes.append(f"graph network not applied ({c['source']}): alpha = beta = 1")
+def _correction(target: str, optimizer_name: str, weights: str | None, seq_len: int | None = None) -> dict:
+    """forecast_step_time's arguments for the graph network's correction (ScaleDL's alpha and beta; the rules of
+    where it applies are C++'s, gpucast/step_gnn.h: correct_step_time). weights: a file, "" for the shipped one,
+    None for none. The network's global features: the optimizer, the thread count and this CPU's measured rates
+    (measured only where a correction may be made)."""
+    args = dict(correct=True, gnn=weights, target=target, optimizer=optimizer_name, threads=torch.get_num_threads())
+    if weights is not None and target == "cpu" and not seq_len:
+        args.update(cpu_rates())
+    return args
 
 
 def _time_on_target(target: str, probe_device: str) -> bool:
@@ -1083,7 +1027,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
             timings, int(batch_size), parallel=_format_parallel(parallel, buffer_bytes, modules),
             link=_format_link(_default_link(link, target)), time_scale=float(time_scale),
             time_fraction=float(time_fraction), prior_flops_per_s=prior_flops, prior_bytes_per_s=prior_bytes,
-            **rates, seq_len=int(seq_len or 0))
+            **rates, seq_len=int(seq_len or 0), **_correction(target, optimizer_name, gnn, seq_len))
     try:
         text = run(pricing)
     except (ValueError, RuntimeError) as e:
@@ -1107,7 +1051,6 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
             warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
             return None
     tf = TimeForecast(**json.loads(text))
-    _correct(tf, timings, target, optimizer_name, gnn, seq_len)
     _note_default_link(tf, link, target, stacklevel=4)
     if not tf.per_layer:
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "

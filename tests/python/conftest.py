@@ -57,6 +57,13 @@ def _fnv1a(b: bytes) -> int:
     return h
 
 
+def read_weights_header(path: Path) -> dict:
+    """The JSON header of a gpucast weights file."""
+    b = path.read_bytes()
+    n = struct.unpack_from("<I", b, 12)[0]
+    return json.loads(b[16:16 + n])
+
+
 def rewrite_weights_header(src: Path, dst: Path, **changes):
     """A copy of a weights file with header fields changed and the checksum recomputed."""
     b = src.read_bytes()

@@ -15,8 +15,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))
 import golden_cases  # noqa: E402
 
-# Stated exceptions to bit-for-bit equality: (section, field) -> relative tolerance. Empty: every value exact.
-TOLERANCES: dict = {}
+# Stated exceptions to bit-for-bit equality: (section, field) -> relative tolerance; every other value exact.
+# - gnn step_ms: the graph's corrected step by the one rule of forecasts and graphs (step_gnn.h: corrected_step_ms,
+#   sum + comm + (alpha - 1) sum + (beta - 1) comm) instead of alpha sum + beta comm: the same value, rounded
+#   otherwise (6 of the 448 recorded graphs differ in the last bit).
+TOLERANCES: dict = {("gnn", "step_ms"): 1e-12}
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +32,8 @@ def expected():
     return json.loads(gzip.decompress(golden_cases.EXPECTED.read_bytes()))
 
 
-def differences(a, b, path: str, tol: float, out: list) -> None:
-    """Where a and b differ, as 'path: a != b' lines (at most 20 gathered)."""
+def differences(a, b, path: str, section: str, out: list, field: str = "") -> None:
+    """Where a and b differ, as 'path: a != b' lines (at most 20 gathered); field: the innermost key."""
     if len(out) >= 20:
         return
     if isinstance(a, dict) and isinstance(b, dict):
@@ -38,17 +41,16 @@ def differences(a, b, path: str, tol: float, out: list) -> None:
             if k not in a or k not in b:
                 out.append(f"{path}.{k}: {'missing' if k not in a else 'new'}")
             else:
-                differences(a[k], b[k], f"{path}.{k}", tol, out)
+                differences(a[k], b[k], f"{path}.{k}", section, out, k)
     elif isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             out.append(f"{path}: {len(a)} items != {len(b)}")
         for i, (x, y) in enumerate(zip(a, b)):
-            differences(x, y, f"{path}[{i}]", tol, out)
-    elif (isinstance(a, float) and isinstance(b, float) and tol > 0
-          and math.isclose(a, b, rel_tol=tol, abs_tol=0.0)):
-        return
+            differences(x, y, f"{path}[{i}]", section, out, field)
     elif type(a) is not type(b) or a != b:
-        out.append(f"{path}: {a!r} != {b!r}")
+        tol = TOLERANCES.get((section, field), 0.0)
+        if not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=tol, abs_tol=0.0)):
+            out.append(f"{path}: {a!r} != {b!r}")
 
 
 @pytest.mark.parametrize("section", ["memory", "time", "gnn"])
@@ -56,8 +58,7 @@ def test_forecasts_from_committed_inputs_are_unchanged(actual, expected, section
     assert sorted(actual[section]) == sorted(expected[section])
     out: list = []
     for key in sorted(expected[section]):
-        differences(actual[section][key], expected[section][key], f"{section}/{key}",
-                    TOLERANCES.get(section, 0.0), out)
+        differences(actual[section][key], expected[section][key], f"{section}/{key}", section, out)
     assert not out, "\n".join(out)
 
 

@@ -641,14 +641,39 @@ def test_timing_with_structure_names_the_bad_argument():
 
 def test_the_shipped_network_corrects_only_the_batch_sizes_it_was_trained_near():
     import gzip
-    from gpucast._forecast import _SHIPPED_GNN_BATCHES
+    from conftest import read_weights_header
     dataset = Path(__file__).resolve().parents[2] / "bench" / "dataset"
+    # The weights' header holds the training graphs' batch sizes (the trainer writes them), which are the recordings'.
+    header = read_weights_header(Path(torch.ops.gpucast.step_gnn_weights_path()))
     for name in ("step_times_3.jsonl.gz", "step_times_4.jsonl.gz"):  # the shipped network's training data
         with gzip.open(dataset / name, "rt") as f:
-            assert tuple(sorted({json.loads(line)["batch"] for line in f})) == _SHIPPED_GNN_BATCHES
+            assert sorted({json.loads(line)["batch"] for line in f}) == header["applicability"]["batches"] == [16, 32]
     assert forecast(batch=16).time.correction == "gnn"
-    assert forecast(batch=128).time.correction == ("none: the shipped graph network is trained on batch sizes 16, "
-                                                   "32; a rank's batch of 128 is outside 8-64")
+    assert forecast(batch=128).time.correction == ("none: the graph network is trained on batch sizes 16, 32; a "
+                                                   "rank's batch of 128 is outside 8-64")
+
+
+def test_the_batch_range_comes_from_the_weights_header(tmp_path):
+    # The range is the weights file's (its training graphs' batches, a factor kStepGnnBatchReach = 2 around them),
+    # whichever file it is: C++ decides it, once (gpucast/step_gnn.h: correct_step_time).
+    from conftest import read_weights_header, rewrite_weights_header
+    shipped = Path(torch.ops.gpucast.step_gnn_weights_path())
+    reach = read_weights_header(shipped)["applicability"]
+    fc = forecast(batch=16, gnn=None)
+    for batches, expected in (([64], "none: the graph network is trained on batch sizes 64; a rank's batch of 16 is "
+                                     "outside 32-128"),
+                              ([4, 8], "gnn")):  # 2-16: 16 is inside
+        other = tmp_path / f"batches_{batches[0]}.gcw"
+        rewrite_weights_header(shipped, other, applicability={**reach, "batches": batches})
+        assert fc.step_time(16, gnn=str(other)).correction == expected
+    unlimited = tmp_path / "no_batches.gcw"  # a file without them (trained before they were written): no range
+    rewrite_weights_header(shipped, unlimited, applicability={k: v for k, v in reach.items() if k != "batches"})
+    assert fc.step_time(16, gnn=str(unlimited)).correction == "gnn"
+    assert fc.step_time(128, gnn="").correction.startswith("none: the graph network is trained on batch sizes 16, 32")
+    # The corrected step keeps what alpha and beta do not scale: step = uncorrected + (alpha - 1) compute.
+    t = fc.step_time(16, gnn="")
+    assert t.correction == "gnn"
+    assert t.step_ms == pytest.approx(t.uncorrected_step_ms + (t.alpha - 1.0) * (t.compute_ms / t.alpha), rel=1e-12)
 
 
 def test_step_time_scales_by_sequence_length():

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "gpucast/step_time.h"
+
 namespace gpucast {
 
 inline constexpr const char* kStepGnnName = "scaledl-gnn";
@@ -69,6 +71,8 @@ struct StepGraph {
 // "measured_ms" (absent or null: unknown)}. Errors name `where` and the field ("data.jsonl:3: edges[2]: src 7 is
 // not a node (4 nodes)"); an unknown kind, optimizer or strategy is an error that lists the known ones.
 StepGraph step_graph_from_json(const std::string& text, const std::string& where);
+// The graph as step_graph_from_json reads it (measured_ms null where unknown).
+std::string step_graph_to_json(const StepGraph& graph);
 // The same checks on a graph built in C++ (ranges, edge ends, names); errors name `where` and the field.
 void validate_step_graph(const StepGraph& graph, const std::string& where);
 
@@ -78,6 +82,7 @@ struct StepCorrection {
   std::string source;  // "gnn", or "none: <why the network was not used>"
   double distance = -1;  // to the nearest training graph (standardised descriptors); -1: not computed
   double radius = -1;    // the farthest any training graph lies from its nearest neighbour; -1: no limit
+  std::vector<int64_t> trained_batches;  // the training graphs' batch sizes (the weights' header); empty: not known
 };
 
 class StepGnn;  // the network and its normalisation
@@ -90,6 +95,45 @@ StepCorrection step_correction(const StepGnn& model, const StepGraph& graph);
 // What the plugin answers: the network's correction when `weights_path` loads (cached by path and modification
 // time), else alpha = beta = 1 with source "none: <the error>". A bad file never throws; a bad graph does.
 StepCorrection predict_step_correction(const StepGraph& graph, const std::string& weights_path);
+// How a forecast step is corrected (correct_step_time): the forecast's target and sequence length, and what the
+// graph network's global features need from the process (its optimizer, threads and this CPU's measured rates).
+struct StepCorrectionSettings {
+  bool enabled = true;          // false: no correction ("none: disabled (gnn=None)")
+  std::string weights;          // a weights file; "": the shipped one (default_step_gnn_weights)
+  std::string target = "cpu";   // the forecast's target
+  int64_t seq_len = 0;          // > 0: a forecast scaled by sequence length
+  std::string optimizer = "other";
+  int64_t threads = 1;
+  double peak_gflops = 1;
+  double mem_gbps = 1;
+};
+
+// The graph network's input for a forecast step: the layers of the largest probe (by batch) at the forecast's
+// per-rank batch (kind, FLOPs, bytes, the forecast's time), the bytes passed between them, the global settings, the
+// forecast's compute as sum_layers_ms and its exposed communication as comm_ms.
+StepGraph forecast_step_graph(const StepTimeForecast& f, const std::vector<IterationTiming>& timings,
+                              const StepCorrectionSettings& s);
+
+// Corrects a forecast step with the graph network, where it applies: CPU targets, no scaling by sequence length, a
+// rank's batch within a factor kStepGnnBatchReach of the network's training batches (its weights' header), layers
+// outside the optimizer's step, the step's place within the training steps' (StepCorrection::radius). With
+// communication (world > 1) the network is asked about the rank's compute as a single-process step: alpha corrects
+// it, beta stays 1 (it is trained without communication). Sets f.alpha, beta, correction and the corrected
+// step_ms, compute_ms and exposed_comm_ms (step_ms by what alpha and beta add: a pipeline's bubble stays), or says
+// in f.correction (and a note) why it did not. A bad graph throws UserError; a missing or bad weights file does not.
+void correct_step_time(StepTimeForecast& f, const std::vector<IterationTiming>& timings,
+                       const StepCorrectionSettings& s);
+
+// The step with alpha and beta applied to its compute and exposed communication (the rest, a pipeline's bubble,
+// stays): the one rule for a forecast (correct_step_time) and for a graph (step = sum_layers_ms + comm_ms).
+inline double corrected_step_ms(double step_ms, double compute_ms, double exposed_comm_ms, double alpha, double beta) {
+  return step_ms + (alpha - 1.0) * compute_ms + (beta - 1.0) * exposed_comm_ms;
+}
+
+// A rank's batch more than this factor outside the network's training batches is not corrected: its alpha
+// extrapolates there (the shipped network, trained at batches 16 and 32, gave the zoo MLP at batch 256 alpha 0.57).
+inline constexpr int64_t kStepGnnBatchReach = 2;
+
 // $GPUCAST_STEP_GNN_WEIGHTS, else data/step_gnn.gcw beside the directory of the binary holding this code
 // (lib/libgpucast.so in the installed package and the build tree, bin/gpucast-train in the build tree).
 std::string default_step_gnn_weights();

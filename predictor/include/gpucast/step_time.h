@@ -261,6 +261,13 @@ struct StepTimeForecast {
   std::vector<ComputeSpan> compute;     // the step's compute laid out (what save_timeline draws)
   std::string clock;
   std::vector<std::string> notes;
+  // The graph network's correction (step_gnn.h: correct_step_time), ScaleDL's alpha for the compute and beta for the
+  // exposed communication: step_ms, compute_ms and exposed_comm_ms include it (the per-layer and per-phase times do
+  // not); uncorrected_step_ms is the schedule's step without it. correction: "gnn", or "none[: why not]".
+  double alpha = 1;
+  double beta = 1;
+  std::string correction = "none";
+  double uncorrected_step_ms = 0;
 };
 
 // Errors (UserError) name the option: degrees below 1, an unknown dp_mode, no probes, a batch below
