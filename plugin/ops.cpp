@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "config_keys.h"
+#include "translate.h"
 #include "gpucast/config.h"
 #include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
@@ -38,16 +39,6 @@ namespace {
 // The learned job model's weights: $GPUCAST_JOB_WEIGHTS, else data/job_memory.gcw beside this library's lib/
 // directory (the installed package and the build tree both lay it out so).
 std::string default_job_weights() { return shipped_data_file("GPUCAST_JOB_WEIGHTS", "job_memory.gcw"); }
-
-template <typename F>
-auto translate(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const UserError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  throw std::logic_error("unreachable");
-}
 
 struct TraceHolder : torch::CustomClassHolder {
   // A trace from the tracer is assembled on first use; one loaded from a file already is.

@@ -7,26 +7,16 @@
 
 #include "gpucast/error.h"
 #include "gpucast/step_gnn.h"
+#include "translate.h"
 
 namespace gpucast {
 namespace {
-
-// ops.cpp's translate lives in its own anonymous namespace; this file needs only its UserError case.
-template <typename F>
-auto translate_step_gnn(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const UserError& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  throw std::logic_error("unreachable");
-}
 
 // {"alpha", "beta", "source", "step_ms", "distance", "radius"}: step_ms the graph's step (sum_layers_ms + comm_ms)
 // corrected (corrected_step_ms: alpha * sum_layers_ms + beta * comm_ms);
 // distance and radius: where the graph lies against the network's training graphs (-1: not computed, no limit).
 std::string step_correction_json(const std::string& graph_json, const std::string& weights) {
-  return translate_step_gnn([&] {
+  return translate([&] {
     const StepGraph g = step_graph_from_json(graph_json, "graph");
     const StepCorrection c = predict_step_correction(g, weights.empty() ? default_step_gnn_weights() : weights);
     const nlohmann::json out = {{"alpha", c.alpha},

@@ -266,8 +266,16 @@ def test_other_versions_and_models_fall_back(trained, tmp_path):
     bare = tmp_path / "bare.gcw"
     rewrite_weights_header(trained[0], bare, applicability=None)
     assert fallback_source(bare) == (f"none: weights file '{bare}': applicability: expected an object with number "
-                                     f"lists \"mean\", \"std\" and \"points\" and a number \"radius\" "
-                                     f"([json.exception.type_error.304] cannot use at() with null){FIX}")
+                                     f"lists \"mean\", \"std\" and \"points\", a number \"radius\" and optionally "
+                                     f"a list of integers \"batches\" ([json.exception.type_error.304] cannot use at() "
+                                     f"with null){FIX}")
+    # The training graphs' batch sizes (what correct_step_time reads the valid range from): the trainer writes the
+    # sorted distinct batches of every graph it saw, and a file with other values is refused.
+    assert reach["batches"] == [8, 16, 32]
+    unsorted = tmp_path / "unsorted.gcw"
+    rewrite_weights_header(trained[0], unsorted, applicability=dict(reach, batches=[32, 8]))
+    assert fallback_source(unsorted) == (f"none: weights file '{unsorted}': applicability batches should be at most "
+                                         f"4096 ascending batch sizes of 1 to 2^30{FIX}")
 
 
 def two_graphs(batch_a, batch_b):
