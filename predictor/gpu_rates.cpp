@@ -308,9 +308,9 @@ StepTimeForecast forecast_step_time_on_gpu(const std::vector<IterationTiming>& p
     if (l.source == "measured") l.source = "gpu-table";
   }
   f.notes.insert(f.notes.begin(),
-                 fmt::format("priced for {} from the probes' work (FLOPs and bytes per op kind; nothing timed on it): "
+                 Note{"gpu-table-pricing", fmt::format("priced for {} from the probes' work (FLOPs and bytes per op kind; nothing timed on it): "
                              "efficiencies fitted on {}; matmuls in {}",
-                             gpu.name, gpu.fitted_on, precision.tf32_matmul ? "TF32" : "float32 (TF32 off)"));
+                             gpu.name, gpu.fitted_on, precision.tf32_matmul ? "TF32" : "float32 (TF32 off)")});
   return f;
 }
 

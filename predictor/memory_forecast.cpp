@@ -17,6 +17,7 @@
 #include "gpucast/step_time.h"
 #include "gpucast/trace_summary.h"
 #include "least_squares.h"
+#include "note_json.h"
 
 namespace gpucast {
 
@@ -579,11 +580,11 @@ class Forecaster {
       const int64_t world = in_.parallel.dp * in_.parallel.tp * in_.parallel.pp;
       if (world > 1) {
         out_.outside_allocator_bytes += 256 * kMiB;
-        out_.notes.push_back("NCCL buffers outside the allocator estimated at 256 MiB per rank");
+        out_.notes.push_back(Note{"nccl-buffers", "NCCL buffers outside the allocator estimated at 256 MiB per rank"});
       }
       if (!in_.allocator.native_backend) {
-        out_.notes.push_back(
-            "backend:cudaMallocAsync is not simulated: reserved bytes are forecast as for the native caching allocator");
+        out_.notes.push_back(Note{"async-allocator-not-simulated", 
+            "backend:cudaMallocAsync is not simulated: reserved bytes are forecast as for the native caching allocator"});
       }
     }
     std::unordered_set<uint64_t> exclude(in_.exclude_ptrs.begin(), in_.exclude_ptrs.end());
@@ -608,27 +609,27 @@ class Forecaster {
     if (out_.conv_calls_measured > 0) {
       int64_t largest = 0;
       for (const auto& [key, bytes] : in_.conv_workspaces) largest = std::max(largest, bytes);
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"conv-workspace-measured", fmt::format(
           "cuDNN: the workspaces of {} of {} convolution call(s) per iteration measured on the GPU at the target "
           "batch (up to {} per call) replace the probes'",
-          out_.conv_calls_measured, out_.conv_calls, format_bytes(largest)));
+          out_.conv_calls_measured, out_.conv_calls, format_bytes(largest))});
     }
     if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0 && gpu_probes()) {
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"conv-workspace-headroom", fmt::format(
           "cuDNN: each of {} convolution call(s) per iteration ran with the workspace its algorithm took at the "
           "probes' sizes (up to {} per call at batch {}); cuDNN chooses again at the target batch, and another "
           "algorithm may take more: the forecast holds while each call's workspace stays under {} (peak "
           "allocated) and {} (peak reserved)",
           out_.conv_calls - out_.conv_calls_measured, format_bytes(probe_conv_workspace_),
           in_.probe_batch[largest_probe()],
-          format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved)));
+          format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved))});
     } else if (out_.conv_calls > 0 && conv_workspace_ < 0 && r.conv_headroom_allocated >= 0) {
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"conv-workspace-unmodelled", fmt::format(
           "cuDNN: the workspace of each of {} convolution call(s) per iteration is chosen on the GPU and not "
           "modelled; the forecast holds while each stays under {} (peak allocated) and {} (peak reserved): set "
           "conv_workspace, or CUDNN_CONV_WSCAP_DBG, to model one{}",
           out_.conv_calls, format_bytes(r.conv_headroom_allocated), format_bytes(r.conv_headroom_reserved),
-          conv_scratch_text()));
+          conv_scratch_text())});
     }
     for (int c = 0; c < kNumCategories; ++c) {
       if (r.breakdown[c] != 0) out_.breakdown[std::string(to_string(static_cast<Category>(c)))] = r.breakdown[c];
@@ -720,14 +721,14 @@ class Forecaster {
         // PyTorch's CPU convolution picks its kernel by batch size (im2col for 1x1, stride-1 kernels on one
         // thread below 16, mkldnn from 16 on): a known cause, named as such.
         const bool kernels = uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref]);
-        out_.warnings.push_back(fmt::format(
+        out_.warnings.push_back(Note{"probe-structure-differs", fmt::format(
             "probes at batch {} and {} differ in structure ({}): {} The forecast is not scaled: it repeats the "
             "batch-{} probe",
             in_.probe_batch[i], in_.probe_batch[ref], diff,
             kernels ? "PyTorch's CPU convolution changes kernels at batch 16 (im2col below, mkldnn from 16 on, for "
                       "1x1 stride-1 kernels on one thread); keep all probes below 16 or all at 16 and above."
                     : "data-dependent control flow?",
-            in_.probe_batch[ref]));
+            in_.probe_batch[ref])});
         continue;
       }
       usable.push_back(i);
@@ -742,9 +743,9 @@ class Forecaster {
         model_.initial_fits.push_back(proportional(s.initial_bytes[k], s.initial_category[k]));
       }
       for (const Entry& e : s.entries) model_.entry_fits.push_back(proportional(e.bytes, e.category));
-      out_.notes.push_back(
+      out_.notes.push_back(Note{"one-probe", 
           "one probe: parameters, gradients and optimizer state kept, all other allocations scaled in proportion "
-          "to the batch size");
+          "to the batch size"});
       return;
     }
     std::sort(usable.begin(), usable.end(), [&](size_t x, size_t y) { return in_.probe_batch[x] < in_.probe_batch[y]; });
@@ -761,9 +762,9 @@ class Forecaster {
     if (!same_initial) {
       // Match what each probe held at the start by category; frees of such blocks are then left out.
       for (size_t i : usable) aggregate_initial(streams_[i]);
-      out_.notes.push_back(
+      out_.notes.push_back(Note{"baseline-blocks-differ", 
           "the probes held different numbers of blocks at the start (the process allocated or freed memory "
-          "between them): matched by category");
+          "between them): matched by category"});
     }
     // Each usable probe's allocation for each of the reference's: the same position, or for probes that ran
     // other kernels, the one matched op by op (-1: none).
@@ -819,15 +820,15 @@ class Forecaster {
       }
       if (matched == 0 && theirs_total > 0) {
         out_.scaled = false;
-        out_.warnings.push_back(fmt::format(
+        out_.warnings.push_back(Note{"no-allocation-match", fmt::format(
             "probes at batch {} and {} run the same ops but no allocation matches between them ({}): the forecast "
             "is not scaled: it repeats the batch-{} probe",
-            in_.probe_batch[i], in_.probe_batch[ref], kernel_diffs[i], in_.probe_batch[ref]));
+            in_.probe_batch[i], in_.probe_batch[ref], kernel_diffs[i], in_.probe_batch[ref])});
         match[i].clear();
         continue;
       }
       const int64_t theirs_size = theirs_total;
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"kernels-differ", fmt::format(
           "probes at batch {} and {} run the same ops with other kernels inside some ({}; cuDNN and cuBLAS choose "
           "by size, large reductions stage through a buffer{}): {} of the batch-{} probe's {} allocations matched "
           "op by op, {} of the batch-{} probe's without a match",
@@ -835,12 +836,12 @@ class Forecaster {
           uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref])
               ? ", PyTorch's CPU convolution leaves im2col at batch 16 for 1x1 stride-1 kernels on one thread"
               : "",
-          matched, in_.probe_batch[ref], theirs_size, mine_total - matched, in_.probe_batch[i]));
+          matched, in_.probe_batch[ref], theirs_size, mine_total - matched, in_.probe_batch[i])});
       if (beyond > 0) {
-        out_.notes.push_back(fmt::format(
+        out_.notes.push_back(Note{"ops-scaled-by-batch", fmt::format(
             "{} top-level op(s) differ in more than {} allocations between the probes at batch {} and {}: their "
             "allocations in the batch-{} probe scale in proportion to the batch where no other probe matches them",
-            beyond, kMaxUnmatchedAllocations, in_.probe_batch[i], in_.probe_batch[ref], in_.probe_batch[ref]));
+            beyond, kMaxUnmatchedAllocations, in_.probe_batch[i], in_.probe_batch[ref], in_.probe_batch[ref])});
       }
     }
     if (!out_.scaled) {
@@ -853,7 +854,7 @@ class Forecaster {
     }
     auto fit_any = [&](const std::vector<double>& v) { return seq_scaling() ? fit_batch_and_seq(b, l, v) : fit(b, v); };
     if (seq_scaling() && usable.size() < 5) {
-      out_.warnings.push_back("scaling by sequence length needs five probes of the same structure: sizes not scaled");
+      out_.warnings.push_back(Note{"seq-not-scaled", "scaling by sequence length needs five probes of the same structure: sizes not scaled"});
       out_.scaled = false;
     }
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
@@ -1029,10 +1030,10 @@ class Forecaster {
         if (e.category == Category::Activation) e.bytes = shard(e.bytes * in_flight, par.tp);
         else if (e.category != Category::Input) e.bytes = shard(e.bytes, model_ways);
       }
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"model-parallel-rule", fmt::format(
           "tp={} pp={}: model states divided by {}, activations by tp and multiplied by {} micro-batches in flight "
           "(1F1B, first stage); a coarse rule, not yet checked against measurements",
-          par.tp, par.pp, model_ways, in_flight));
+          par.tp, par.pp, model_ways, in_flight)});
     }
     if (dp == 1 && par.dp_mode != "fsdp") return;
     if (par.dp_mode == "ddp") {
@@ -1040,7 +1041,7 @@ class Forecaster {
         // DDP's buckets: a flat copy of every gradient (first bucket 1 MiB, the rest 25 MiB), from construction.
         p.initial.push_back(grad_bytes > 0 ? grad_bytes : param_bytes);
         p.initial_category.push_back(Category::Gradient);
-        out_.notes.push_back("DDP bucket buffers: a second copy of the gradients (gradient_as_bucket_view=False)");
+        out_.notes.push_back(Note{"ddp-bucket-copy", "DDP bucket buffers: a second copy of the gradients (gradient_as_bucket_view=False)"});
       }
       return;
     }
@@ -1068,14 +1069,14 @@ class Forecaster {
         const double largest = units.bytes.empty() ? 0.0 : *std::max_element(units.bytes.begin(), units.bytes.end());
         p.initial.push_back(2 * static_cast<int64_t>(largest));
         p.initial_category.push_back(Category::Parameter);
-        out_.notes.push_back(fmt::format("FSDP: all-gather buffers for two units, sized by the largest of the {} "
+        out_.notes.push_back(Note{"fsdp-gather-buffers", fmt::format("FSDP: all-gather buffers for two units, sized by the largest of the {} "
                                          "(fsdp_units and the root): {}", units.bytes.size(),
-                                         format_bytes(static_cast<int64_t>(largest))));
+                                         format_bytes(static_cast<int64_t>(largest)))});
       } else {
         const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
         p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
         p.initial_category.push_back(Category::Parameter);
-        out_.notes.push_back("FSDP: all-gather buffers for two units, sized by the largest parameter block");
+        out_.notes.push_back(Note{"fsdp-gather-buffers", "FSDP: all-gather buffers for two units, sized by the largest parameter block"});
       }
     }
   }
@@ -1296,10 +1297,10 @@ class Forecaster {
     // Said where it changed something: a scratch measured, or the probes' left out.
     if (op_scratch_noted_ || calls == 0 || (largest == 0 && dropped == 0)) return;
     op_scratch_noted_ = true;
-    out_.notes.push_back(fmt::format(
+    out_.notes.push_back(Note{"op-workspace-measured", fmt::format(
         "matrix multiplies: the scratch of {} call(s) per iteration measured at batch {} (up to {} per call) "
         "replaces the probes' ({} allocation(s) per iteration)",
-        calls, in_.op_workspace_batch, format_bytes(largest), dropped));
+        calls, in_.op_workspace_batch, format_bytes(largest), dropped)});
   }
 
   // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
@@ -1347,26 +1348,26 @@ class Forecaster {
     p.entries = std::move(out);
     if (notes_added_) return;
     notes_added_ = true;
-    out_.notes.push_back(fmt::format("cuBLAS workspace {} per handle (forward thread and autograd thread) added",
-                                     format_bytes(ws)));
+    out_.notes.push_back(Note{"cublas-workspace", fmt::format("cuBLAS workspace {} per handle (forward thread and autograd thread) added",
+                                     format_bytes(ws))});
     if (s.adam && !s.fused_optimizer) {
-      out_.notes.push_back("foreach Adam/AdamW on CUDA: one temporary list of exp_avg_sq's size per step added");
+      out_.notes.push_back(Note{"foreach-adam-temporary", "foreach Adam/AdamW on CUDA: one temporary list of exp_avg_sq's size per step added"});
     }
     if (sdpa_changed > 0) {
-      out_.notes.push_back(fmt::format(
+      out_.notes.push_back(Note{"sdpa-saved-resized", fmt::format(
           "scaled-dot-product attention: {} saved tensor(s) resized to what CUDA's kernel saves (memory-efficient "
           "attention for float32: logsumexp rows padded to 32; flash for 16-bit: unchanged; the math path's "
           "attention weights replaced by a logsumexp)",
-          sdpa_changed));
+          sdpa_changed)});
     }
     if (out_.conv_calls > 0) {
       out_.conv_workspace_bytes = conv_workspace_;
       if (conv_workspace_ >= 0) {  // else run() notes the headroom the replay found
-        out_.notes.push_back(fmt::format(
+        out_.notes.push_back(Note{"conv-workspace-modelled", fmt::format(
             "cuDNN: a {} workspace at each of {} convolution call(s) per iteration ({}){}", format_bytes(conv_workspace_),
             out_.conv_calls,
             in_.conv_workspace_bytes >= 0 ? "conv_workspace" : "CUDNN_CONV_WSCAP_DBG's cap: an upper bound",
-            conv_scratch_text()));
+            conv_scratch_text())});
       }
     }
   }
@@ -1495,11 +1496,11 @@ MemoryForecast forecast_memory(const MemoryForecastInput& input) {
   Forecaster(input, out).run();
   // Rules applied at every batch the largest-batch search simulates say so once: each note and warning once, in
   // the order first given.
-  for (std::vector<std::string>* lines : {&out.notes, &out.warnings}) {
+  for (std::vector<Note>* lines : {&out.notes, &out.warnings}) {
     std::unordered_set<std::string> seen;
-    std::vector<std::string> once;
-    for (std::string& line : *lines) {
-      if (seen.insert(line).second) once.push_back(std::move(line));
+    std::vector<Note> once;
+    for (Note& line : *lines) {
+      if (seen.insert(line.text).second) once.push_back(std::move(line));
     }
     *lines = std::move(once);
   }

@@ -74,8 +74,8 @@ StepTimeForecast begin_forecast(const StepTimeOptions& o) {
   f.dp = P.dp, f.tp = P.tp, f.pp = P.pp, f.micro_batches = P.micro_batches, f.dp_mode = P.dp_mode;
   f.per_rank_batch = o.batch_size / (P.dp * P.micro_batches);
   if (f.per_rank_batch * P.dp * P.micro_batches != o.batch_size) {
-    f.notes.push_back(fmt::format("batch_size {} is not a multiple of dp x micro_batches = {}: each rank's "
-                                  "micro-batch taken as {}", o.batch_size, P.dp * P.micro_batches, f.per_rank_batch));
+    f.notes.push_back(Note{"batch-not-divisible", fmt::format("batch_size {} is not a multiple of dp x micro_batches = {}: each rank's "
+                                  "micro-batch taken as {}", o.batch_size, P.dp * P.micro_batches, f.per_rank_batch)});
   }
   return f;
 }
@@ -183,8 +183,8 @@ void fit_untimed_layers(StepFits& fits, const StepTimeOptions& o, const SameKern
       lf.source = model_source[l.layer];
       modelled[l.layer] = lf;
     }
-    f.notes.push_back(fmt::format("timed {} of {} layers ({}); the rest from per-kind roofline models: {}",
-                                  chosen.size(), n, chooser, model.describe()));
+    f.notes.push_back(Note{"sparse-timing", fmt::format("timed {} of {} layers ({}); the rest from per-kind roofline models: {}",
+                                  chosen.size(), n, chooser, model.describe())});
   }
   f.other_ms = fit_size(other, b, seq) / 1e6;
   if (!chooser.empty()) {
@@ -199,10 +199,10 @@ void fit_untimed_layers(StepFits& fits, const StepTimeOptions& o, const SameKern
     if (untimed_ms > rest_ms && untimed_ms > 0 && ref.clock == "cpu") {
       const double s = rest_ms / untimed_ms;
       for (auto& [name, lf] : modelled) lf.forward_ms *= s, lf.backward_ms *= s;
-      f.notes.push_back(fmt::format("the untimed layers' models come to {:.3f} ms at the target, more than the "
+      f.notes.push_back(Note{"untimed-layers-scaled", fmt::format("the untimed layers' models come to {:.3f} ms at the target, more than the "
                                     "{:.3f} ms the probes' walls leave beside the timed layers and the optimizer "
                                     "(fitted over the batch): scaled down to it",
-                                    untimed_ms, rest_ms));
+                                    untimed_ms, rest_ms)});
     }
   }
 }
@@ -276,9 +276,9 @@ StepFits fit_probes(const std::vector<IterationTiming>& traced, const StepTimeOp
     }
   }
   if (!switched.empty()) {
-    f.notes.push_back(fmt::format("{} layer(s) ran other kernels in smaller probes than the largest (batch {}; e.g. "
+    f.notes.push_back(Note{"kernel-switch", fmt::format("{} layer(s) ran other kernels in smaller probes than the largest (batch {}; e.g. "
                                   "'{}'): fitted only on the probes that ran the largest probe's kernels",
-                                  switched.size(), ref.batch, switched.begin()->first));
+                                  switched.size(), ref.batch, switched.begin()->first)});
   }
   // The optimizer step's work does not grow with the batch, but on a CPU its time does, up to a point: after a
   // larger forward and backward less of the parameters, gradients and optimizer state is left in the caches

@@ -840,7 +840,7 @@ void correct_step_time(StepTimeForecast& f, const std::vector<IterationTiming>& 
   const StepCorrection c = predict_step_correction(g, path);
   f.correction = c.source;
   if (c.source != "gnn") {
-    f.notes.push_back(fmt::format("graph network not applied ({}): alpha = beta = 1", c.source));
+    f.notes.push_back(Note{"gnn-not-applied", fmt::format("graph network not applied ({}): alpha = beta = 1", c.source)});
     return;
   }
   f.alpha = c.alpha;
@@ -849,7 +849,7 @@ void correct_step_time(StepTimeForecast& f, const std::vector<IterationTiming>& 
   f.compute_ms *= f.alpha;
   f.exposed_comm_ms *= f.beta;
   if (world > 1) {
-    f.notes.push_back("graph network: alpha from the rank's compute; beta = 1 (trained without communication)");
+    f.notes.push_back(Note{"gnn-rank-compute", "graph network: alpha from the rank's compute; beta = 1 (trained without communication)"});
   }
 }
 

@@ -53,15 +53,15 @@ HostContention host_contention(StepFits& fits, const StepTimeOptions& o) {
     optimizer_ns *= ref.optimizer_bytes > 0 ? T.memory_contention_for(ref.optimizer_bytes) : T.memory_contention;
     if (by_size) {
       const auto& s = T.memory_contention_samples;
-      f.notes.push_back(fmt::format(
+      f.notes.push_back(Note{"host-contention", fmt::format(
           "ranks share the host: memory-bound work x{:.3f} for working sets of {:.3g} MiB up to x{:.3f} from "
           "{:.3g} MiB, compute-bound x{:.3f} when all run at once (measured by gpucast.calibrate())",
           s.front().factor, s.front().bytes / (1 << 20), s.back().factor, s.back().bytes / (1 << 20),
-          T.compute_contention));
+          T.compute_contention)});
     } else {
-      f.notes.push_back(fmt::format("ranks share the host: memory-bound work x{:.3f}, compute-bound x{:.3f} when all "
+      f.notes.push_back(Note{"host-contention", fmt::format("ranks share the host: memory-bound work x{:.3f}, compute-bound x{:.3f} when all "
                                     "run at once (measured by gpucast.calibrate())",
-                                    T.memory_contention, T.compute_contention));
+                                    T.memory_contention, T.compute_contention)});
     }
   }
   return c;
@@ -73,21 +73,21 @@ void sync_notes(StepSchedule& s) {
   const ParallelConfig& P = s.P;
   const Topology& T = s.T;
   if (!T.overlap && P.dp * P.tp * P.pp > 1) {
-    f.notes.push_back("collectives do not overlap the compute (the ranks' threads fill every core of the host): "
-                      "their time adds to the step");
+    f.notes.push_back(Note{"no-overlap", "collectives do not overlap the compute (the ranks' threads fill every core of the host): "
+                      "their time adds to the step"});
   }
   const bool drifts = s.drifts = (T.drift_compute > 0 || T.drift_memory > 0) && P.dp > 1 && P.dp_mode != "fsdp";
   if (drifts) {
-    f.notes.push_back(fmt::format("the last rank falls behind the average one by {:.2f} % of the compute-bound and "
+    f.notes.push_back(Note{"rank-drift", fmt::format("the last rank falls behind the average one by {:.2f} % of the compute-bound and "
                                   "{:.2f} % of the memory-bound time since the ranks last met (ranks sharing cores "
                                   "drift apart; measured by gpucast.calibrate()): the step's first data-parallel "
                                   "collective starts that much later",
-                                  100.0 * T.drift_compute, 100.0 * T.drift_memory));
+                                  100.0 * T.drift_compute, 100.0 * T.drift_memory)});
   } else if (T.sync_wait_us > 0 && P.dp > 1 && P.dp_mode != "fsdp") {
-    f.notes.push_back(fmt::format("the last rank reaches the first data-parallel reduction {:.3f} ms after the "
+    f.notes.push_back(Note{"sync-wait", fmt::format("the last rank reaches the first data-parallel reduction {:.3f} ms after the "
                                   "average one (ranks sharing cores drift apart; measured by gpucast.calibrate()): "
                                   "it starts that much later",
-                                  T.sync_wait_us / 1e3));
+                                  T.sync_wait_us / 1e3)});
   }
 }
 
@@ -95,8 +95,8 @@ void sync_notes(StepSchedule& s) {
 const Link* group_link(StepSchedule& s, const char* what, int64_t ranks, int64_t stride) {
   const Link* l = s.T.link_for(ranks, stride);
   if (!l) {
-    s.f.notes.push_back(fmt::format("no {} link for {} ranks (gpucast.calibrate() or link=...): its communication "
-                                    "is not counted", what, ranks));
+    s.f.notes.push_back(Note{"no-link", fmt::format("no {} link for {} ranks (gpucast.calibrate() or link=...): its communication "
+                                    "is not counted", what, ranks)});
   }
   return l;
 }
@@ -266,13 +266,15 @@ void host_bound_rest(StepSchedule& s, const StepFits& fits) {
     const double kernels_ms = (f.forward_ms + f.backward_ms) / m + f.optimizer_ms;
     const double before = f.other_ms;
     f.other_ms = std::max(0.0, host_ms - kernels_ms);
-    f.notes.push_back(fmt::format(
-        "{}: the kernels take {:.3f} ms per micro-batch at the target, the probes' host {:.3f} ms per "
-        "step ({}): the step is {}-bound; the rest of the step {:.3f} ms (fitted over the batch: {:.3f} ms)",
-        priced_host ? "priced kernels" : "device clocks", kernels_ms, host_ms,
-        priced_host ? "priced per op from the rates table" : untraced ? "untraced" : "traced: the tracer's cost included",
-        host_ms > kernels_ms ? "host" : "device",
-        f.other_ms, before));
+    f.notes.push_back(Note{
+        host_ms > kernels_ms ? "host-bound" : "device-bound",
+        fmt::format(
+            "{}: the kernels take {:.3f} ms per micro-batch at the target, the probes' host {:.3f} ms per step ({}): "
+            "the step is {}-bound; the rest of the step {:.3f} ms (fitted over the batch: {:.3f} ms)",
+            priced_host ? "priced kernels" : "device clocks", kernels_ms, host_ms,
+            priced_host ? "priced per op from the rates table"
+                        : untraced ? "untraced" : "traced: the tracer's cost included",
+            host_ms > kernels_ms ? "host" : "device", f.other_ms, before)});
   }
 }
 
@@ -288,14 +290,14 @@ void strategy_overheads(StepSchedule& s) {
   if (ddp_overhead) {  // once per step (the reduction's aftermath), by the gradient bytes this rank reduces
     const double us = T.ddp_overhead_for(static_cast<double>(rank_grad));
     f.other_ms += us / 1e3;
-    f.notes.push_back(fmt::format("DDP costs {:.3f} ms per step outside backward beyond the plain module (its "
+    f.notes.push_back(Note{"ddp-overhead", fmt::format("DDP costs {:.3f} ms per step outside backward beyond the plain module (its "
                                   "wrapper, and the collectives' threads on the shared cores; measured by "
                                   "gpucast.calibrate(){})",
                                   us / 1e3,
                                   T.ddp_overhead_samples.empty()
                                       ? std::string()
                                       : fmt::format(", for {:.3g} MiB of gradients per rank",
-                                                    static_cast<double>(rank_grad) / (1 << 20))));
+                                                    static_cast<double>(rank_grad) / (1 << 20)))});
   }
   // FSDP's units over the layers, by their parameters (the probes hold them whole).
   std::vector<double> params;
@@ -315,11 +317,11 @@ void strategy_overheads(StepSchedule& s) {
     for (double b : params) layers += b > 0;
     const double us = static_cast<double>(m) * (units * fsdp_unit + layers * fsdp_layer + mib * fsdp_mib);
     f.other_ms += us / 1e3;
-    f.notes.push_back(fmt::format("FSDP's own work beside its collectives (its hooks, copies into and out of the "
+    f.notes.push_back(Note{"fsdp-overhead", fmt::format("FSDP's own work beside its collectives (its hooks, copies into and out of the "
                                   "gathered buffers, the optimizer over sharded tensors; measured by "
                                   "gpucast.calibrate()): {:.3f} ms per step for {} unit(s), {} layer(s) with "
                                   "parameters and {:.3g} MiB of them{}",
-                                  us / 1e3, units, layers, mib, m > 1 ? fmt::format(", {} micro-batches", m) : ""));
+                                  us / 1e3, units, layers, mib, m > 1 ? fmt::format(", {} micro-batches", m) : "")});
   }
 }
 

@@ -19,6 +19,7 @@
 #include "gpucast/layer_model.h"
 #include "gpucast/timed_layers.h"
 #include "least_squares.h"
+#include "note_json.h"
 #include "step_schedule.h"
 
 namespace gpucast {

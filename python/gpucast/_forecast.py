@@ -71,8 +71,9 @@ def _default_link(link: dict | str | None, target: str) -> dict | str | None:
 def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str, stacklevel: int = 3) -> None:
     used = _default_link(link, target)
     if link is None and used and tf.dp * tf.tp * tf.pp > 1:
-        tf.notes.insert(0, f"link: {target}'s usual node assumed ({used}, the device table's default); pass link= "
-                           f"(gpucast.calibrate() on the job's process group, or a topology) for another")
+        tf.notes.insert(0, note("default-link", f"link: {target}'s usual node assumed ({used}, the device table's "
+                                                f"default); pass link= (gpucast.calibrate() on the job's process "
+                                                f"group, or a topology) for another"))
     if not used and tf.dp * tf.tp * tf.pp > 1:
         warnings.warn(f"gpucast.forecast: no link is known for target '{target}', so the step's collectives "
                       f"(dp={tf.dp}, tp={tf.tp}, pp={tf.pp}) are left out of it; pass link=gpucast.calibrate() "
@@ -222,6 +223,7 @@ class MemoryForecast:
     scaled: bool
     nonlinear_allocations: int
     allocations: int
+    # Each {"code", "text"}: the code is stable (docs/design.md lists them), the text is for a person.
     warnings: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     forecast_ms: float = 0.0
@@ -261,7 +263,7 @@ class TimeForecast:
     buckets: list
     comm: list
     clock: str
-    notes: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # each {"code", "text"}, as MemoryForecast.notes
     # The step's compute laid out: [{"name", "kind", "micro_batch", "stage", "start_ms", "end_ms"}] (what
     # save_timeline draws beside `comm`).
     compute: list = field(default_factory=list)
@@ -384,14 +386,20 @@ class Forecast:
                          f" backward {tm.backward_ms:,.1f}, optimizer {tm.optimizer_ms:,.1f}, other {tm.other_ms:,.1f})"
                          + (f", exposed communication {tm.exposed_comm_ms:,.1f} ms of {tm.comm_ms:,.1f}"
                             if tm.dp > 1 else ""))
-            lines += [f"  note: {_first_line(n)}" for n in tm.notes]
-        lines += [f"  warning: {w}" for w in m.warnings] + [f"  note: {_first_line(n)}" for n in m.notes]
+            lines += [f"  note: {_first_line(n['text'])}" for n in tm.notes]
+        lines += [f"  warning: {w['text']}" for w in m.warnings]
+        lines += [f"  note: {_first_line(n['text'])}" for n in m.notes]
         return "\n".join(lines)
 
 
-def _first_line(note: str) -> str:
+def note(code: str, text: str) -> dict:
+    """A forecast's note or warning: a stable code (what callers and tests act on) and its text (gpucast/note.h)."""
+    return {"code": code, "text": text}
+
+
+def _first_line(text: str) -> str:
     """A note's first line: the rest (the layer models' fitted rates per kind) stays in the forecast's notes."""
-    first, _, rest = note.partition("\n")
+    first, _, rest = text.partition("\n")
     return first + (" [more lines in the notes]" if rest.strip() else "")
 
 
@@ -729,20 +737,23 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                             state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
     if op_skipped:
         shown = ", ".join(op_skipped[:3]) + (f" and {len(op_skipped) - 3} more" if len(op_skipped) > 3 else "")
-        memory.notes.append(f"matrix multiplies: scratch not measured at the target batch for {shown}: the "
-                            f"probes', scaled, is kept for those calls")
+        memory.notes.append(note("op-workspace-unmeasured", f"matrix multiplies: scratch not measured at the target "
+                                                            f"batch for {shown}: the probes', scaled, is kept for "
+                                                            f"those calls"))
     if conv_skipped:
-        memory.notes.append(f"cuDNN: workspaces not measured at the target batch for {', '.join(conv_skipped)}: the "
-                            f"probes' are kept for those calls")
+        memory.notes.append(note("conv-workspace-unmeasured", f"cuDNN: workspaces not measured at the target batch "
+                                                              f"for {', '.join(conv_skipped)}: the probes' are kept "
+                                                              f"for those calls"))
     for o in optimizers:
         if isinstance(o, torch.optim.LBFGS):
             size = o.param_groups[0].get("history_size", 100)
-            memory.warnings.append(
-                f"LBFGS keeps the directions of up to {size} past updates (history_size), one more pair each inner "
-                f"iteration: its state grows over the run's first steps beyond what the probes' {iterations} "
-                f"iteration(s) held, and the forecast peak leaves that growth out")
+            memory.warnings.append(note(
+                "lbfgs-history", f"LBFGS keeps the directions of up to {size} past updates (history_size), one more "
+                                 f"pair each inner iteration: its state grows over the run's first steps beyond what "
+                                 f"the probes' {iterations} iteration(s) held, and the forecast peak leaves that "
+                                 f"growth out"))
     for w in memory.warnings:
-        warnings.warn(f"gpucast.forecast: {w}", stacklevel=2)
+        warnings.warn(f"gpucast.forecast: {w['text']}", stacklevel=2)
     ctx = torch.ops.gpucast.context()
     context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
     buffer_bytes = _buffer_bytes(model)
@@ -750,19 +761,23 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                              time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn,
                              seq_len=seq_len, buffer_bytes=buffer_bytes, modules=modules)
     if time_fc is not None and kernel_probes:
-        time_fc.notes.insert(0, f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, stride-1 kernels on "
-                                f"one thread below batch 16), the target batch runs them through mkldnn: timing "
-                                f"probes at batch {', '.join(map(str, kernel_probes))} added, and those layers "
-                                f"fitted on them")
+        time_fc.notes.insert(0, note("im2col-probes", f"the probes ran convolutions on PyTorch's CPU im2col path (1x1, "
+                                                      f"stride-1 kernels on one thread below batch 16), the target "
+                                                      f"batch runs them through mkldnn: timing probes at batch "
+                                                      f"{', '.join(map(str, kernel_probes))} added, and those layers "
+                                                      f"fitted on them"))
     if time_fc is not None and reach_skipped:
-        time_fc.notes.insert(0, f"a timing probe at batch {reach_skipped[0]} ran out of device memory and was left "
-                                f"out: the fits extrapolate from the largest probe")
+        time_fc.notes.insert(0, note("reach-probe-skipped", f"a timing probe at batch {reach_skipped[0]} ran out of "
+                                                            f"device memory and was left out: the fits extrapolate "
+                                                            f"from the largest probe"))
     if time_fc is not None and reach_probes:
-        time_fc.notes.insert(0, f"the target batch is more than {_REACH:g} times the largest probe: a timing probe at "
-                                f"batch {reach_probes[0]} added (its forecast step under {_REACH_BUDGET_S:g} s"
-                                + (f", its forecast memory within {_REACH_MEMORY_SHARE:.0%} of what the device can "
-                                   f"hold" if probe_device.startswith("cuda") else "")
-                                + "), so that the fits extrapolate 2 times at most")
+        time_fc.notes.insert(0, note("reach-probe", f"the target batch is more than {_REACH:g} times the largest "
+                                                    f"probe: a timing probe at batch {reach_probes[0]} added (its "
+                                                    f"forecast step under {_REACH_BUDGET_S:g} s"
+                                                    + (f", its forecast memory within {_REACH_MEMORY_SHARE:.0%} of "
+                                                       f"what the device can hold"
+                                                       if probe_device.startswith("cuda") else "")
+                                                    + "), so that the fits extrapolate 2 times at most"))
     fc = Forecast(memory=memory, probe_batch_sizes=tuple(sorted(set(probes))), probe_device=probe_device,
                   context=context, time=time_fc, timings=timings if time_fc is not None else [],
                   timing_rounds=rounds if time_fc is not None else [], target=target,
@@ -1056,7 +1071,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
                "forward and backward inside its step, whose time is then the optimizer's, the time of the probe "
                "nearest the batch in size, not scaled to the batch")
-        tf.notes.insert(0, msg)
+        tf.notes.insert(0, note("layers-in-optimizer", msg))
         warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
     if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
         # No device timer recorded the probes' kernels (the trace's notes say why): their host clocks measure
@@ -1064,6 +1079,6 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         msg = (f"the probes on {probe_device} carry host clock times only (no device timer recorded their "
                f"kernels; see the trace's notes): the step time measures launches, not the kernels, and does not "
                f"scale with the batch as the GPU's work does")
-        tf.notes.insert(0, msg)
+        tf.notes.insert(0, note("host-clocks-only", msg))
         warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
     return tf

@@ -7,10 +7,14 @@
 #include <nlohmann/json.hpp>
 
 #include "gpucast/gpu_rates.h"
+#include "notes.h"
 #include "user_error.h"
 
 namespace gpucast {
 namespace {
+
+using test_util::codes;
+using test_util::count_code;
 
 constexpr auto err = test_util::user_error;
 using json = nlohmann::json;
@@ -215,8 +219,7 @@ TEST(GpuRates, ExtrapolatesTheWorkThenPricesIt) {
   EXPECT_EQ(f.per_layer[0].source, "gpu-table");
   EXPECT_EQ(f.per_layer[1].source, "gpu-table");
   ASSERT_FALSE(f.notes.empty());
-  EXPECT_EQ(f.notes[0], "priced for G1 from the probes' work (FLOPs and bytes per op kind; nothing timed on it): "
-                        "efficiencies fitted on hand-made; matmuls in float32 (TF32 off)");
+  EXPECT_EQ(f.notes[0].code, "gpu-table-pricing");
   EXPECT_EQ(f.other_ms, 0);
 }
 

@@ -7,9 +7,13 @@
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/trace_assembly.h"
+#include "notes.h"
 
 namespace gpucast {
 namespace {
+
+using test_util::codes;
+using test_util::count_code;
 
 // One training step, batch b: forward mm allocates an activation of 400 b bytes, backward allocates a
 // 1000-byte gradient and frees the activation, the first optimizer step creates 1000 bytes of state.
@@ -146,11 +150,7 @@ TEST(MemoryForecast, ProbesThatRunOtherOpsAreNotScaled) {
   std::vector<Trace> t = {probe(2, 2), probe(4, 2, false, 64, /*extra_op=*/true), probe(8, 2)};
   MemoryForecast f = run(t, {2, 4, 8}, 64);
   EXPECT_FALSE(f.scaled);
-  ASSERT_EQ(f.warnings.size(), 1u);
-  EXPECT_EQ(f.warnings[0],
-            "probes at batch 4 and 8 differ in structure (memory event 1: allocation in aten::relu (no module) "
-            "against allocation in MmBackward0 (no module)): data-dependent control flow? The forecast is not "
-            "scaled: it repeats the batch-8 probe");
+  EXPECT_EQ(codes(f.warnings), std::vector<std::string>{"probe-structure-differs"});
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 8);
 }
 
@@ -163,11 +163,9 @@ TEST(MemoryForecast, ProbesThatRunOtherKernelsAreMatchedOpByOp) {
   EXPECT_TRUE(f.warnings.empty());
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
   ASSERT_FALSE(f.notes.empty());
-  EXPECT_EQ(f.notes[0],
-            "probes at batch 4 and 8 run the same ops with other kernels inside some (memory event 1: allocation in "
-            "aten::mm (no module) against allocation in MmBackward0 (no module); cuDNN and cuBLAS choose by size, "
-            "large reductions stage through a buffer): 5 of the batch-8 probe's 5 allocations matched op by op, 2 "
-            "of the batch-4 probe's without a match");
+  EXPECT_EQ(f.notes[0].code, "kernels-differ");
+  EXPECT_NE(f.notes[0].text.find("5 of the batch-8 probe's 5 allocations matched op by op, 2 of the batch-4 probe's "
+                                 "without a match"), std::string::npos);  // the counts have no field
 }
 
 TEST(MemoryForecast, AllocationsCountedByTheBatchAreMatchedWithinTheirOp) {
@@ -181,11 +179,9 @@ TEST(MemoryForecast, AllocationsCountedByTheBatchAreMatchedWithinTheirOp) {
   EXPECT_TRUE(f.warnings.empty());
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
   ASSERT_GE(f.notes.size(), 2u);
-  EXPECT_EQ(f.notes[0],
-            "probes at batch 2 and 8 run the same ops with other kernels inside some (memory event 1201: allocation "
-            "in MmBackward0 (no module) against allocation in <no op> (no module); cuDNN and cuBLAS choose by size, "
-            "large reductions stage through a buffer): 1205 of the batch-8 probe's 4805 allocations matched op by "
-            "op, 0 of the batch-2 probe's without a match");
+  EXPECT_EQ(f.notes[0].code, "kernels-differ");
+  EXPECT_NE(f.notes[0].text.find("1205 of the batch-8 probe's 4805 allocations matched op by op, 0 of the batch-2 "
+                                 "probe's without a match"), std::string::npos);
   // 600 per sample: 3600 and 2400 more in each aten::mm at batch 8 than at batch 2 and 4, beyond 2048: those ops'
   // allocations in the batch-8 probe (its activation, 400 bytes per sample, among them) scale in proportion to
   // the batch, and the other ops' match.
@@ -194,12 +190,11 @@ TEST(MemoryForecast, AllocationsCountedByTheBatchAreMatchedWithinTheirOp) {
   EXPECT_TRUE(f.scaled);
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
   ASSERT_EQ(f.notes.size(), 4u);
-  EXPECT_EQ(f.notes[0].substr(f.notes[0].find("): ")),
-            "): 3 of the batch-8 probe's 9605 allocations matched op by op, 2402 of the batch-2 probe's without a "
-            "match");
-  EXPECT_EQ(f.notes[3],
-            "2 top-level op(s) differ in more than 2048 allocations between the probes at batch 4 and 8: their "
-            "allocations in the batch-8 probe scale in proportion to the batch where no other probe matches them");
+  EXPECT_EQ(f.notes[0].code, "kernels-differ");
+  EXPECT_NE(f.notes[0].text.find("3 of the batch-8 probe's 9605 allocations matched op by op, 2402 of the batch-2 "
+                                 "probe's without a match"), std::string::npos);
+  EXPECT_EQ(f.notes[3].code, "ops-scaled-by-batch");
+  EXPECT_NE(f.notes[3].text.find("2 top-level op(s)"), std::string::npos);
 }
 
 TEST(MemoryForecast, AnAllocationOnlyTheLargestProbeMakesScalesWithTheBatch) {
@@ -450,11 +445,7 @@ TEST(MemoryForecast, GpuTargetReplacesCpuConvolutionScratchByTheWorkspaceHeadroo
   EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, 0);
   EXPECT_EQ(f.conv_workspace_headroom_reserved_bytes, kMiB);
   ASSERT_FALSE(f.notes.empty());
-  EXPECT_EQ(f.notes.back(),
-            "cuDNN: the workspace of each of 2 convolution call(s) per iteration is chosen on the GPU and not "
-            "modelled; the forecast holds while each stays under 0 B (peak allocated) and 1.00 MiB (peak reserved): "
-            "set conv_workspace, or CUDNN_CONV_WSCAP_DBG, to model one; the CPU kernels' scratch inside "
-            "convolutions (2 allocation(s) per iteration) left out");
+  EXPECT_EQ(f.notes.back().code, "conv-workspace-unmodelled");
 }
 
 TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
@@ -463,10 +454,7 @@ TEST(MemoryForecast, GpuTargetModelsAGivenConvolutionWorkspace) {
   EXPECT_EQ(f.peak_reserved_bytes, 2 * kMiB);
   EXPECT_EQ(f.conv_workspace_bytes, 4096);
   EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, -1);
-  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
-                      "cuDNN: a 4.00 KiB workspace at each of 2 convolution call(s) per iteration (conv_workspace); "
-                      "the CPU kernels' scratch inside convolutions (2 allocation(s) per iteration) left out"),
-            f.notes.end());
+  EXPECT_EQ(count_code(f.notes, "conv-workspace-modelled"), 1);
   // CUDNN_CONV_WSCAP_DBG's cap, in MiB, stands for an unknown workspace (an upper bound); 3 MiB needs a
   // large-pool segment of 20 MiB.
   MemoryForecast c = run_conv("H100-80GB", -1, "3");
@@ -523,10 +511,7 @@ TEST(MemoryForecast, CpuTargetTakesTheMatrixMultipliesScratchMeasuredAtTheTarget
   const MemoryForecast f = forecast_memory(in);
   EXPECT_EQ(f.peak_allocated_bytes, held + 1024 + 5000);
   EXPECT_EQ(f.peak_op, "aten::mm");
-  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
-                      "matrix multiplies: the scratch of 2 call(s) per iteration measured at batch 64 (up to 4.88 KiB "
-                      "per call) replaces the probes' (2 allocation(s) per iteration)"),
-            f.notes.end());
+  EXPECT_EQ(count_code(f.notes, "op-workspace-measured"), 1);
   // Measured at another batch: the probes' scratch is kept.
   in.op_workspace_batch = 32;
   EXPECT_EQ(forecast_memory(in).peak_allocated_bytes, held + 3072 * 64);
@@ -558,13 +543,7 @@ TEST(MemoryForecast, GpuProbesKeepTheirWorkspacesAndReportTheHeadroom) {
   EXPECT_EQ(f.conv_calls, 2);
   EXPECT_EQ(f.conv_calls_measured, 0);
   EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, 196608);  // the backward's own workspace fits under it
-  EXPECT_NE(std::find_if(f.notes.begin(), f.notes.end(),
-                         [](const std::string& n) {
-                           return n.rfind("cuDNN: each of 2 convolution call(s) per iteration ran with the workspace "
-                                          "its algorithm took at the probes' sizes (up to 24.00 KiB per call at "
-                                          "batch 8)", 0) == 0;
-                         }),
-            f.notes.end());
+  EXPECT_EQ(count_code(f.notes, "conv-workspace-headroom"), 1);
 }
 
 TEST(MemoryForecast, GpuProbesMatchTheBlocksHeldAtTheStartByCategory) {
@@ -639,10 +618,7 @@ TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
   EXPECT_EQ(f.conv_calls, 2);
   EXPECT_EQ(f.conv_calls_measured, 2);
   EXPECT_EQ(f.conv_workspace_headroom_allocated_bytes, -1);
-  EXPECT_NE(std::find(f.notes.begin(), f.notes.end(),
-                      "cuDNN: the workspaces of 2 of 2 convolution call(s) per iteration measured on the GPU at the "
-                      "target batch (up to 4.00 MiB per call) replace the probes'"),
-            f.notes.end());
+  EXPECT_EQ(count_code(f.notes, "conv-workspace-measured"), 1);
   // A call without a measurement keeps the probes' workspace, and the headroom is reported for it alone.
   MemoryForecast g = run_gpu_conv({{"Net.conv|forward", 0}});
   EXPECT_EQ(g.conv_calls_measured, 1);

@@ -51,10 +51,10 @@ def test_probes_with_other_cudnn_kernels_are_matched_op_by_op():
     # a few allocations inside the same ops. They are matched op by op instead of dropped (the forecast from the
     # batch-8 probe alone, unscaled, was 5.9 % under the real peak).
     fc, _ = replay("resnet18")
-    matched = [n for n in fc["notes"] if n.startswith("probes at batch 2 and 8 run the same ops with other kernels")]
+    matched = [n["text"] for n in fc["notes"] if n["code"] == "kernels-differ"]
     assert len(matched) == 1
     assert matched[0].endswith("742 of the batch-8 probe's 750 allocations matched op by op, 2 of the batch-2 "
-                               "probe's without a match")
+                               "probe's without a match")  # the counts have no field
 
 
 def test_a_cudnn_workspace_beyond_the_headroom_is_flagged():
@@ -67,11 +67,8 @@ def test_a_cudnn_workspace_beyond_the_headroom_is_flagged():
     assert fc["conv_calls"] == 6  # three convolutions, forward and backward
     assert fc["conv_workspace_headroom_allocated_bytes"] == 8257536
     assert fc["conv_workspace_headroom_allocated_bytes"] < workspace
-    note = [n for n in fc["notes"] if n.startswith("cuDNN: ")]
-    assert note == ["cuDNN: each of 6 convolution call(s) per iteration ran with the workspace its algorithm took at "
-                    "the probes' sizes (up to 1.97 MiB per call at batch 8); cuDNN chooses again at the target batch, "
-                    "and another algorithm may take more: the forecast holds while each call's workspace stays under "
-                    "7.88 MiB (peak allocated) and 20.00 MiB (peak reserved)"]
+    assert [n["code"] for n in fc["notes"] if n["code"].startswith("conv-")] == ["conv-workspace-headroom"]
+    assert fc["conv_workspace_headroom_reserved_bytes"] == 20 * 2**20
 
 
 def test_gpu_probes_without_device_times_are_said_to_measure_launches():
@@ -86,11 +83,11 @@ def test_gpu_probes_without_device_times_are_said_to_measure_launches():
            "the GPU's work does")
     with pytest.warns(UserWarning, match=r"gpucast.forecast: the probes on cuda:0 carry host clock times only"):
         tf = _forecast_time(timings, d["batch"], "H200-141GB", "cuda:0", {}, None, gnn=None)
-    assert tf.notes[0] == msg
+    assert tf.notes[0] == {"code": "host-clocks-only", "text": msg}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tf = _forecast_time(timings, d["batch"], "cpu", "cpu", {}, None, gnn=None)
-    assert msg not in tf.notes
+    assert "host-clocks-only" not in [n["code"] for n in tf.notes]
 
 
 def test_a_workspace_measured_at_the_target_batch_replaces_the_probes():
@@ -112,9 +109,8 @@ def test_a_workspace_measured_at_the_target_batch_replaces_the_probes():
     f.set_conv_workspaces({"CNN.features.0|backward": 57671680})
     fc = json.loads(f.run(target_batch=64, target="H200-141GB", probe_device="cuda:0"))
     assert round(err_pct(fc["peak_allocated_bytes"], real["max_memory_allocated"]), 2) == -13.22
-    assert [n for n in fc["notes"] if n.startswith("cuDNN: the workspaces")] == [
-        "cuDNN: the workspaces of 1 of 6 convolution call(s) per iteration measured on the GPU at the target batch "
-        "(up to 55.00 MiB per call) replace the probes'"]
+    assert [n["code"] for n in fc["notes"] if n["code"] == "conv-workspace-measured"] == ["conv-workspace-measured"]
+    assert fc["conv_calls"] == 6
 
 
 @pytest.mark.parametrize("case", ["mlp", "gpt", "cnn", "resnet18"])

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gpucast/allocator_sim.h"
+#include "gpucast/note.h"
 #include "gpucast/parallel.h"
 #include "gpucast/trace.h"
 
@@ -105,8 +106,8 @@ struct MemoryForecast {
   int64_t conv_workspace_headroom_allocated_bytes = -1;
   int64_t conv_workspace_headroom_reserved_bytes = -1;
   int64_t conv_calls_measured = 0;    // GPU probes: calls whose workspace came from conv_workspaces
-  std::vector<std::string> warnings;
-  std::vector<std::string> notes;
+  std::vector<Note> warnings;  // what may make the forecast wrong (gpucast.forecast warns of each)
+  std::vector<Note> notes;
   double forecast_ms = 0.0;           // time spent forecasting (probes excluded)
 };
 

@@ -35,6 +35,7 @@
 
 #include "gpucast/comm_model.h"
 #include "gpucast/layer_model.h"
+#include "gpucast/note.h"
 #include "gpucast/parallel.h"
 #include "gpucast/trace.h"
 
@@ -260,7 +261,7 @@ struct StepTimeForecast {
   std::vector<CommForecast> comm;
   std::vector<ComputeSpan> compute;     // the step's compute laid out (what save_timeline draws)
   std::string clock;
-  std::vector<std::string> notes;
+  std::vector<Note> notes;
   // The graph network's correction (step_gnn.h: correct_step_time), ScaleDL's alpha for the compute and beta for the
   // exposed communication: step_ms, compute_ms and exposed_comm_ms include it (the per-layer and per-phase times do
   // not); uncorrected_step_ms is the schedule's step without it. correction: "gnn", or "none[: why not]".
