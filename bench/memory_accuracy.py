@@ -221,7 +221,7 @@ def save_probes(name, folder):
     (the probes in increasing batch size, then any timing probes')."""
     import contextlib
     import os
-    from gpucast import _forecast, _trace
+    from gpucast import _probes, _trace
     os.makedirs(folder, exist_ok=True)
 
     @contextlib.contextmanager
@@ -232,7 +232,7 @@ def save_probes(name, folder):
             t.result.handle.save(os.path.join(folder, f"{name}_{saving.count}.json"))
             saving.count += 1
     saving.count = 0
-    _forecast.trace = saving
+    _probes.trace = saving  # the probe runner's trace
 
 
 def cuda_case(name, args) -> dict:

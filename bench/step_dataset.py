@@ -144,7 +144,7 @@ def main() -> int:
     import warnings
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    from gpucast._forecast import cpu_rates
+    from gpucast._settings import cpu_rates
     rates = cpu_rates()
     print(f"device: {rates}", file=sys.stderr)
     only = set(args.only.split(",")) if args.only else None

@@ -29,7 +29,7 @@ def _wall(text):
 
 
 def rules(rounds):
-    from gpucast._forecast import _round_median  # the forecast's own rule
+    from gpucast._probes import _round_median  # the forecast's own rule
 
     def per_probe(choose):
         return [choose(sorted(xs, key=_wall)) for xs in zip(*rounds)]

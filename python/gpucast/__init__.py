@@ -9,7 +9,9 @@ from ._loader import library_path, load
 load()
 
 from ._trace import Trace, load_trace, trace, trace_options  # noqa: E402
-from ._forecast import Forecast, MemoryForecast, devices, forecast, gpu_rates, interconnects  # noqa: E402
+from ._forecast import forecast  # noqa: E402
+from ._results import Forecast, MemoryForecast  # noqa: E402
+from ._settings import devices, gpu_rates, interconnects  # noqa: E402
 from ._auto import OutOfMemoryRisk, OutOfMemoryRiskWarning  # noqa: E402
 from . import _auto  # noqa: E402
 from .trackers import log_to  # noqa: E402

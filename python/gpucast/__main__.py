@@ -84,7 +84,7 @@ def _run(args) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     session = gpucast._auto.session()
     if session is not None and session.forecast is not None and not args.quiet:
-        from ._forecast import Forecast
+        from ._results import Forecast
         print(str(Forecast(memory=session.forecast, probe_batch_sizes=(session.batch,), probe_device="",
                            context={})), file=sys.stderr)
     return code

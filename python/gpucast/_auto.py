@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optimizer_module
 
-from ._forecast import SCHEMA_VERSION, MemoryForecast, run_forecaster
+from ._forecast import run_forecaster
+from ._results import SCHEMA_VERSION, MemoryForecast
 from ._trace import _flatten, compiling, trace
 
 _ops = torch.ops.gpucast
@@ -183,7 +184,7 @@ class _AutoSession:
     def _track(self, f: MemoryForecast) -> None:
         """Loggers from gpucast.log_to(), and trackers with an active run (MLflow, W&B), get the forecast."""
         from . import trackers
-        from ._forecast import Forecast
+        from ._results import Forecast
         ctx = _ops.context()
         fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context={
             "gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]})

@@ -91,13 +91,13 @@ def _traces(case: str, gpu: bool) -> list:
 def _memory(traces: list, target: str, batch: int, parallel: dict, alloc_conf: str, capacity: int,
             probe_device: str) -> dict:
     import torch
-    from gpucast import _forecast
+    from gpucast import _results, _settings
     f = torch.classes.gpucast.MemoryForecaster()
     for handle, b in traces:
         f.add_probe(handle, b)
     text = f.run(target_batch=batch, target=target, capacity_bytes=capacity, probe_device=probe_device,
-                 parallel=_forecast._format_parallel(parallel), alloc_conf=alloc_conf)
-    out = dict(_forecast.MemoryForecast(**json.loads(text)).__dict__)
+                 parallel=_settings._format_parallel(parallel), alloc_conf=alloc_conf)
+    out = dict(_results.MemoryForecast(**json.loads(text)).__dict__)
     del out["forecast_ms"]  # how long the forecast took to compute: a timing of this machine, not a forecast
     return out
 
@@ -113,32 +113,32 @@ def _time(fc, name: str, batch: int, parallel: dict, link, extra: dict) -> dict:
 
 def _time_forecast(timings: list, target: str, probe_device: str):
     """A Forecast holding only the probes' timings, as gpucast.forecast() leaves them: step_time() from there."""
-    from gpucast import _forecast
+    from gpucast import _forecast, _results
     with warnings.catch_warnings():  # what step_time() warns of is recorded with each setting
         warnings.simplefilter("ignore")
         tf = _forecast._forecast_time(timings, 32, target, probe_device, {}, None, gnn=None)
-    memory = _forecast.MemoryForecast(**{k: 0 for k in _forecast.MemoryForecast.__dataclass_fields__
+    memory = _results.MemoryForecast(**{k: 0 for k in _results.MemoryForecast.__dataclass_fields__
                                          if k not in ("warnings", "notes", "forecast_ms")} | {
         "target": target, "fragmentation": 0.0, "breakdown": {}, "peak_phase": "", "peak_op": "",
         "peak_module": "", "scaled": False})
-    return _forecast.Forecast(memory=memory, probe_batch_sizes=PROBE_BATCHES, probe_device=probe_device,
+    return _results.Forecast(memory=memory, probe_batch_sizes=PROBE_BATCHES, probe_device=probe_device,
                               context={}, time=tf, timings=timings, target=target, optimizer_name="adamw")
 
 
 def compute() -> dict:
     """Every golden forecast, keyed by case and setting."""
     import torch
-    from gpucast import _forecast
-    saved_rates = dict(_forecast._RATES)
-    _forecast._RATES.clear()
-    _forecast._RATES.update(FIXED_RATES)
+    from gpucast import _settings
+    saved_rates = dict(_settings._RATES)
+    _settings._RATES.clear()
+    _settings._RATES.update(FIXED_RATES)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a global feature of the graph network
     try:
         return _compute()
     finally:
-        _forecast._RATES.clear()
-        _forecast._RATES.update(saved_rates)
+        _settings._RATES.clear()
+        _settings._RATES.update(saved_rates)
         torch.set_num_threads(threads)
 
 

@@ -148,7 +148,7 @@ def test_calibrate_fits_a_link_on_gloo(tmp_path):
         assert [s["bytes"] for s in r[key]] == [2**16, 2**18, 2**20, 2**22]
         assert all(s["us"] > 0 for s in r[key])
     # What the forecast reads from it: the samples, their rank count and the host keys.
-    from gpucast._forecast import _format_link
+    from gpucast._settings import _format_link
     text = _format_link(r)
     assert text.startswith(f"alpha_us:{r['alpha_us']},bytes_per_us:{r['bytes_per_us']},samples:65536/")
     samples = ";".join(f"{s['bytes']}/{s['factor']:.17g}" for s in r["memory_contention_samples"])

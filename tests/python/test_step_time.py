@@ -356,7 +356,7 @@ def test_collectives_without_a_link_are_warned_of():
 
 
 def test_link_sample_lists_name_their_key():
-    from gpucast._forecast import _format_link
+    from gpucast._settings import _format_link
     assert _format_link({"alpha_us": 1, "bytes_per_us": 2, "memory_contention_samples": [
         {"bytes": 2097152, "factor": 1.0}, {"bytes": 33554432, "factor": 1.36}]}) == (
         "alpha_us:1,bytes_per_us:2,memory_contention_samples:2097152/1;33554432/1.3600000000000001")
@@ -592,7 +592,7 @@ def test_median_timing_over_light_traces():
 
 def test_steady_timing_takes_the_median_of_its_light_traces(monkeypatch):
     # A probe step of about 0.1 s / 9 or less gets the most light traces; each is an iteration of its own.
-    from gpucast import _forecast
+    from gpucast import _probes
     case = zoo.CASES["mlp"]
     torch.manual_seed(0)
     model = case.make_model()
@@ -604,10 +604,10 @@ def test_steady_timing_takes_the_median_of_its_light_traces(monkeypatch):
     structure = t.result.handle.iteration_timing(2)
     seen = []
     real = torch.ops.gpucast.median_timing
-    monkeypatch.setattr(_forecast.torch.ops.gpucast, "median_timing", lambda runs: seen.append(len(runs)) or real(runs),
+    monkeypatch.setattr(_probes.torch.ops.gpucast, "median_timing", lambda runs: seen.append(len(runs)) or real(runs),
                         raising=False)
-    _forecast._steady_timing(step, batch, 2, structure, budget_s=1e-9)
-    _forecast._steady_timing(step, batch, 2, structure, budget_s=1e3)
+    _probes._steady_timing(step, batch, 2, structure, budget_s=1e-9)
+    _probes._steady_timing(step, batch, 2, structure, budget_s=1e3)
     assert seen == [3, 9]
 
 
@@ -728,7 +728,7 @@ def _device_timings(batches=(4, 8, 16)):
 
 
 def test_a_gpu_target_far_beyond_its_probes_gets_a_timing_probe_at_half_where_its_memory_fits():
-    from gpucast._forecast import _probe_fits, _reach_probes
+    from gpucast._probes import _probe_fits, _reach_probes
     t = _device_timings()
     design = [(4, None), (8, None), (16, None)]
     asked = []

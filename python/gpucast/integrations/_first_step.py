@@ -9,7 +9,8 @@ from typing import Any
 
 from .. import trackers
 from .._auto import forecast_traced_step, judge
-from .._forecast import Forecast, forecast
+from .._forecast import forecast
+from .._results import Forecast
 from .._trace import _flatten, trace
 
 

@@ -1,0 +1,412 @@
+"""The probes of gpucast.forecast(): the training step traced at small sizes, then timed in steady state, with
+timing-only probes where the target batch needs them and timing rounds; the model's, optimizers' and RNG's state
+saved before and restored after. Python runs them because it owns the step, the batches and the state; what they
+record is forecast in C++."""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._settings import _time_on_target
+from ._trace import _flatten, mark_iteration_end, trace
+
+
+def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
+    out = []
+    for t in _flatten(list(objs), []):
+        try:
+            p = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if p:
+            out.append(p)
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu", copy=True) if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+class _State:
+    """The model's and optimizer's state (and the RNG's), saved before the probes and restored after."""
+
+    def __init__(self, model, optimizers: list):
+        self.model, self.optimizers = model, optimizers
+        self.rng = torch.get_rng_state()
+        self.model_state = None
+        self.grads = None
+        # Copies live on the CPU, so that a GPU's baseline holds the job's memory only.
+        if model is not None:
+            self.model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+        self.optimizer_states = [_to_cpu(copy.deepcopy(o.state_dict())) for o in optimizers]
+
+    def own_ptrs(self) -> list[int]:
+        """Storages of the copies, and of gpucast's loaded learned models (the step graph network's weights, loaded
+        at a forecast and kept), so the forecast does not count them as the job's."""
+        objs = [self.rng]
+        if self.model_state is not None:
+            objs += list(self.model_state.values()) + [g for g in self.grads if g is not None]
+        objs += [st["state"] for st in self.optimizer_states]
+        return _storage_ptrs(objs) + list(torch.ops.gpucast.owned_storages())
+
+    def restore(self):
+        torch.set_rng_state(self.rng)
+        if self.model is not None:
+            self.model.load_state_dict(self.model_state)
+            for p, g in zip(self.model.parameters(), self.grads):
+                p.grad = None if g is None else g.to(p.device, copy=True)
+        for o, st in zip(self.optimizers, self.optimizer_states):
+            # load_state_dict may keep the given tensors (the step counts): hand it a copy.
+            o.load_state_dict(copy.deepcopy(st))
+
+
+def _device_of(batch: Any) -> str:
+    tensors = _flatten(batch, [])
+    return str(tensors[0].device) if tensors else "cpu"
+
+
+def _timing_probe_target(timings: list, per_rank: int, target: str, probe_device: str, design: list,
+                         gpu: bool = False) -> int | None:
+    """Each rank's batch where timing-only probes may be added (CPU probes for a CPU target; with gpu, GPU probes
+    for a GPU target too; batch probes only); None elsewhere."""
+    on_target = (target == "cpu" and probe_device == "cpu") or (gpu and _time_on_target(target, probe_device))
+    if not on_target or not timings or any(x[1] is not None for x in design):
+        return None
+    return per_rank
+
+
+# PyTorch's CPU convolution runs 1x1, stride-1 kernels on one thread through im2col (thnn_conv2d) below this
+# batch size and through mkldnn from it on (aten/src/ATen/native/Convolution.cpp, ConvParams::use_mkldnn).
+_MKLDNN_CONV_MIN_BATCH = 16
+
+
+def _kernel_probes(timings: list, per_rank: int, target: str, probe_device: str, design: list) -> list:
+    """Batch sizes to time in addition to the probes, so that every layer is timed on the kernels the target
+    batch runs: where the probes' convolutions took the CPU im2col path and the per-rank target batch is at
+    least 16, probes at 16 and at 24 (when the target is that large). Timing only: the memory forecast keeps
+    the probes' traces."""
+    per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design)
+    largest = max(b for b, _ in design)
+    if per_rank is None or per_rank < _MKLDNN_CONV_MIN_BATCH or largest >= _MKLDNN_CONV_MIN_BATCH:
+        return []
+    if not any(json.loads(x).get("im2col_conv_ops", 0) > 0 for x in timings):
+        return []
+    lo = _MKLDNN_CONV_MIN_BATCH
+    return [lo] + ([lo + lo // 2] if per_rank >= lo + lo // 2 else [])
+
+
+# Beyond this many times the largest probe, a slope's noise is multiplied into the forecast, and on a CPU the time
+# per sample changes with the batch: it grows as the activations spill the caches (the zoo MLP's first layer: 4.1 us
+# per sample from 8 to 64, 4.7 from 64 to 256) and falls where small matrix multiplies run below the kernels' peak
+# (the zoo LSTM on an AMD EPYC host: 0.61 ms per sample at batch 8, 0.39 at 32; forecast at 32 from 2/4/8: -15.4,
+# -12.0, -19.6 % in three runs, with a probe at 16: -7.8, -11.1, -8.2 %, the CNN at 32 alongside +0.9, -3.1, +6.0
+# and +5.0, +0.5, +1.8 %): a timing probe at half the per-rank target is added when the probes forecast its step
+# under the budget (CPU targets).
+_REACH = 3
+_REACH_BUDGET_S = 1.0
+
+
+def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, design: list,
+                  fits: Callable[[int], bool] | None = None) -> list:
+    """A batch size to time in addition, nearer a target far beyond the probes: half the per-rank target where the
+    target is more than _REACH times the largest probe and the probes forecast the step at that half under
+    _REACH_BUDGET_S. On a GPU that is the target (probes on it) too, where fits(b) says that the probe's memory
+    fits the device now (its kernels at batch 4 to 16 say little about the rates of kernels 30 times larger:
+    ResNet-18 at 512 on an H200 forecast 23 % high from 4, 8 and 16); fits None: not on a GPU."""
+    per_rank = _timing_probe_target(timings, per_rank, target, probe_device, design, gpu=fits is not None)
+    largest = max((json.loads(x)["batch"] for x in timings), default=0)
+    if per_rank is None or per_rank <= _REACH * largest:
+        return []
+    b = per_rank // 2
+    est = json.loads(torch.ops.gpucast.forecast_step_time(timings, b))
+    if est["step_ms"] > _REACH_BUDGET_S * 1e3:
+        return []
+    return [b] if fits is None or fits(b) else []
+
+
+# A GPU timing probe runs only where the memory forecast at its batch stays within this share of what this process
+# can hold on the device (the free memory and what its allocator has reserved).
+_REACH_MEMORY_SHARE = 0.8
+
+
+def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) -> bool:
+    """Whether a probe whose forecast reserved peak is peak_reserved_bytes (the process's whole reservation, its
+    current one included) fits in _REACH_MEMORY_SHARE of the device memory free now plus what the allocator holds."""
+    return peak_reserved_bytes <= _REACH_MEMORY_SHARE * (free_bytes + reserved_bytes)
+
+
+# Timing rounds where the probes run on the CPU (forecast's timing_rounds None). On a shared 2-core host a probe's
+# untraced step moved by up to 42 % between rounds a few seconds apart, and a forecast at 2 to 32 times the largest
+# probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (bench/timing_rounds.py,
+# 2026-12-06, without the graph network) the step's mean |error| was 6.86 % (RMS 10.38) from the first round alone,
+# 4.88 % from the median of two rounds and 4.45 % (RMS 6.40) from that of three. A GPU's clocks are steadier: 1 there.
+_CPU_TIMING_ROUNDS = 3
+
+
+def _retimed(step: Callable[[Any], Any], make_batch: Callable[..., Any], b: int, length: int | None, structure: str,
+             timed_layers: list | None, model: torch.nn.Module | None, state: "_State", show: bool) -> str:
+    """A probe's steady timing again, in a later round (no memory trace: its structure is the first round's). Two
+    untraced warm-ups: the state restored after the last probe has no optimizer state yet."""
+    if show:
+        print(f"\rgpucast: timing again (batch {b})   ", end="", file=sys.stderr, flush=True)
+    gc.collect()
+    batch = make_batch(b) if length is None else make_batch(b, length)
+    try:
+        timing = _steady_timing(step, batch, b, structure, timed_layers, warm=2, model=model)
+    finally:
+        del batch
+        state.restore()
+    return timing if length is None else _with_seq(timing, length)
+
+
+def _round_median(rounds: list) -> list:
+    """Per probe, the element-wise median over the timing rounds (each layer's forward and backward time, the
+    optimizer's, the rest's, the wall and the untraced wall; torch.ops.gpucast.median_timing): a slow spell of
+    the machine that fell on one round of a probe does not tilt the fits' slopes, which extrapolation multiplies."""
+    return [torch.ops.gpucast.median_timing(list(texts)) for texts in zip(*rounds)]
+
+
+def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,
+                   timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: tuple = (3, 9),
+                   budget_s: float = 0.1, model: torch.nn.Module | None = None) -> str:
+    """A probe's timing in steady state. The memory trace just before ran the first iterations (optimizer state
+    created, caches and the allocator's free lists cold); the step's time comes from what follows it: `warm`
+    untraced iterations (the last one's time sizes what follows), then untraced and traced iterations in
+    alternation, as many of each, so that a slow spell of the machine falls on both: the untraced ones' median is
+    the untraced wall, which lets the forecast take the tracer's own cost out of the traced times by op count
+    (at least `runs` of them). The traced ones are light traces, each iteration in its own (no shapes, no memory
+    events, and ops nested in another op counted in it instead of recorded: a fraction of the tracer's cost per
+    op): as many as take about budget_s at the untraced wall, from traced[0] to traced[1], and of those the
+    element-wise median (each layer's time, the optimizer's, the rest of the step's and the wall: a pause of the
+    machine in one run or two does not move it).
+    What needs shapes and allocations (FLOPs, bytes, gradient and output bytes, the layer graph) comes from
+    `structure`: the iteration timing of the full trace of the same step. timed_layers: sparse timing
+    (gpucast.trace's timed_layers). model: forecast's, for the traces' module paths (gpucast.trace's model)."""
+    cuda = any(t.is_cuda for t in _flatten(batch, []))
+
+    def once() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter_ns() - t0
+
+    first = 0
+    for _ in range(max(1, warm)):  # the last warm-up's time sizes the number of traces
+        first = once()
+    count = max(traced[0], min(traced[1], int(budget_s * 1e9 // max(first, 1))))
+    times, light = [], []
+    for _ in range(max(count, runs)):
+        times.append(once())
+        if len(light) < count:
+            with trace(timed_layers=timed_layers, model=model, record_shapes=False, memory=False,
+                       nested_ops=False) as t:
+                step(batch)
+                mark_iteration_end()
+            light.append(t.result.handle.iteration_timing(b))
+            del t
+    d = json.loads(torch.ops.gpucast.median_timing(light))
+    d["untraced_wall_ns"] = float(statistics.median(times))
+    return torch.ops.gpucast.timing_with_structure(json.dumps(d), structure)
+
+
+def _with_seq(timing: str, length: int) -> str:
+    """An iteration timing (JSON) marked with the probe's sequence length."""
+    d = json.loads(timing)
+    d["seq"] = int(length)
+    return json.dumps(d)
+
+
+class ProbeRun:
+    """One forecast's probes, run in order by run(): an untraced warm-up, the design's probes traced (a memory trace
+    each, then a steady timing where the probes run on the target), timing-only probes where the target's kernels
+    start (CPU im2col) or where the target lies far beyond the probes, more timing rounds, and the workspaces that
+    cuDNN or the CPU matrix multiplies take at the target batch. What it leaves: `forecaster` (the C++ memory
+    forecaster holding the probe traces), `timings` (the per-probe timings, each the median over `rounds`),
+    `probe_device` and what was added or skipped (for the forecast's notes). The state is restored afterwards,
+    whatever happens."""
+
+    def __init__(self, step: Callable[[Any], Any], make_batch: Callable[..., Any], *, model, state: "_State",
+                 design: list, iterations: int, target: str, per_rank: int, tp: int, time_fraction: float,
+                 time_budget: float, timing_rounds: int | None, conv_workspace: int | None,
+                 fits: Callable[["ProbeRun", int], bool] | None = None):
+        self.step, self.make_batch, self.model, self.state = step, make_batch, model, state
+        self.design, self.iterations, self.target, self.per_rank, self.tp = design, iterations, target, per_rank, tp
+        self.time_fraction, self.time_budget = time_fraction, time_budget
+        self.timing_rounds, self.conv_workspace = timing_rounds, conv_workspace
+        self.fits_on_device = fits  # (run, batch) -> whether a GPU timing probe at that batch fits (None: no check)
+        self.forecaster = torch.classes.gpucast.MemoryForecaster()
+        self.probe_device = "cpu"
+        self.timings: list = []
+        self.kernel_probes: list = []  # timing-only probes at the batch sizes where the target's kernels start
+        self.reach_probes: list = []  # a timing-only probe nearer a target far beyond the probes
+        self.reach_skipped: list = []  # such probes the device refused (out of memory)
+        self.timed_layers = None  # sparse timing: the layers the timing traces time (None: every layer)
+        self.largest_probe = None  # the largest probe's trace (batch scaling only)
+        self.previous_probe = None  # the one before it
+        self.probe_batches: list = []
+        self.retime: list = []  # each timing's (batch, length, structure): what a later round times again
+        self.rounds: list = []  # each timing round's timings (timing_rounds > 1)
+        self.conv_skipped: list = []
+        self.op_skipped: list = []
+        self.show = sys.stderr.isatty()  # progress on a terminal, quiet otherwise
+
+    def run(self) -> "ProbeRun":
+        try:
+            # The probes are timed with the C allocator as a process that has trained a while has it (no page
+            # faults on every step for blocks a young process maps and unmaps): what the training after the forecast
+            # runs in. The zoo GPT at 32 after the example's steps at 8: forecast +10.0 and +11.1 % without, -0.2
+            # and -1.5 % with.
+            torch.ops.gpucast.settle_c_allocator()
+            self._warm_up()
+            for i, (b, length) in enumerate(self.design, 1):
+                self._probe(i, b, length)
+            for b in _kernel_probes(self.timings, self.per_rank, self.target, self.probe_device, self.design):
+                self._timing_probe(b)
+                self.kernel_probes.append(b)
+            self._reach()
+            self._more_rounds()
+            self._workspaces()
+        finally:
+            self.state.restore()
+            if self.show:
+                print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+        return self
+
+    def _warm_up(self) -> None:
+        """An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls (optimizer
+        defaults, kernels' scratch) would otherwise make the first probe differ from the others."""
+        warm = self.make_batch(*[x for x in self.design[0] if x is not None])
+        for _ in range(self.iterations):
+            try:
+                self.step(warm)
+            except RuntimeError as e:
+                if torch.is_grad_enabled():
+                    raise
+                raise RuntimeError(f"forecast: the training step failed with gradients disabled (forecast was "
+                                   f"called under torch.no_grad() or torch.inference_mode(); call it outside "
+                                   f"them): {e}") from e
+        del warm
+        self.state.restore()
+
+    def _probe(self, i: int, b: int, length: int | None) -> None:
+        """The i-th probe of the design: its memory trace, then (on the target) its steady timing."""
+        if self.show:
+            what = f"batch {b}" + (f", length {length}" if length is not None else "")
+            print(f"\rgpucast: probe {i}/{len(self.design)} ({what})   ", end="", file=sys.stderr, flush=True)
+        gc.collect()  # garbage freed during a probe would change what it records
+        batch = self.make_batch(b) if length is None else self.make_batch(b, length)
+        self.probe_device = _device_of(batch)
+        with trace(model=self.model) as t:
+            for _ in range(self.iterations):
+                self.step(batch)
+                mark_iteration_end()
+        if length is None:
+            self.forecaster.add_probe(t.result.handle, b)
+            self.previous_probe = self.largest_probe
+            self.largest_probe = t.result.handle  # the design is in increasing batch size
+            self.probe_batches.append(b)
+        else:
+            self.forecaster.add_probe_seq(t.result.handle, b, length)
+        structure = t.result.handle.iteration_timing(b)
+        t = None  # the memory trace is not needed any more
+        timed = _time_on_target(self.target, self.probe_device)
+        if timed and min(self.time_fraction, self.time_budget) < 1.0 and self.timed_layers is None:
+            # Sparse timing: the layers to time, chosen once on the first probe's structure; every timing trace
+            # then takes device timers around those layers only.
+            self.timed_layers = list(torch.ops.gpucast.choose_timed_layers(
+                structure, float(self.time_fraction), time_budget=float(self.time_budget)))
+        timing = (_steady_timing(self.step, batch, b, structure, self.timed_layers, model=self.model) if timed
+                  else structure)
+        self.timings.append(timing if length is None else _with_seq(timing, length))
+        if timed:
+            self.retime.append((b, length, structure))
+        del batch, t
+        self.state.restore()
+
+    def _timing_probe(self, b: int) -> None:
+        """A timing-only probe at batch b (its trace gives the first steps and the structure, as for the others)."""
+        if self.show:
+            print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
+        gc.collect()
+        batch = self.make_batch(b)
+        with trace(model=self.model) as t:
+            for _ in range(self.iterations):
+                self.step(batch)
+                mark_iteration_end()
+        structure = t.result.handle.iteration_timing(b)
+        del t
+        self.timings.append(_steady_timing(self.step, batch, b, structure, self.timed_layers, model=self.model))
+        self.retime.append((b, None, structure))
+        del batch
+        self.state.restore()
+
+    def _reach(self) -> None:
+        """A timing probe nearer a target far beyond the probes (_reach_probes), where it fits on the device."""
+        on_gpu = self.fits_on_device is not None and self.target != "cpu" and self.probe_device.startswith("cuda")
+        fits = (lambda b: self.fits_on_device(self, b)) if on_gpu else None
+        for b in _reach_probes(self.timings, self.per_rank, self.target, self.probe_device, self.design, fits):
+            try:
+                self._timing_probe(b)
+            except torch.cuda.OutOfMemoryError:
+                # The memory forecast said it fits; the device said otherwise (another process took memory since):
+                # the forecast goes on without it.
+                self.reach_skipped.append(b)
+                self.state.restore()
+                continue
+            finally:
+                if self.probe_device.startswith("cuda"):
+                    torch.cuda.empty_cache()  # the probe's larger blocks are not the job's
+            self.reach_probes.append(b)
+
+    def _more_rounds(self) -> None:
+        """Every timed probe timed again, round after round; each probe's timing the median over the rounds."""
+        n_rounds = (self.timing_rounds if self.timing_rounds is not None
+                    else _CPU_TIMING_ROUNDS if self.probe_device == "cpu" else 1)
+        if len(self.retime) == len(self.timings) and n_rounds > 1:
+            self.rounds = [list(self.timings)]
+            for _ in range(n_rounds - 1):
+                self.rounds.append([_retimed(self.step, self.make_batch, b, length, structure, self.timed_layers,
+                                             self.model, self.state, self.show)
+                                    for b, length, structure in self.retime])
+            self.timings = _round_median(self.rounds)
+
+    def _workspaces(self) -> None:
+        """The workspaces the target batch's kernels take, measured where the probes cannot show them."""
+        if (self.largest_probe is not None and self.model is not None and self.target != "cpu"
+                and self.probe_device.startswith("cuda") and self.conv_workspace is None):
+            # cuDNN chooses again at the target batch: each convolution's workspace measured there.
+            from . import _conv_workspace
+            doc = json.loads(self.largest_probe.to_json())
+            if _conv_workspace.conv_calls(doc):
+                ws, self.conv_skipped = _conv_workspace.measure_quietly(self.model, doc, self.per_rank,
+                                                                        self.probe_device)
+                if ws:
+                    self.forecaster.set_conv_workspaces(ws)
+            del doc
+        if (self.target == "cpu" and self.probe_device == "cpu" and self.previous_probe is not None
+                and self.probe_batches[-1] != self.probe_batches[-2] and self.tp == 1):
+            # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's
+            # measured at the target batch (under tensor parallelism the calls are split: not measured).
+            from . import _op_workspace
+            ws, self.op_skipped = _op_workspace.measure_quietly(self.largest_probe, self.previous_probe,
+                                                                self.probe_batches[-1], self.probe_batches[-2],
+                                                                self.per_rank)
+            if ws:
+                self.forecaster.set_op_workspaces(ws, self.per_rank)
