@@ -12,12 +12,10 @@ void schedule_ddp_zero(StepSchedule& s) {
   StepTimeForecast& f = s.f;
   const ParallelConfig& P = s.P;
   const Topology& T = s.T;
-  const double m = s.m;
   const int64_t mbs = s.mbs;
   const Link* dp_link = s.dp_link;
   const double bcast_ms = s.bcast_ms;
-  double t_end = 0;  // end of the step's compute and the communication on its critical path
-  const double other_mb = f.other_ms / m;
+  const double other_mb = f.other_ms / s.m;  // the step's rest, before each micro-batch's forward
   // DDP and ZeRO-1/2: buckets in backward order, reduced while backward goes on.
   double t = bcast_ms;
   for (int64_t mb = 0; mb + 1 < mbs; ++mb) {
@@ -36,13 +34,14 @@ void schedule_ddp_zero(StepSchedule& s) {
     cur = BucketForecast{};
   };
   const bool reduce = P.dp > 1 && dp_link;
-  const double backward_end = s.run_pass(s.backward_layers, true, mbs - 1, 0, backward_start, [&](size_t i, double end) {
+  auto bucket = [&](size_t i, double end) {
     const LayerForecast& l = f.per_layer[i];
     if (!reduce || l.grad_bytes == 0) return;
     cur.bytes += l.grad_bytes;
     const int64_t cap = f.buckets.empty() && !P.bucket_cap_given ? s.first_bucket_bytes : P.bucket_bytes;
     if (cur.bytes >= cap) flush(end);
-  });
+  };
+  const double backward_end = s.run_pass(s.backward_layers, true, mbs - 1, 0, backward_start, bucket);
   if (reduce) {
     flush(backward_end);
     for (size_t k = 0; k < f.buckets.size(); ++k) {
@@ -63,7 +62,8 @@ void schedule_ddp_zero(StepSchedule& s) {
   }
   const double exposed = std::max(0.0, prev_end - backward_end);
   f.exposed_comm_ms += exposed;
-  t_end = s.span("optimizer step", "optimizer", mbs - 1, 0, backward_end + exposed, f.optimizer_ms);
+  // The step's end: the compute and the communication on its critical path.
+  double t_end = s.span("optimizer step", "optimizer", mbs - 1, 0, backward_end + exposed, f.optimizer_ms);
   if (P.dp > 1 && dp_link && s.sharded && s.all_rank_grad > 0) {
     const double us = all_gather_us(static_cast<double>(s.all_rank_grad), P.dp, *dp_link);
     t_end = s.add_comm("dp_all_gather", static_cast<double>(s.all_rank_grad), t_end, us);

@@ -11,12 +11,10 @@ void schedule_fsdp(StepSchedule& s) {
   StepTimeForecast& f = s.f;
   const ParallelConfig& P = s.P;
   const Topology& T = s.T;
-  const double m = s.m;
   const int64_t mbs = s.mbs;
   const Link* dp_link = s.dp_link;
   const FsdpUnits& U = s.units;
-  double t_end = 0;  // end of the step's compute and the communication on its critical path
-  const double other_mb = f.other_ms / m;
+  const double other_mb = f.other_ms / s.m;  // the step's rest, before each micro-batch's forward
   // Units (ParallelConfig::fsdp_units): each given module path with the layers inside it (the innermost unit
   // holds a layer), the rest the root unit; without units every layer with parameters is one. A unit's bytes
   // are its layers' parameters (the probes hold them whole: its gather moves their full size). Each pass gathers
@@ -79,7 +77,7 @@ void schedule_fsdp(StepSchedule& s) {
     pass(s.backward_layers, true, mb, mb + 1 == mbs);
   }
   const double compute_only = f.other_ms + f.forward_ms + f.backward_ms + f.tp_comm_ms;  // every micro-batch
-  t_end = std::max(compute, comm_free);
+  double t_end = std::max(compute, comm_free);  // the compute's end and the collectives on its critical path
   if (!T.overlap) {  // the collectives take the cores from the compute: their time adds
     double fsdp_comm = 0;
     for (const CommForecast& c : f.comm) {
