@@ -36,6 +36,8 @@
 namespace gpucast {
 namespace {
 
+using nlohmann::json;
+
 // The learned job model's weights: $GPUCAST_JOB_WEIGHTS, else data/job_memory.gcw beside this library's lib/
 // directory (the installed package and the build tree both lay it out so).
 std::string default_job_weights() { return shipped_data_file("GPUCAST_JOB_WEIGHTS", "job_memory.gcw"); }
@@ -79,17 +81,7 @@ struct TraceHolder : torch::CustomClassHolder {
         by[t.ops[a.alloc_op].module] += a.block_bytes;
       }
     }
-    std::string out = "{";
-    for (const auto& [m, b] : by) {
-      std::string q = "\"";
-      for (unsigned char c : m) {
-        if (c == '"' || c == '\\') q += '\\', q += static_cast<char>(c);
-        else if (c < 0x20) q += fmt::format("\\u{:04x}", c);
-        else q += static_cast<char>(c);
-      }
-      out += (out.size() > 1 ? "," : "") + q + "\":" + std::to_string(b);
-    }
-    return out + "}";
+    return json(by).dump();
   }
   int64_t num_events() const { return static_cast<int64_t>(get().events.size()); }
 };
@@ -261,6 +253,7 @@ IterationTiming timing_argument(const std::string& text, const std::string& op, 
 
 TORCH_LIBRARY(gpucast, m) {
   using gpucast::TraceHolder;
+  using nlohmann::json;
   m.class_<TraceHolder>("Trace")
       .def("summary", &TraceHolder::summary)
       .def("to_json", &TraceHolder::to_json)
@@ -384,7 +377,6 @@ TORCH_LIBRARY(gpucast, m) {
   // rms_rel_error}, backward: ...}}.
   m.def("fit_layer_rates(str spec) -> str", [](const std::string& spec) {
     return gpucast::translate([&] {
-      using nlohmann::json;
       json j;
       try {
         j = json::parse(spec);
@@ -427,26 +419,24 @@ TORCH_LIBRARY(gpucast, m) {
     return names;
   });
   m.def("interconnects() -> str", [] {
-    std::string out = "[";
+    json out = json::array();
     for (const auto& i : gpucast::interconnect_table()) {
-      out += fmt::format("{}{{\"name\":\"{}\",\"alpha_us\":{},\"bytes_per_us\":{}}}", out.size() > 1 ? "," : "",
-                         i.name, i.link.alpha_us, i.link.bytes_per_us);
+      out.push_back({{"name", i.name}, {"alpha_us", i.link.alpha_us}, {"bytes_per_us", i.link.bytes_per_us}});
     }
-    return out + "]";
+    return out.dump();
   });
   m.def("job_weights_path() -> str", [] { return gpucast::default_job_weights(); });
   m.def("job_features(str job_json) -> str", [](const std::string& text) {
     return gpucast::translate([&] {
       const gpucast::JobFeatures f = gpucast::job_features(gpucast::job_from_json(text, "job"));
-      std::string out = fmt::format("{{\"layer_names\":[\"{}\"],\"job_names\":[\"{}\"],\"analytic_bytes\":{},",
-                                    fmt::join(gpucast::layer_feature_names(), "\",\""),
-                                    fmt::join(gpucast::job_feature_names(), "\",\""), f.analytic_bytes);
-      out += fmt::format("\"job\":[{}],\"layers\":[", fmt::join(f.job_features, ","));
+      json layers = json::array();
       for (int64_t i = 0; i < f.layers; ++i) {
         auto row = f.layer_features.begin() + i * gpucast::kLayerFeatures;
-        out += fmt::format("{}[{}]", i ? "," : "", fmt::join(row, row + gpucast::kLayerFeatures, ","));
+        layers.push_back(std::vector<float>(row, row + gpucast::kLayerFeatures));
       }
-      return out + "]}";
+      return json{{"layer_names", gpucast::layer_feature_names()}, {"job_names", gpucast::job_feature_names()},
+                  {"analytic_bytes", f.analytic_bytes}, {"job", f.job_features}, {"layers", layers}}
+          .dump();
     });
   });
   m.def("validate_job(str job_json) -> str", [](const std::string& text) {
@@ -471,12 +461,13 @@ TORCH_LIBRARY(gpucast, m) {
           });
         });
   m.def("device_table() -> str", [] {
-    std::string out;
+    json out = json::array();
     for (const auto& d : gpucast::device_table()) {
-      out += d.name + "\t" + std::to_string(d.capacity_bytes) + "\t" + std::to_string(d.compute_capability) + "\t" +
-             std::to_string(d.context_bytes) + "\t" + d.source + "\t" + d.default_link + "\n";
+      out.push_back({{"name", d.name}, {"capacity_bytes", d.capacity_bytes},
+                     {"compute_capability", d.compute_capability / 10.0}, {"context_bytes", d.context_bytes},
+                     {"source", d.source}, {"default_link", d.default_link}});
     }
-    return out;
+    return out.dump();
   });
   m.def("start_trace(str options, str[] timed_layers) -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
@@ -499,13 +490,14 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("tag_tensors(Tensor?[] tensors, str category) -> ()", &gpucast::tag_tensors);
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
   m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
-  m.def("parse_auto_config(str text) -> str[]", [](const std::string& text) {
+  m.def("parse_auto_config(str text) -> str", [](const std::string& text) {
     return gpucast::translate([&] {
       gpucast::Config cfg("GPUCAST_CONF", gpucast::auto_config_keys());
       cfg.parse(text);
-      return std::vector<std::string>{cfg.get_bool("enabled") ? "True" : "False", cfg.get_string("target"),
-                                      std::to_string(cfg.get_int("capacity_mb")),
-                                      std::to_string(cfg.get_double("warn_fraction")), cfg.get_string("on_risk")};
+      return json{{"enabled", cfg.get_bool("enabled")}, {"target", cfg.get_string("target")},
+                  {"capacity_mb", cfg.get_int("capacity_mb")}, {"warn_fraction", cfg.get_double("warn_fraction")},
+                  {"on_risk", cfg.get_string("on_risk")}}
+          .dump();
     });
   });
   m.def("auto_config_help() -> str", [] {
@@ -529,10 +521,12 @@ TORCH_LIBRARY(gpucast, m) {
     }
   });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
-  m.def("context() -> str[]", [] {
-    auto c = gpucast::current_context();
-    return std::vector<std::string>{c.gpucast_version, c.torch_version, c.device, c.build_type,
-                                    c.cuda_build ? "True" : "False"};
+  // The context block every JSON gpucast writes carries (CONVENTIONS: google/benchmark's context).
+  m.def("context() -> str", [] {
+    const auto c = gpucast::current_context();
+    return json{{"gpucast_version", c.gpucast_version}, {"torch_version", c.torch_version}, {"device", c.device},
+                {"build_type", c.build_type}}
+        .dump();
   });
 }
 

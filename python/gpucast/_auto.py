@@ -46,9 +46,7 @@ def config() -> dict:
     """GPUCAST_CONF, parsed once (ValueError naming the key, the expected form and the value)."""
     global _config
     if _config is None:
-        enabled, target, capacity_mb, warn_fraction, on_risk = _ops.parse_auto_config(os.environ.get("GPUCAST_CONF", ""))
-        _config = {"enabled": enabled == "True", "target": target, "capacity_mb": int(capacity_mb),
-                   "warn_fraction": float(warn_fraction), "on_risk": on_risk}
+        _config = json.loads(_ops.parse_auto_config(os.environ.get("GPUCAST_CONF", "")))
     return _config
 
 
@@ -170,11 +168,8 @@ class _AutoSession:
         path = os.environ.get("GPUCAST_LOG")
         if not path:
             return
-        ctx = _ops.context()
         record = {"schema_version": SCHEMA_VERSION, "time": time.time(), "mode": "auto",
-                  "context": {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2],
-                              "build_type": ctx[3]},
-                  "memory": dict(f.__dict__)}
+                  "context": json.loads(_ops.context()), "memory": dict(f.__dict__)}
         try:
             with open(path, "a", encoding="utf-8") as fh:  # append: an existing log is never truncated
                 fh.write(json.dumps(record) + "\n")
@@ -185,9 +180,7 @@ class _AutoSession:
         """Loggers from gpucast.log_to(), and trackers with an active run (MLflow, W&B), get the forecast."""
         from . import trackers
         from ._results import Forecast
-        ctx = _ops.context()
-        fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context={
-            "gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]})
+        fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context=json.loads(_ops.context()))
         trackers.publish(fc)
         found = trackers.active_trackers()
         if found:

@@ -149,8 +149,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     _memory_notes(memory, run, optimizers, iterations)
     for w in memory.warnings:
         warnings.warn(f"gpucast.forecast: {w['text']}", stacklevel=2)
-    ctx = torch.ops.gpucast.context()
-    context = {"gpucast_version": ctx[0], "torch_version": ctx[1], "device": ctx[2], "build_type": ctx[3]}
+    context = json.loads(torch.ops.gpucast.context())
     buffer_bytes = _buffer_bytes(model)
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
                              time_fraction=time_fraction, optimizer_name=_optimizer_name(optimizer), gnn=gnn,

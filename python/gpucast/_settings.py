@@ -32,12 +32,7 @@ def gpu_rates(path: str = "") -> list[dict]:
 def devices() -> list[dict]:
     """The documented device table: name, capacity_bytes, compute_capability, context_bytes, source, default_link
     (the GPU's usual node in the link grammar, assumed for parallel forecasts without link=)."""
-    rows = []
-    for line in torch.ops.gpucast.device_table().splitlines():
-        name, cap, cc, ctx, source, default_link = line.split("\t")
-        rows.append({"name": name, "capacity_bytes": int(cap), "compute_capability": int(cc) / 10,
-                     "context_bytes": int(ctx), "source": source, "default_link": default_link})
-    return rows
+    return json.loads(torch.ops.gpucast.device_table())
 
 
 def _link_keys() -> tuple:
