@@ -337,14 +337,27 @@ TORCH_LIBRARY(gpucast, m) {
             return gpucast::step_time_to_json(f);
           });
         });
-  m.def("timing_with_structure(str timing, str structure) -> str",
-        [](const std::string& timing, const std::string& structure) {
+  // A light trace's timing joined with the full trace's structure (step_time.h: with_structure); with
+  // untraced_wall_ns >= 0, the same step's wall measured without the tracer (what takes the tracer's cost out).
+  m.def("timing_with_structure(str timing, str structure, float untraced_wall_ns=-1.0) -> str",
+        [](const std::string& timing, const std::string& structure, double untraced_wall_ns) {
           return gpucast::translate([&] {
             const char* op = "timing_with_structure";
-            return gpucast::iteration_timing_to_json(gpucast::with_structure(
-                gpucast::timing_argument(timing, op, "timing"), gpucast::timing_argument(structure, op, "structure")));
+            gpucast::IterationTiming t = gpucast::with_structure(gpucast::timing_argument(timing, op, "timing"),
+                                                                 gpucast::timing_argument(structure, op, "structure"));
+            if (untraced_wall_ns >= 0) t.untraced_wall_ns = untraced_wall_ns;
+            return gpucast::iteration_timing_to_json(t);
           });
         });
+  // A probe's timing marked with the sequence length it ran at (forecasts scaled by length read it).
+  m.def("timing_with_seq(str timing, int seq) -> str", [](const std::string& timing, int64_t seq) {
+    return gpucast::translate([&] {
+      if (seq < 1) GPUCAST_USER_ERROR("timing_with_seq: seq should be at least 1, got {}", seq);
+      gpucast::IterationTiming t = gpucast::timing_argument(timing, "timing_with_seq", "timing");
+      t.seq = seq;
+      return gpucast::iteration_timing_to_json(t);
+    });
+  });
   m.def("median_timing(str[] runs) -> str", [](const std::vector<std::string>& runs) {
     return gpucast::translate([&] {
       std::vector<gpucast::IterationTiming> its;

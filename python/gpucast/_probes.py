@@ -221,16 +221,13 @@ def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: st
                 mark_iteration_end()
             light.append(t.result.handle.iteration_timing(b))
             del t
-    d = json.loads(torch.ops.gpucast.median_timing(light))
-    d["untraced_wall_ns"] = float(statistics.median(times))
-    return torch.ops.gpucast.timing_with_structure(json.dumps(d), structure)
+    return torch.ops.gpucast.timing_with_structure(torch.ops.gpucast.median_timing(light), structure,
+                                                   untraced_wall_ns=float(statistics.median(times)))
 
 
 def _with_seq(timing: str, length: int) -> str:
-    """An iteration timing (JSON) marked with the probe's sequence length."""
-    d = json.loads(timing)
-    d["seq"] = int(length)
-    return json.dumps(d)
+    """An iteration timing marked with the probe's sequence length."""
+    return torch.ops.gpucast.timing_with_seq(timing, int(length))
 
 
 class ProbeRun:
