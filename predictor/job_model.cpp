@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
+#include "feature_stats.h"
 #include "weights_cache.h"
 #include "gpucast/job_features.h"
 
@@ -75,35 +76,13 @@ struct Normaliser {
 
   static Normaliser fit(const std::vector<JobFeatures>& fs) {
     Normaliser n;
-    auto stats = [](const std::vector<const std::vector<float>*>& rows, int width, std::vector<float>& mean,
-                    std::vector<float>& sd) {
-      std::vector<double> s(width, 0.0), s2(width, 0.0);
-      int64_t count = 0;
-      for (const auto* r : rows) {
-        for (size_t i = 0; i < r->size(); i += width) {
-          for (int j = 0; j < width; ++j) {
-            s[j] += (*r)[i + j];
-            s2[j] += double((*r)[i + j]) * (*r)[i + j];
-          }
-          ++count;
-        }
-      }
-      mean.assign(width, 0.f);
-      sd.assign(width, 1.f);
-      for (int j = 0; j < width; ++j) {
-        const double m = count ? s[j] / count : 0.0;
-        const double v = count ? s2[j] / count - m * m : 0.0;
-        mean[j] = static_cast<float>(m);
-        sd[j] = v > 1e-8 ? static_cast<float>(std::sqrt(v)) : 1.f;
-      }
-    };
     std::vector<const std::vector<float>*> layers, jobs;
     for (const auto& f : fs) {
       layers.push_back(&f.layer_features);
       jobs.push_back(&f.job_features);
     }
-    stats(layers, kLayerFeatures, n.layer_mean, n.layer_std);
-    stats(jobs, kJobFeatures, n.job_mean, n.job_std);
+    detail::column_stats(layers, kLayerFeatures, n.layer_mean, n.layer_std);
+    detail::column_stats(jobs, kJobFeatures, n.job_mean, n.job_std);
     return n;
   }
 };

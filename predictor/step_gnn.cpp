@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
+#include "feature_stats.h"
 #include "weights_cache.h"
 #include "gpucast/job_features.h"
 
@@ -403,25 +404,7 @@ struct Normaliser {
   // floor: columns whose standard deviation is taken as at least kRateSdFloor (the device rates').
   static void stats(const std::vector<const std::vector<float>*>& rows, int width, std::vector<float>& mean,
                     std::vector<float>& sd, std::initializer_list<int> floor = {}) {
-    std::vector<double> s(width, 0.0), s2(width, 0.0);
-    int64_t count = 0;
-    for (const auto* r : rows) {
-      for (size_t i = 0; i + width <= r->size(); i += width) {
-        for (int j = 0; j < width; ++j) {
-          s[j] += (*r)[i + j];
-          s2[j] += double((*r)[i + j]) * (*r)[i + j];
-        }
-        ++count;
-      }
-    }
-    mean.assign(width, 0.f);
-    sd.assign(width, 1.f);
-    for (int j = 0; j < width; ++j) {
-      const double m = count ? s[j] / count : 0.0;
-      const double v = count ? s2[j] / count - m * m : 0.0;
-      mean[j] = static_cast<float>(m);
-      sd[j] = v > 1e-8 ? static_cast<float>(std::sqrt(v)) : 1.f;
-    }
+    detail::column_stats(rows, width, mean, sd);
     for (int j : floor) sd[j] = std::max(sd[j], kRateSdFloor);
   }
 
