@@ -22,7 +22,6 @@
 #include "gpucast/error.h"
 #include "feature_stats.h"
 #include "weights_cache.h"
-#include "gpucast/job_features.h"
 
 namespace gpucast {
 namespace {

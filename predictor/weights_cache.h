@@ -1,6 +1,6 @@
 // weights_cache.h (predictor, private: it includes LibTorch, which no public header may): the learned models'
 // weights in LibTorch: a network's parameters to and from a weights
-// file (job_features.h), and a model loaded once per weights file and modification time.
+// file (weights_file.h), and a model loaded once per weights file and modification time.
 //
 // Both learned models (job_model.h, step_gnn.h) are asked many times per process; their weights files are read
 // once, and read again only when the file changes. A file that fails to load is remembered the same way, so the
@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "gpucast/error.h"
-#include "gpucast/job_features.h"
+#include "weights_file.h"
 
 namespace gpucast {
 

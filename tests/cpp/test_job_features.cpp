@@ -14,6 +14,7 @@
 #include "user_error.h"
 #include "gpucast/job.h"
 #include "gpucast/job_features.h"
+#include "weights_file.h"
 
 namespace gpucast {
 namespace {

@@ -1,6 +1,5 @@
-// gpucast/job_features.h: the numbers the job-level memory model reads from a job description, and the
-// versioned file its weights live in. Plain C++ (no torch): the learned model, the training program and the
-// benchmark's baselines all read the same features.
+// gpucast/job_features.h: the numbers the job-level memory model reads from a job description. Plain C++ (no
+// torch): the learned model, the training program and the benchmark's baselines all read the same features.
 #pragma once
 
 #include <cstdint>
@@ -45,29 +44,5 @@ const std::vector<std::string>& job_feature_names();
 // Validates what the model needs beyond job_from_json (layer count within kMaxJobLayers) and computes the
 // features; errors name the field.
 JobFeatures job_features(const JobDescription& job);
-
-// ---- Weights file -------------------------------------------------------------------------------------------
-// Layout (little-endian): 8 bytes magic "GPUCASTJ"; uint32 format version (kWeightsFormatVersion); uint32 header
-// length and the header (JSON: model name, feature version, hyperparameters, normalisation, training metadata);
-// uint32 tensor count; per tensor: uint32 name length, name, uint32 rank, int64 dims, float32 data; uint64 FNV-1a
-// checksum of everything before it.
-inline constexpr uint32_t kWeightsFormatVersion = 1;
-
-struct WeightsTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> data;
-};
-
-struct WeightsFile {
-  std::string header_json;           // free-form JSON object (the model's own fields are checked by the model)
-  std::vector<WeightsTensor> tensors;
-};
-
-// Writes atomically (a temporary file renamed over `path`).
-void write_weights_file(const std::string& path, const WeightsFile& w);
-// Validates magic, version, sizes and checksum; errors name the path, what was expected and what was found,
-// and say how to get a good file.
-WeightsFile read_weights_file(const std::string& path);
 
 }  // namespace gpucast
