@@ -54,10 +54,10 @@ struct TraceHolder : torch::CustomClassHolder {
   std::string to_json() const { return trace_to_json(get()); }
   std::string ops_json(const std::vector<std::string>& names) const { return ops_to_json(get(), names); }
   void save(const std::string& path) const {
-    translate([&] { write_text_file(path, trace_to_json(get())); });
+    translate("file-write", [&] { write_text_file(path, trace_to_json(get())); });
   }
   void save_chrome(const std::string& path) const {
-    translate([&] { write_text_file(path, trace_to_chrome_json(get())); });
+    translate("file-write", [&] { write_text_file(path, trace_to_chrome_json(get())); });
   }
   int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(get(), device); }
   int64_t baseline_bytes(const std::string& device) const {
@@ -109,7 +109,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
   std::map<std::string, int64_t> conv_workspaces;
   // Keys: the op's index in the largest probe's trace, as text.
   void set_op_workspaces(const c10::Dict<std::string, int64_t>& ws, int64_t per_rank_batch) {
-    translate([&] {
+    translate("argument", [&] {
       std::map<int64_t, int64_t> parsed;
       for (const auto& kv : ws) {
         const std::string& key = kv.key();
@@ -131,7 +131,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, int64_t conv_workspace,
                   const std::string& cudnn_conv_wscap) {
-    return translate([&] {
+    return translate("memory-forecast", [&] {
       MemoryForecastInput in;
       for (const auto& p : probes) in.probes.push_back(&p->get());
       in.probe_batch = batches;
@@ -142,8 +142,10 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.capacity_bytes = capacity_bytes;
       in.safety_fraction = safety_fraction;
       in.probe_device = probe_device;
-      in.parallel = ParallelConfig::parse(parallel);
-      in.allocator = alloc_conf.empty() ? AllocatorConfig{} : AllocatorConfig::parse(alloc_conf);
+      in.parallel = with_error_code("parallel", [&] { return ParallelConfig::parse(parallel); });
+      in.allocator = with_error_code("allocator-config", [&] {
+        return alloc_conf.empty() ? AllocatorConfig{} : AllocatorConfig::parse(alloc_conf);
+      });
       in.cublas_workspace_config = cublas_config;
       in.conv_workspace_bytes = conv_workspace;
       in.cudnn_conv_wscap = cudnn_conv_wscap;
@@ -159,7 +161,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
 c10::intrusive_ptr<TraceHolder> hold(Trace t) { return c10::make_intrusive<TraceHolder>(std::move(t)); }
 
 void start(const std::string& options, const std::vector<std::string>& timed_layers) {
-  translate([&] {
+  translate("trace-options", [&] {
     Config cfg("gpucast.trace() options", trace_config_keys());
     cfg.parse(options);
     TraceOptions o;
@@ -176,24 +178,24 @@ void start(const std::string& options, const std::vector<std::string>& timed_lay
 }
 
 void check_options(const std::string& options) {
-  translate([&] {
+  translate("trace-options", [&] {
     Config cfg("gpucast.trace() options", trace_config_keys());
     cfg.parse(options);
   });
 }
 
 c10::intrusive_ptr<TraceHolder> stop() {
-  return translate([] { return c10::make_intrusive<TraceHolder>(stop_recording()); });
+  return translate("trace", [] { return c10::make_intrusive<TraceHolder>(stop_recording()); });
 }
 
 void tag(const std::vector<int64_t>& ptrs, const std::string& device, const std::string& category) {
-  translate([&] { tag_blocks(ptrs, device, category_from_string(category)); });
+  translate("argument", [&] { tag_blocks(ptrs, device, category_from_string(category)); });
 }
 
 // Tags the storages of the given tensors (undefined ones and those without storage are skipped), grouped by
 // device: one call from Python for a whole parameter, gradient or state list.
 void tag_tensors(const std::vector<std::optional<at::Tensor>>& tensors, const std::string& category) {
-  translate([&] {
+  translate("argument", [&] {
     const Category c = category_from_string(category);
     std::map<std::string, std::vector<int64_t>> by_device;
     for (const auto& t : tensors) {
@@ -210,11 +212,11 @@ void tag_tensors(const std::vector<std::optional<at::Tensor>>& tensors, const st
 }
 
 c10::intrusive_ptr<TraceHolder> load(const std::string& path) {
-  return translate([&] { return hold(load_trace(path)); });
+  return translate("trace-file", [&] { return hold(load_trace(path)); });
 }
 
 c10::intrusive_ptr<TraceHolder> from_json(const std::string& text) {
-  return translate([&] { return hold(trace_from_json(text, "<string>")); });
+  return translate("trace-file", [&] { return hold(trace_from_json(text, "<string>")); });
 }
 
 // Install the CPU allocator wrapper when the library loads, so that frees of blocks allocated before a
@@ -239,12 +241,12 @@ GpuRates gpu_rates_of(const std::string& gpu, const std::string& path_or_default
   return *g;
 }
 
-// An iteration timing from an op's argument; a bad one names the op and the argument.
+// An iteration timing from an op's argument; a bad one names the op and the argument (code "timing").
 IterationTiming timing_argument(const std::string& text, const std::string& op, const std::string& which) {
   try {
     return iteration_timing_from_json(text);
   } catch (const UserError& e) {
-    GPUCAST_USER_ERROR("{}: {}: {}", op, which, e.what());
+    GPUCAST_USER_ERROR_CODE("timing", "{}: {}: {}", op, which, e.what());
   }
 }
 
@@ -286,7 +288,7 @@ TORCH_LIBRARY(gpucast, m) {
             torch::arg("cudnn_conv_wscap") = ""});
   m.def("predict_job(str job_json, str? weights=None) -> str",
         [](const std::string& text, std::optional<std::string> weights) {
-          return gpucast::translate([&] {
+          return gpucast::translate("job-file", [&] {
             const gpucast::JobDescription job = gpucast::job_from_json(text, "job");
             return gpucast::job_estimate_to_json(
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
@@ -307,13 +309,15 @@ TORCH_LIBRARY(gpucast, m) {
            bool tf32_matmul, bool tf32_conv, int64_t seq_len, bool every_layer, double time_budget, bool correct,
            std::optional<std::string> gnn, const std::string& target, const std::string& optimizer, int64_t threads,
            double peak_gflops, double mem_gbps, const std::string& output) {
-          return gpucast::translate([&] {
+          return gpucast::translate("step-time", [&] {
             std::vector<gpucast::IterationTiming> its;
-            for (const auto& p : probes) its.push_back(gpucast::iteration_timing_from_json(p));
+            for (size_t i = 0; i < probes.size(); ++i) {
+              its.push_back(gpucast::timing_argument(probes[i], "forecast_step_time", fmt::format("probe {}", i)));
+            }
             gpucast::StepTimeOptions o;
             o.batch_size = batch;
-            o.parallel = gpucast::ParallelConfig::parse(parallel);
-            o.topology = gpucast::Topology::parse(link);
+            o.parallel = gpucast::with_error_code("parallel", [&] { return gpucast::ParallelConfig::parse(parallel); });
+            o.topology = gpucast::with_error_code("link", [&] { return gpucast::Topology::parse(link); });
             o.time_scale = time_scale;
             o.time_fraction = time_fraction;
             o.design = design;
@@ -341,7 +345,7 @@ TORCH_LIBRARY(gpucast, m) {
   // untraced_wall_ns >= 0, the same step's wall measured without the tracer (what takes the tracer's cost out).
   m.def("timing_with_structure(str timing, str structure, float untraced_wall_ns=-1.0) -> str",
         [](const std::string& timing, const std::string& structure, double untraced_wall_ns) {
-          return gpucast::translate([&] {
+          return gpucast::translate("timing", [&] {
             const char* op = "timing_with_structure";
             gpucast::IterationTiming t = gpucast::with_structure(gpucast::timing_argument(timing, op, "timing"),
                                                                  gpucast::timing_argument(structure, op, "structure"));
@@ -351,7 +355,7 @@ TORCH_LIBRARY(gpucast, m) {
         });
   // A probe's timing marked with the sequence length it ran at (forecasts scaled by length read it).
   m.def("timing_with_seq(str timing, int seq) -> str", [](const std::string& timing, int64_t seq) {
-    return gpucast::translate([&] {
+    return gpucast::translate("timing", [&] {
       if (seq < 1) GPUCAST_USER_ERROR("timing_with_seq: seq should be at least 1, got {}", seq);
       gpucast::IterationTiming t = gpucast::timing_argument(timing, "timing_with_seq", "timing");
       t.seq = seq;
@@ -359,7 +363,7 @@ TORCH_LIBRARY(gpucast, m) {
     });
   });
   m.def("median_timing(str[] runs) -> str", [](const std::vector<std::string>& runs) {
-    return gpucast::translate([&] {
+    return gpucast::translate("timing", [&] {
       std::vector<gpucast::IterationTiming> its;
       its.reserve(runs.size());
       for (size_t i = 0; i < runs.size(); ++i) {
@@ -371,13 +375,14 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("choose_timed_layers(str timing, float fraction, str design=\"d-optimal\", int seed=0, "
         "float time_budget=1.0) -> str[]",
         [](const std::string& timing, double fraction, const std::string& design, int64_t seed, double budget) {
-          return gpucast::translate([&] {
-            return gpucast::choose_timed_layers(gpucast::iteration_timing_from_json(timing), fraction, design,
+          return gpucast::translate("timing", [&] {
+            return gpucast::choose_timed_layers(gpucast::timing_argument(timing, "choose_timed_layers", "timing"),
+                                                fraction, design,
                                                 static_cast<uint64_t>(seed), budget);
           });
         });
   m.def("gpu_rates(str path=\"\") -> str", [](const std::string& path) {
-    return gpucast::translate([&] {
+    return gpucast::translate("gpu-rates", [&] {
       return gpucast::gpu_rates_to_json(gpucast::load_gpu_rates(path.empty() ? gpucast::default_gpu_rates_path() : path));
     });
   });
@@ -389,7 +394,7 @@ TORCH_LIBRARY(gpucast, m) {
   // forward_ns, backward_ns}]} -> {kind: {source, forward: {flops_per_s, bytes_per_s, overhead_s, samples,
   // rms_rel_error}, backward: ...}}.
   m.def("fit_layer_rates(str spec) -> str", [](const std::string& spec) {
-    return gpucast::translate([&] {
+    return gpucast::translate("argument", [&] {
       json j;
       try {
         j = json::parse(spec);
@@ -440,7 +445,7 @@ TORCH_LIBRARY(gpucast, m) {
   });
   m.def("job_weights_path() -> str", [] { return gpucast::default_job_weights(); });
   m.def("job_features(str job_json) -> str", [](const std::string& text) {
-    return gpucast::translate([&] {
+    return gpucast::translate("job-file", [&] {
       const gpucast::JobFeatures f = gpucast::job_features(gpucast::job_from_json(text, "job"));
       json layers = json::array();
       for (int64_t i = 0; i < f.layers; ++i) {
@@ -453,20 +458,21 @@ TORCH_LIBRARY(gpucast, m) {
     });
   });
   m.def("validate_job(str job_json) -> str", [](const std::string& text) {
-    return gpucast::translate([&] { return gpucast::job_to_json(gpucast::job_from_json(text, "job")); });
+    return gpucast::translate("job-file", [&] { return gpucast::job_to_json(gpucast::job_from_json(text, "job")); });
   });
   // The parallel configuration checked (errors name the key): [dp, tp, pp, micro_batches].
   m.def("check_parallel(str parallel) -> int[]", [](const std::string& text) {
-    return gpucast::translate([&] {
+    return gpucast::translate("parallel", [&] {
       const gpucast::ParallelConfig p = gpucast::ParallelConfig::parse(text);
       return std::vector<int64_t>{p.dp, p.tp, p.pp, p.micro_batches};
     });
   });
   m.def("fit_allreduce(float[] bytes, float[] us, int ranks) -> float[]",
         [](const std::vector<double>& bytes, const std::vector<double>& us, int64_t ranks) {
-          return gpucast::translate([&] {
-            TORCH_CHECK_VALUE(bytes.size() == us.size(), "fit_allreduce: ", bytes.size(), " sizes but ", us.size(),
-                              " times");
+          return gpucast::translate("argument", [&] {
+            if (bytes.size() != us.size()) {
+              GPUCAST_USER_ERROR("fit_allreduce: {} sizes but {} times", bytes.size(), us.size());
+            }
             std::vector<gpucast::CollectiveSample> samples;
             for (size_t i = 0; i < bytes.size(); ++i) samples.push_back({bytes[i], us[i]});
             const gpucast::Link link = gpucast::fit_ring_allreduce(samples, ranks);
@@ -504,7 +510,7 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
   m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
   m.def("parse_auto_config(str text) -> str", [](const std::string& text) {
-    return gpucast::translate([&] {
+    return gpucast::translate("auto-config", [&] {
       gpucast::Config cfg("GPUCAST_CONF", gpucast::auto_config_keys());
       cfg.parse(text);
       return json{{"enabled", cfg.get_bool("enabled")}, {"target", cfg.get_string("target")},

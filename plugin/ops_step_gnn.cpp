@@ -16,7 +16,7 @@ namespace {
 // corrected (corrected_step_ms: alpha * sum_layers_ms + beta * comm_ms);
 // distance and radius: where the graph lies against the network's training graphs (-1: not computed, no limit).
 std::string step_correction_json(const std::string& graph_json, const std::string& weights) {
-  return translate([&] {
+  return translate("step-graph", [&] {
     const StepGraph g = step_graph_from_json(graph_json, "graph");
     const StepCorrection c = predict_step_correction(g, weights.empty() ? default_step_gnn_weights() : weights);
     const nlohmann::json out = {{"alpha", c.alpha},

@@ -81,7 +81,7 @@ def test_no_warning_when_it_fits(tmp_path):
 def test_malformed_configuration_names_the_key(tmp_path):
     out = run(tmp_path, "enabled:True,warn_fraction:2")
     assert out.returncode != 0
-    assert "ValueError: GPUCAST_CONF: option 'warn_fraction' expects a number in (0, 1], got '2'" in out.stderr
+    assert "ValueError: [gpucast:auto-config] GPUCAST_CONF: option 'warn_fraction' expects a number in (0, 1], got '2'" in out.stderr
     out = run(tmp_path, "enabld:True")
     assert "GPUCAST_CONF: unknown option 'enabld'; valid options: enabled, target, capacity_mb, warn_fraction, on_risk" in out.stderr
 

@@ -61,5 +61,5 @@ def test_a_bad_parallel_configuration_is_said_before_the_probes_run():
                                "parallel: option 'dp_mode' expects one of ddp|zero1|zero2|fsdp, got 'zero3'")):
         with pytest.raises(ValueError) as e:
             gpucast.forecast(step, lambda n: n, 32, parallel=parallel)
-        assert str(e.value) == message
+        assert str(e.value) == "[gpucast:parallel] " + message
     assert calls == []  # no probe ran

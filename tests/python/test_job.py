@@ -52,7 +52,7 @@ def job(**over):
 def test_bad_job_descriptions(bad, message):
     with pytest.raises(ValueError) as e:
         gpucast.predict_job(job(**bad))
-    assert str(e.value).splitlines()[0] == message
+    assert str(e.value).splitlines()[0] == "[gpucast:job-file] " + message
 
 
 def test_missing_job_file_is_named(tmp_path):

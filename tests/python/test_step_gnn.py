@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gpucast
+from gpucast._errors import error_code
 from conftest import rewrite_weights_header
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -359,7 +360,8 @@ def test_environment_variable_names_the_weights(tmp_path):
 def bad(graph):
     with pytest.raises(ValueError) as e:
         torch.ops.gpucast.step_correction(graph if isinstance(graph, str) else json.dumps(graph), "")
-    return str(e.value).splitlines()[0]
+    assert error_code(e.value) == "step-graph"
+    return str(e.value).splitlines()[0].removeprefix("[gpucast:step-graph] ")
 
 
 def test_bad_graphs_are_value_errors():

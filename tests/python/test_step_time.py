@@ -307,7 +307,7 @@ def test_gpu_rates_table():
                               "drift_compute, drift_memory, ddp_overhead_us, ddp_overhead_samples, "
                               "fsdp_overhead_unit_us, fsdp_overhead_layer_us, fsdp_overhead_mib_us, send_samples, "
                               "all_gather_samples, reduce_scatter_samples, algorithm), got {'alpha': 1}"),
-    (dict(link="intra:nvlink9"), "link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, "
+    (dict(link="intra:nvlink9"), "[gpucast:link] link: unknown interconnect 'nvlink9'; known: nvlink3, nvlink4, nvlink5, pcie3, pcie4, "
                                  "pcie5, ib-hdr, ib-ndr, eth-100g"),
 ])
 def test_bad_step_time_input(kw, message):
@@ -586,7 +586,7 @@ def test_median_timing_over_light_traces():
     assert (m["wall_ns"], m["layers"][0]["forward_ns"], m["layers"][0]["backward_ns"]) == (12.0, 4.0, 2.0)
     with pytest.raises(ValueError) as e:
         torch.ops.gpucast.median_timing([run(1.0, 1.0), "{}"])
-    assert str(e.value) == ("median_timing: run 1: iteration timing: not a gpucast iteration timing "
+    assert str(e.value) == ("[gpucast:timing] median_timing: run 1: iteration timing: not a gpucast iteration timing "
                             "([json.exception.out_of_range.403] key 'batch' not found)")
 
 
@@ -616,11 +616,11 @@ def test_timing_with_structure_names_the_bad_argument():
                        "layers": []})
     with pytest.raises(ValueError) as e:
         torch.ops.gpucast.timing_with_structure(good, "nope")
-    assert str(e.value).startswith("timing_with_structure: structure: iteration timing: not a gpucast iteration "
+    assert str(e.value).startswith("[gpucast:timing] timing_with_structure: structure: iteration timing: not a gpucast iteration "
                                    "timing ([json.exception.parse_error.101]")
     with pytest.raises(ValueError) as e:
         torch.ops.gpucast.timing_with_structure("{}", good)
-    assert str(e.value) == ("timing_with_structure: timing: iteration timing: not a gpucast iteration timing "
+    assert str(e.value) == ("[gpucast:timing] timing_with_structure: timing: iteration timing: not a gpucast iteration timing "
                             "([json.exception.out_of_range.403] key 'batch' not found)")
 
 

@@ -27,6 +27,17 @@ inline UserError with_code(const char* code, const UserError& e) {
   return UserError(fmt::format("[gpucast:{}] {}", code, what));
 }
 
+// f(), where a UserError from it leaves with `code` unless it has one: a parser's entry point names the kind of its
+// input once (e.g. "trace-file") for every error of the functions it calls.
+template <typename F>
+auto with_error_code(const char* code, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const UserError& e) {
+    throw with_code(code, e);
+  }
+}
+
 }  // namespace gpucast
 
 #define GPUCAST_THROW(ExceptionType, ...) throw ExceptionType(fmt::format(__VA_ARGS__))
