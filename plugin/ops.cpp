@@ -533,6 +533,7 @@ TORCH_LIBRARY(gpucast, m) {
   // large block early; gpucast's own trace buffers do). One block of 31 MiB taken and freed, as any such free
   // does; elsewhere (another C library) a malloc and a free of no consequence. Not a setting: nothing is fixed.
   m.def("settle_c_allocator() -> ()", [] {
+    // Below glibc's DEFAULT_MMAP_THRESHOLD_MAX (4*1024*1024*sizeof(long), 32 MiB): mallopt(3), M_MMAP_THRESHOLD.
     constexpr size_t kBytes = size_t{31} << 20;
     if (void* p = std::malloc(kBytes)) {
       static_cast<volatile char*>(p)[0] = 0;  // observable: the pair is not elided

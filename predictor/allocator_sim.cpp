@@ -54,10 +54,13 @@ AllocatorConfig AllocatorConfig::parse(std::string_view text, std::string_view w
   c.source = std::string(text);
   for (const auto& [key, raw] : split_config(text, what)) {
     if (key == "max_split_size_mb") {
+      // torch 2.14.1 asks max_split_size_mb and max_non_split_rounding_mb >= large_segment_size_mb (20 by default):
+      // c10/core/AllocatorConfig.cpp, parseMaxSplitSize and parseMaxNonSplitRoundingSize.
       c.max_split_size = parse_size_mb(what, key, raw, 21);  // PyTorch: must be > 20
     } else if (key == "max_non_split_rounding_mb") {
       c.max_non_split_rounding = parse_size_mb(what, key, raw, 21);
     } else if (key == "large_segment_size_mb") {
+      // torch 2.14.1 asks > 10 (kMinLargeAlloc / kMB): c10/core/AllocatorConfig.cpp, parseLargeSegmentSize.
       c.large_segment_size = parse_size_mb(what, key, raw, 2);
     } else if (key == "garbage_collection_threshold") {
       std::string s(raw);
@@ -143,6 +146,7 @@ int64_t AllocatorConfig::divisions_for(int64_t size) const {
 }
 
 int64_t AllocatorConfig::round_size(int64_t size) const {
+  // c10/core/AllocatorConfig.h:19 kMinBlockSize; the rounding is c10/cuda/CUDACachingAllocator.cpp's round_size().
   constexpr int64_t kMinBlock = 512;
   if (size < kMinBlock) return kMinBlock;
   const int64_t divisions = divisions_for(size);
@@ -165,6 +169,7 @@ int64_t AllocatorConfig::allocation_size(int64_t size) const {
 
 int64_t AllocatorConfig::largest_request_in_segment(int64_t bytes) const {
   // The largest multiple of 512 in [lo, hi] for which `fits` holds (fits is monotonic there), else 0.
+  // 512: kMinBlockSize (c10/core/AllocatorConfig.h:19).
   auto largest = [](int64_t lo, int64_t hi, auto fits) -> int64_t {
     lo = (lo + 511) / 512;
     hi /= 512;
@@ -447,6 +452,7 @@ struct AllocatorSim::Impl {
 
   bool should_split(const Block* b, int64_t size) const {
     const int64_t remaining = b->size - size;
+    // c10/cuda/CUDACachingAllocator.cpp, should_split(): 512 is kMinBlockSize (c10/core/AllocatorConfig.h:19).
     if (b->pool->small || cfg.expandable_segments) return remaining >= 512;
     return size < cfg.max_split_size && remaining > kSmallSize;
   }

@@ -145,6 +145,8 @@ const std::vector<Interconnect>& interconnect_table() {
   // Bus bandwidth in bytes per microsecond (1 GB/s = 1000 B/us), as nccl-tests reports it for a ring
   // all-reduce of large messages; alpha per ring step.
   static const std::vector<Interconnect> table = {
+      // nvlink3-5: bench/results/neusight_parallel.txt:1 (alpha 9.00 us, 218.4 GB/s), scaled by the NVLink
+      // datasheets' per-GPU bandwidths (600 / 900 / 1800 GB/s).
       {"nvlink3", {9.0, 218400.0}, "A100 SXM4 NVLink 3 (600 GB/s per GPU): ring fitted to vTrain's A100 4-GPU nccl-tests table"},
       {"nvlink4", {9.0, 327600.0}, "H100 SXM NVLink 4 (900 GB/s per GPU): nvlink3's fit scaled by 900/600"},
       {"nvlink5", {9.0, 655200.0}, "B200 NVLink 5 (1800 GB/s per GPU): nvlink3's fit scaled by 1800/600"},

@@ -219,6 +219,8 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
   }
   double bytes = probe.optimizer_bytes;
   if (bytes <= 0) {
+    // Adam's traffic per gradient byte (torch/optim/adam.py:456, 475, 546 in torch 2.14.1): reads param, grad,
+    // exp_avg and exp_avg_sq; writes param, exp_avg and exp_avg_sq.
     for (const LayerTiming& l : probe.layers) bytes += 7.0 * static_cast<double>(l.grad_bytes);
   }
   const GpuPassRates& ew = gpu.kinds[kLayerCostKinds.size() - 1].forward;

@@ -28,6 +28,7 @@ namespace gpucast {
 // node (DGX / HGX A100, H100, H200: 8 GPUs on NVLink 3 / 4 and one InfiniBand HDR / NDR NIC per GPU; the PCIe
 // cards: 8 per node over PCIe and 100 Gb/s Ethernet).
 
+// Compute capabilities: NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus).
 const std::vector<DeviceSpec>& device_table() {
   static const std::vector<DeviceSpec> table = {
       {"A100-40GB", 40960 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (40 GB HBM2); nvidia-smi 40960 MiB",
@@ -58,6 +59,8 @@ const DeviceSpec& find_device(const std::string& name) {
 }
 
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& config) {
+  // PyTorch's default (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize): ":4096:2:16:8", and
+  // 4096 * 8 * 1024 on Hopper (compute capability 9; recent versions also on Blackwell's 10 and 12).
   if (config.empty()) return compute_capability >= 90 ? 32 * kMiB : 4096 * 1024 * 2 + 16 * 1024 * 8;
   // ":SIZE_KiB:COUNT[:SIZE_KiB:COUNT...]"
   std::vector<int64_t> numbers;
@@ -554,6 +557,7 @@ Replay replay(const Planned& p, bool gpu, const AllocatorConfig& cfg) {
     for (const Mark& m : marks) {
       // A workspace fits under the allocated peak when its 512-byte blocks do; under the reserved peak when a
       // cached block serves it or the segment it needs stays under the peak.
+      // 512: kMinBlockSize (c10/core/AllocatorConfig.h:19).
       const int64_t a = (r.peak_allocated - m.allocated) / 512 * 512;
       const int64_t res = std::max(m.cached, cfg.largest_request_in_segment(r.peak_reserved - m.reserved));
       r.conv_headroom_allocated = r.conv_headroom_allocated < 0 ? a : std::min(r.conv_headroom_allocated, a);
@@ -1060,6 +1064,7 @@ class Forecaster {
     if (par.dp_mode == "fsdp") {
       // Unsharded parameters of the unit being computed and of the one prefetched: the largest unit of
       // fsdp_units (its layers' parameters, as the step time groups them), else the largest parameter block.
+      // Two: FSDP's in-flight all-gathers (torch 2.14.1 torch/distributed/fsdp/_limiter_utils.py:15).
       if (!par.fsdp_units.empty() && model_.trace != nullptr) {
         const IterationTiming it = iteration_timing(*model_.trace, 1);
         std::vector<std::string> names;
@@ -1125,6 +1130,7 @@ class Forecaster {
       const TensorMeta& qt = q.tensors[0];
       const TensorMeta& st = saved.tensors[0];
       const double L = static_cast<double>(qt.shape[2]);
+      // 32: kAlignLSE (torch 2.14.1 ATen/native/transformers/cuda/mem_eff_attention/kernel_forward.h:114).
       const double padded = std::ceil(L / 32.0) * 32.0;
       if (flash) {
         if (qt.dtype == "float32") factor[st.storage] = padded / L;
@@ -1317,6 +1323,7 @@ class Forecaster {
     for (size_t i = 0; i < p.initial.size(); ++i) {
       if (p.initial_category[i] == Category::OptimizerState) adam_bytes += p.initial[i];
     }
+    // torch/optim/adam.py:762 (torch 2.14.1, _multi_tensor_adam): torch._foreach_sqrt(device_exp_avg_sqs).
     adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
     const int64_t sdpa_changed = adjust_attention(p);
     replace_conv_scratch(p);

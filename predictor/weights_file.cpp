@@ -16,6 +16,7 @@ namespace {
 
 constexpr char kMagic[8] = {'G', 'P', 'U', 'C', 'A', 'S', 'T', 'J'};
 
+// The 64-bit FNV offset basis and prime (Fowler-Noll-Vo, IETF draft-eastlake-fnv).
 uint64_t fnv1a(const char* p, size_t n, uint64_t h = 1469598103934665603ull) {
   for (size_t i = 0; i < n; ++i) {
     h ^= static_cast<unsigned char>(p[i]);

@@ -15,6 +15,8 @@
 #include "gpucast/device_timer.h"
 
 // Kernel, memcpy and memset record layouts of the CUPTI this is compiled against.
+// CUDA 13.0's CUPTI: cupti_version.h:126 (CUPTI_API_VERSION 130001); its kernel records are
+// CUpti_ActivityKernel10 (cupti_activity.h:212).
 #if CUPTI_API_VERSION >= 130000
 using KernelRecord = CUpti_ActivityKernel10;
 #else

@@ -154,6 +154,7 @@ def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) 
 # probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (bench/timing_rounds.py,
 # 2026-12-06, without the graph network) the step's mean |error| was 6.86 % (RMS 10.38) from the first round alone,
 # 4.88 % from the median of two rounds and 4.45 % (RMS 6.40) from that of three. A GPU's clocks are steadier: 1 there.
+# Those figures: bench/results/timing_rounds.txt:43-51.
 _CPU_TIMING_ROUNDS = 3
 
 

@@ -22,6 +22,8 @@
 namespace gpucast {
 
 inline constexpr int64_t kMiB = 1024 * 1024;
+// PyTorch's (torch 2.14.1): c10/core/AllocatorConfig.h:17 kSmallBuffer, :21 kSmallSize, :23 kMinLargeAlloc,
+// :25 kRoundLarge; c10/core/AllocatorConfig.cpp: kRoundUpPowerOfTwoIntervals 16, kRoundUpPowerOfTwoStart 1 MiB.
 inline constexpr int64_t kSmallSize = 1 * kMiB;       // largest request served by the small pool
 inline constexpr int64_t kSmallBuffer = 2 * kMiB;     // small-pool segment
 inline constexpr int64_t kMinLargeAlloc = 10 * kMiB;  // below this, large requests get a large segment
@@ -30,6 +32,8 @@ inline constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
 inline constexpr int kRoundupIntervals = 16;          // roundup_power2_divisions intervals from 1 MiB up
 
 struct AllocatorConfig {
+  // Defaults as torch 2.14.1's (c10/core/AllocatorConfig.h): large_segment_size_ 20 MiB :340, max_split_size_
+  // unlimited :342, max_non_split_rounding 20 MiB :185-186.
   int64_t max_split_size = kUnlimited;            // max_split_size_mb
   int64_t max_non_split_rounding = 20 * kMiB;     // max_non_split_rounding_mb
   std::array<int64_t, kRoundupIntervals> roundup_power2_divisions{};  // 0: plain 512-byte rounding

@@ -18,6 +18,7 @@ struct ParallelConfig {
   int64_t buffer_bytes = 0;
   // DDP's gradient buckets: by default the first 1 MiB and the rest 25 MiB; with bucket_cap_mb given, every
   // bucket that size (as DDP does).
+  // torch 2.14.1: torch/nn/parallel/distributed.py:31 (_DEFAULT_BUCKET_CAP_MB), c10d/reducer.hpp:31.
   int64_t bucket_bytes = int64_t{25} << 20;
   bool bucket_cap_given = false;
   // FSDP's units (dp_mode fsdp): module paths as the trace names them ("GPT.blocks.0"), each the root of one unit

@@ -169,6 +169,7 @@ struct StepTimeOptions {
   ParallelConfig parallel;
   Topology topology;          // links: gpucast.calibrate() or the interconnect table
   // DDP's first bucket where parallel.bucket_cap_mb is not given (the rest: parallel.bucket_bytes)
+  // torch 2.14.1: kDefaultFirstBucketBytes, torch/csrc/distributed/c10d/reducer.hpp:30.
   int64_t first_bucket_bytes = int64_t{1} << 20;
   // Untraced over traced time of an iteration, measured in the same process: the tracer's own cost is taken out
   // of every probe's compute times (1: none).

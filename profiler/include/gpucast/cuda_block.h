@@ -10,6 +10,7 @@
 
 namespace gpucast {
 
+// kMinBlockSize: c10/core/AllocatorConfig.h:19 (torch 2.14.1).
 inline constexpr int64_t kCudaMinBlockBytes = 512;
 
 // Block bytes of a request: below 512 B one 512 B block, otherwise rounded up to a multiple of 512 B
