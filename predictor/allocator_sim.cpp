@@ -53,15 +53,14 @@ AllocatorConfig AllocatorConfig::parse(std::string_view text, std::string_view w
   AllocatorConfig c;
   c.source = std::string(text);
   for (const auto& [key, raw] : split_config(text, what)) {
-    if (key == "max_split_size_mb") {
-      // torch 2.14.1 asks max_split_size_mb and max_non_split_rounding_mb >= large_segment_size_mb (20 by default):
+    if (key == "max_split_size_mb" || key == "max_non_split_rounding_mb") {
+      // torch 2.14.1 asks both >= large_segment_size_mb as parsed so far, left to right (20 by default):
       // c10/core/AllocatorConfig.cpp, parseMaxSplitSize and parseMaxNonSplitRoundingSize.
-      c.max_split_size = parse_size_mb(what, key, raw, 21);  // PyTorch: must be > 20
-    } else if (key == "max_non_split_rounding_mb") {
-      c.max_non_split_rounding = parse_size_mb(what, key, raw, 21);
+      const int64_t bytes = parse_size_mb(what, key, raw, c.large_segment_size / kMiB);
+      (key == "max_split_size_mb" ? c.max_split_size : c.max_non_split_rounding) = bytes;
     } else if (key == "large_segment_size_mb") {
       // torch 2.14.1 asks > 10 (kMinLargeAlloc / kMB): c10/core/AllocatorConfig.cpp, parseLargeSegmentSize.
-      c.large_segment_size = parse_size_mb(what, key, raw, 2);
+      c.large_segment_size = parse_size_mb(what, key, raw, kMinLargeAlloc / kMiB + 1);
     } else if (key == "garbage_collection_threshold") {
       std::string s(raw);
       char* end = nullptr;
@@ -83,7 +82,8 @@ AllocatorConfig AllocatorConfig::parse(std::string_view text, std::string_view w
         }
         // Entries "<power-of-two MiB>:<divisions>" set the interval starting there and all later ones,
         // ">:<divisions>" the rest, as PyTorch does.
-        std::string_view body = raw.substr(1, raw.size() - 2);
+        // A view of `raw` itself (raw.substr would be a temporary string that dies with this statement).
+        std::string_view body = std::string_view(raw).substr(1, raw.size() - 2);
         size_t last_index = 0;
         bool first = true;
         while (!body.empty()) {

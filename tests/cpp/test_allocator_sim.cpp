@@ -58,8 +58,19 @@ std::string parse_error(const std::string& text) {
 }
 
 TEST(AllocatorConfig, BadValuesNameKeyExpectedAndGiven) {
+  // torch 2.14.1's bounds: max_split_size_mb and max_non_split_rounding_mb >= large_segment_size_mb as parsed so
+  // far (20 by default), large_segment_size_mb > 10 (c10/core/AllocatorConfig.cpp, parseMaxSplitSize,
+  // parseMaxNonSplitRoundingSize, parseLargeSegmentSize).
   EXPECT_EQ(parse_error("max_split_size_mb:10"),
-            "PYTORCH_ALLOC_CONF: option 'max_split_size_mb' expects an integer number of MiB >= 21, got '10'");
+            "PYTORCH_ALLOC_CONF: option 'max_split_size_mb' expects an integer number of MiB >= 20, got '10'");
+  EXPECT_EQ(AllocatorConfig::parse("max_split_size_mb:20,max_non_split_rounding_mb:20").max_split_size, 20 * MiB);
+  EXPECT_EQ(parse_error("max_non_split_rounding_mb:19"),
+            "PYTORCH_ALLOC_CONF: option 'max_non_split_rounding_mb' expects an integer number of MiB >= 20, got '19'");
+  EXPECT_EQ(parse_error("large_segment_size_mb:10"),
+            "PYTORCH_ALLOC_CONF: option 'large_segment_size_mb' expects an integer number of MiB >= 11, got '10'");
+  EXPECT_EQ(parse_error("large_segment_size_mb:32,max_split_size_mb:24"),
+            "PYTORCH_ALLOC_CONF: option 'max_split_size_mb' expects an integer number of MiB >= 32, got '24'");
+  EXPECT_EQ(AllocatorConfig::parse("max_split_size_mb:24,large_segment_size_mb:32").max_split_size, 24 * MiB);
   EXPECT_EQ(parse_error("expandable_segments:yes"),
             "PYTORCH_ALLOC_CONF: option 'expandable_segments' expects True or False, got 'yes'");
   EXPECT_EQ(parse_error("backend:cuda"),
@@ -272,8 +283,8 @@ TEST(AllocatorConfig, LargestRequestInANewSegment) {
   EXPECT_EQ(c.largest_request_in_segment(9 * MiB), MiB);       // 1-10 MiB requests need a 20 MiB segment
   EXPECT_EQ(c.largest_request_in_segment(15 * MiB), 14 * MiB);  // from 10 MiB: the request rounded to 2 MiB
   EXPECT_EQ(c.largest_request_in_segment(20 * MiB), 20 * MiB);
-  AllocatorConfig small = AllocatorConfig::parse("large_segment_size_mb:4");
-  EXPECT_EQ(small.largest_request_in_segment(5 * MiB), 10 * MiB - 512);  // below 10 MiB: a 4 MiB segment
+  AllocatorConfig small = AllocatorConfig::parse("large_segment_size_mb:12");
+  EXPECT_EQ(small.largest_request_in_segment(12 * MiB), 12 * MiB);
   AllocatorConfig exp = AllocatorConfig::parse("expandable_segments:True");
   EXPECT_EQ(exp.largest_request_in_segment(45 * MiB), 40 * MiB);  // whole 20 MiB pages
 }
