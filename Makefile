@@ -4,6 +4,7 @@
 #   make build     configure and build with CMake (build/)
 #   make demo      trace the GPT-style example on the CPU and print its summary
 #   make test      GoogleTest (ctest) and pytest
+#   make sanitize  the C++ tests and a pytest subset under AddressSanitizer and UBSan (build-sanitize/; tests/sanitize.sh)
 #   make bench     overhead benchmark
 #   make dataset   regenerate bench/dataset/jobs.jsonl.gz (the job-level memory dataset; about 45 min on 2 cores)
 #   make weights   train the job-level model and ship its weights (bench/learned_memory.py --ship)
@@ -14,7 +15,7 @@ BUILD := build
 APT_PACKAGES := libgtest-dev libgmock-dev libfmt-dev cmake ninja-build g++
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv deps configure build demo test test-cpp test-python bench dataset weights clean
+.PHONY: all venv deps configure build demo test test-cpp test-python sanitize bench dataset weights clean
 
 all: build
 
@@ -53,6 +54,9 @@ test-python: build
 
 test: test-cpp test-python
 
+sanitize: venv deps
+	tests/sanitize.sh
+
 bench: build
 	PYTHONPATH=python:. $(PY) bench/overhead.py
 
@@ -69,4 +73,4 @@ weights: build
 	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-sanitize

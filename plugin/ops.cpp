@@ -15,6 +15,7 @@
 #include "gpucast/config.h"
 #include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
+#include "gpucast/files.h"
 #include "gpucast/trace_exporters.h"
 #include "gpucast/gpu_rates.h"
 #include "gpucast/layer_model.h"
@@ -26,6 +27,7 @@
 #include "gpucast/memory_timeline.h"
 #include "gpucast/step_gnn.h"
 #include "gpucast/step_time.h"
+#include "gpucast/step_timeline.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
 #include "gpucast/tracer.h"
@@ -54,10 +56,10 @@ struct TraceHolder : torch::CustomClassHolder {
   std::string to_json() const { return trace_to_json(get()); }
   std::string ops_json(const std::vector<std::string>& names) const { return ops_to_json(get(), names); }
   void save(const std::string& path) const {
-    translate("file-write", [&] { write_text_file(path, trace_to_json(get())); });
+    translate("file-write", [&] { write_file_atomically(path, trace_to_json(get())); });
   }
   void save_chrome(const std::string& path) const {
-    translate("file-write", [&] { write_text_file(path, trace_to_chrome_json(get())); });
+    translate("file-write", [&] { write_file_atomically(path, trace_to_chrome_json(get())); });
   }
   int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(get(), device); }
   int64_t baseline_bytes(const std::string& device) const {
@@ -341,6 +343,13 @@ TORCH_LIBRARY(gpucast, m) {
             return gpucast::step_time_to_json(f);
           });
         });
+  // The forecast step as a Chrome/Perfetto trace at `path` (gpucast/step_timeline.h), written atomically.
+  m.def("save_step_timeline(str forecast, str path) -> ()", [](const std::string& forecast, const std::string& path) {
+    gpucast::translate("step-time", [&] {
+      const std::string text = gpucast::step_timeline_json(forecast);
+      gpucast::with_error_code("file-write", [&] { gpucast::write_file_atomically(path, text); });
+    });
+  });
   // A light trace's timing joined with the full trace's structure (step_time.h: with_structure); with
   // untraced_wall_ns >= 0, the same step's wall measured without the tracer (what takes the tracer's cost out).
   m.def("timing_with_structure(str timing, str structure, float untraced_wall_ns=-1.0) -> str",

@@ -9,6 +9,7 @@
 #include <iterator>
 
 #include "gpucast/error.h"
+#include "gpucast/files.h"
 
 namespace gpucast {
 
@@ -51,16 +52,7 @@ void write_weights_file(const std::string& path, const WeightsFile& w) {
     out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size() * sizeof(float));
   }
   put<uint64_t>(out, fnv1a(out.data(), out.size()));
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) GPUCAST_USER_ERROR("cannot write weights file '{}': {}", tmp, std::strerror(errno));
-    f.write(out.data(), static_cast<std::streamsize>(out.size()));
-    if (!f) GPUCAST_USER_ERROR("cannot write weights file '{}': {}", tmp, std::strerror(errno));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    GPUCAST_USER_ERROR("cannot move '{}' to '{}': {}", tmp, path, std::strerror(errno));
-  }
+  write_file_atomically(path, out);
 }
 
 WeightsFile read_weights_file(const std::string& path) {

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "gpucast/error.h"
+#include "gpucast/files.h"
 
 namespace gpucast {
 namespace {
@@ -429,24 +430,6 @@ std::string trace_to_chrome_json(const Trace& trace) {
             {"device", trace.context.device}};
   json doc{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}, {"otherData", std::move(meta)}};
   return doc.dump();
-}
-
-void write_text_file(const std::string& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) {
-    GPUCAST_USER_ERROR("cannot write '{}': {}; give a path in a writable directory", path, std::strerror(errno));
-  }
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  out.close();
-  if (!out) GPUCAST_USER_ERROR("cannot write '{}': {}", path, std::strerror(errno));
-}
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 Trace load_trace(const std::string& path) { return trace_from_json(read_text_file(path), path); }

@@ -3,6 +3,7 @@ forecast is asked again (Forecast.step_time), saved (to_dict, save_timeline) and
 from __future__ import annotations
 
 import json
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -156,8 +157,7 @@ class Forecast:
         schedule is the uncorrected one and a mark shows where the corrected step ends."""
         if self.time is None:
             raise ValueError("save_timeline: this forecast has no step time (see forecast(): target and probes)")
-        from ._timeline import write_timeline
-        write_timeline(self.time, path)
+        torch.ops.gpucast.save_step_timeline(json.dumps(dataclasses.asdict(self.time)), str(path))
 
     def __str__(self) -> str:
         m = self.memory

@@ -378,8 +378,8 @@ def test_more_stages_than_layers():
     layers = len(forecast(batch=32).time.per_layer)
     with pytest.raises(ValueError) as e:
         forecast(batch=128, parallel=dict(pp=128))
-    assert str(e.value).splitlines()[0] == (f"parallel: 'pp' 128 is more than the {layers} layers the probes found: "
-                                            "every stage needs a layer")
+    assert str(e.value).splitlines()[0] == (f"[gpucast:step-time] parallel: 'pp' 128 is more than the {layers} "
+                                            "layers the probes found: every stage needs a layer")
 
 
 def test_graph_network_corrects_the_cpu_step():

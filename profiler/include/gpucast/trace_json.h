@@ -21,9 +21,7 @@ Trace trace_from_json(std::string_view text, std::string_view source = "<string>
 // one counter track per device for bytes held in the window.
 std::string trace_to_chrome_json(const Trace& trace);
 
-// File helpers: errors name the path and the reason (errno text).
-void write_text_file(const std::string& path, std::string_view text);
-std::string read_text_file(const std::string& path);
+// A saved trace (gpucast/files.h reads it; errors name the path and the reason).
 Trace load_trace(const std::string& path);
 
 }  // namespace gpucast

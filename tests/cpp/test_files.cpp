@@ -1,0 +1,70 @@
+// Whole-file reads and atomic writes (gpucast/files.h): a failed write leaves the file that was there.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+
+#include "gpucast/error.h"
+#include "gpucast/files.h"
+
+namespace fs = std::filesystem;
+using namespace gpucast;
+
+namespace {
+
+class Files : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("gpucast_files_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+                                        "_" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  int entries() const { return static_cast<int>(std::distance(fs::directory_iterator(dir_), fs::directory_iterator())); }
+  fs::path dir_;
+};
+
+TEST_F(Files, WritesAndReadsBack) {
+  const std::string p = (dir_ / "t.json").string();
+  write_file_atomically(p, std::string_view("{\"a\": 1}"));
+  EXPECT_EQ(read_text_file(p), "{\"a\": 1}");
+  write_file_atomically(p, std::string_view("[]"));  // replaces
+  EXPECT_EQ(read_text_file(p), "[]");
+  EXPECT_EQ(entries(), 1);  // no temporary file left beside it
+}
+
+TEST_F(Files, AFailedWriteLeavesTheOldFileAndNoTemporary) {
+  const std::string p = (dir_ / "t.json").string();
+  write_file_atomically(p, std::string_view("old trace"));
+  try {
+    write_file_atomically(p, [](std::ostream& out) {
+      out << "half of a new";
+      throw std::runtime_error("disk full");
+    });
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "cannot write '" + p + "': disk full; the file there, if any, is unchanged");
+  }
+  EXPECT_EQ(read_text_file(p), "old trace");
+  EXPECT_EQ(entries(), 1);
+}
+
+TEST_F(Files, UnwritableAndUnreadablePathsAreNamed) {
+  try {
+    write_file_atomically("/nonexistent-dir/t.json", std::string_view("{}"));
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(),
+                 "cannot write '/nonexistent-dir/t.json': No such file or directory; give a path in a writable directory");
+  }
+  try {
+    read_text_file((dir_ / "missing.json").string());
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "cannot read '" + (dir_ / "missing.json").string() + "': No such file or directory");
+  }
+}
+
+}  // namespace
