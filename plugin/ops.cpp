@@ -52,26 +52,38 @@ struct TraceHolder : torch::CustomClassHolder {
   explicit TraceHolder(Trace t) : loaded(std::move(t)) {}
   const Trace& get() const { return loaded ? *loaded : recorded.trace(); }
 
-  std::string summary(int64_t top) const { return summarize_trace(get(), static_cast<int>(top)); }
-  std::string to_json() const { return trace_to_json(get()); }
-  std::string ops_json(const std::vector<std::string>& names) const { return ops_to_json(get(), names); }
+  // Views of a trace: a trace loaded from a file passed its parser's checks; what is still wrong with it (a sum
+  // that overflows) is the trace's fault (code "trace-file").
+  std::string summary(int64_t top) const {
+    return translate("trace-file", [&] { return summarize_trace(get(), static_cast<int>(top)); });
+  }
+  std::string to_json() const { return translate("trace-file", [&] { return trace_to_json(get()); }); }
+  std::string ops_json(const std::vector<std::string>& names) const {
+    return translate("trace-file", [&] { return ops_to_json(get(), names); });
+  }
   void save(const std::string& path) const {
     translate("file-write", [&] { write_file_atomically(path, trace_to_json(get())); });
   }
   void save_chrome(const std::string& path) const {
     translate("file-write", [&] { write_file_atomically(path, trace_to_chrome_json(get())); });
   }
-  int64_t peak_bytes(const std::string& device) const { return window_peak_bytes(get(), device); }
+  int64_t peak_bytes(const std::string& device) const {
+    return translate("trace-file", [&] { return window_peak_bytes(get(), device); });
+  }
   int64_t baseline_bytes(const std::string& device) const {
     const Trace& t = get();
     auto it = t.baseline.find(device);
     return it == t.baseline.end() ? 0 : it->second.bytes;
   }
-  std::string memory_snapshot_json() const { return trace_to_memory_snapshot_json(get()); }
-  std::string memory_series(const std::string& device) const { return memory_series_json(get(), device); }
+  std::string memory_snapshot_json() const {
+    return translate("trace-file", [&] { return trace_to_memory_snapshot_json(get()); });
+  }
+  std::string memory_series(const std::string& device) const {
+    return translate("trace-file", [&] { return memory_series_json(get(), device); });
+  }
   int64_t num_ops() const { return static_cast<int64_t>(get().ops.size()); }
   std::string iteration_timing(int64_t batch) const {
-    return gpucast::iteration_timing_to_json(gpucast::iteration_timing(get(), batch));
+    return translate("trace-file", [&] { return iteration_timing_to_json(gpucast::iteration_timing(get(), batch)); });
   }
   // Bytes of the activation blocks (saved for backward) each module allocated: what gpucast.describe() needs,
   // without building the whole trace document.

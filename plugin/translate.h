@@ -17,7 +17,13 @@ auto translate(const char* code, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const UserError& e) {
-    TORCH_CHECK_VALUE(false, with_code(code, e).what());
+    TORCH_CHECK_VALUE(false, valid_utf8(with_code(code, e).what()));
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // gpucast's own fault (a library's exception that no parser turned into a UserError): RuntimeError, its
+    // message made valid UTF-8 so that Python can show it.
+    TORCH_CHECK(false, "gpucast internal error: ", valid_utf8(e.what()));
   }
   throw std::logic_error("unreachable");
 }

@@ -13,6 +13,7 @@
 #include "gpucast/config.h"
 #include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 
 namespace gpucast {
 
@@ -27,7 +28,7 @@ double number(const json& j, const std::string& key, const std::string& where, d
               bool lo_open = false) {
   if (!j.is_object() || !j.contains(key)) GPUCAST_USER_ERROR("{}: missing key '{}'", where, key);
   const json& v = j.at(key);
-  if (!v.is_number()) GPUCAST_USER_ERROR("{}: '{}' should be a number, got {}", where, key, v.dump());
+  if (!v.is_number()) GPUCAST_USER_ERROR("{}: '{}' should be a number, got {}", where, key, json_excerpt(v));
   const double x = v.get<double>();
   const bool below = lo_open ? !(x > lo) : !(x >= lo);
   if (below || (hi >= 0 && x > hi) || !std::isfinite(x)) {
@@ -39,12 +40,12 @@ double number(const json& j, const std::string& key, const std::string& where, d
 
 std::string text(const json& j, const std::string& key, const std::string& where) {
   if (!j.is_object() || !j.contains(key)) GPUCAST_USER_ERROR("{}: missing key '{}'", where, key);
-  if (!j.at(key).is_string()) GPUCAST_USER_ERROR("{}: '{}' should be a string, got {}", where, key, j.at(key).dump());
+  if (!j.at(key).is_string()) GPUCAST_USER_ERROR("{}: '{}' should be a string, got {}", where, key, json_excerpt(j.at(key)));
   return j.at(key).get<std::string>();
 }
 
 GpuPassRates pass_rates(const json& j, const std::string& where) {
-  if (!j.is_object()) GPUCAST_USER_ERROR("{}: should be an object, got {}", where, j.dump());
+  if (!j.is_object()) GPUCAST_USER_ERROR("{}: should be an object, got {}", where, json_excerpt(j));
   return {number(j, "flop_eff", where, 0, 1, true), number(j, "byte_eff", where, 0, 4, true),
           number(j, "overhead_us", where, 0, 1e6) / 1e6};
 }
@@ -56,19 +57,14 @@ json pass_json(const GpuPassRates& p) {
 }  // namespace
 
 std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(body);
-  } catch (const json::exception& e) {
-    GPUCAST_USER_ERROR("{}: not JSON ({}); expected a gpucast GPU rates table ({})", origin, e.what(), kFormat);
-  }
-  if (!j.is_object() || j.value("format", std::string()) != kFormat) {
+  const json j = parse_json_input(body, origin);
+  if (!j.is_object() || !j.contains("format") || j.at("format") != kFormat) {
     GPUCAST_USER_ERROR("{}: not a gpucast GPU rates table: expected \"format\": \"{}\"", origin, kFormat);
   }
-  if (!j.contains("version") || !j.at("version").is_number_integer() || j.at("version").get<int>() != kGpuRatesVersion) {
+  if (!j.contains("version") || json_integer(j.at("version"), kGpuRatesVersion, kGpuRatesVersion) == std::nullopt) {
     GPUCAST_USER_ERROR("{}: GPU rates table version {}, this gpucast reads version {}: regenerate it with "
                        "bench/gpu_rates.py",
-                       origin, j.contains("version") ? j.at("version").dump() : std::string("(missing)"),
+                       origin, j.contains("version") ? json_excerpt(j.at("version")) : std::string("(missing)"),
                        kGpuRatesVersion);
   }
   if (!j.contains("gpus") || !j.at("gpus").is_array()) GPUCAST_USER_ERROR("{}: missing list 'gpus'", origin);
@@ -126,6 +122,8 @@ std::vector<GpuRates> load_gpu_rates(const std::string& path) {
     return parse_gpu_rates(s.str(), path);
   } catch (const UserError& e) {
     throw with_code("gpu-rates", e);  // whatever is wrong with it, the table is not usable
+  } catch (const json::exception& e) {  // a field of another type than the reader expects
+    GPUCAST_USER_ERROR_CODE("gpu-rates", "{}: not a usable GPU rates table: {}", path, valid_utf8(e.what()));
   }
 }
 

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 
 namespace gpucast {
 namespace {
@@ -31,7 +32,7 @@ class Fields {
   explicit Fields(std::string source) : source_(std::move(source)) {}
 
   [[noreturn]] void fail(const std::string& field, std::string_view expected, const json& got) const {
-    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, field, expected, got.dump());
+    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, field, expected, json_excerpt(got));
   }
   const json& at(const json& obj, const char* key, const std::string& where) const {
     if (!obj.contains(key)) GPUCAST_USER_ERROR("{}: missing field '{}{}'", source_, where, key);
@@ -89,12 +90,7 @@ int64_t element_bytes(const std::string& dtype) {
 }  // namespace
 
 JobDescription job_from_json(std::string_view text, std::string_view source) {
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    GPUCAST_USER_ERROR("{}: not a job description: malformed JSON at byte {}", source, e.byte);
-  }
+  const json j = parse_json_input(text, source);
   if (!j.is_object()) GPUCAST_USER_ERROR("{}: not a job description: expected a JSON object", source);
   Fields f{std::string(source)};
   JobDescription job;

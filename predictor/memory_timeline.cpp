@@ -1,5 +1,7 @@
 #include "gpucast/memory_timeline.h"
 
+#include "gpucast/error.h"
+
 #include <map>
 #include <set>
 
@@ -28,7 +30,11 @@ std::vector<DeviceMemory> analyze_memory(const Trace& trace) {
     DeviceMemory& d = by_device[e.device];
     d.device = e.device;
     ++d.events;
-    d.end_bytes += e.block_bytes;
+    // Blocks are bounded (kMaxTraceBlockBytes) but a file may hold any number of them: a sum past int64_t is a
+    // bad trace, not a number.
+    if (__builtin_add_overflow(d.end_bytes, e.block_bytes, &d.end_bytes)) {
+      GPUCAST_USER_ERROR("trace: the bytes held on {} overflow at events[{}]: not a trace of a real job", e.device, i);
+    }
     if (d.end_bytes > d.peak_bytes) {
       d.peak_bytes = d.end_bytes;
       d.peak_event = static_cast<int64_t>(i);

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 #include "feature_stats.h"
 #include "weights_cache.h"
 
@@ -84,7 +85,7 @@ class Reader {
     return *v;
   }
   [[noreturn]] void bad(const std::string& path, const char* expected, const json& got) const {
-    GPUCAST_USER_ERROR("{}: {}: expected {}, got {}", where_, path, expected, got.dump());
+    GPUCAST_USER_ERROR("{}: {}: expected {}, got {}", where_, path, expected, json_excerpt(got));
   }
   double number(const json& v, const std::string& path, const char* expected) const {
     if (!v.is_number()) bad(path, expected, v);
@@ -188,12 +189,7 @@ void validate_step_graph(const StepGraph& g, const std::string& where) {
 }
 
 StepGraph step_graph_from_json(const std::string& text, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    GPUCAST_USER_ERROR("{}: not JSON (byte {})", where, e.byte);
-  }
+  const json j = parse_json_input(text, where);
   if (!j.is_object()) GPUCAST_USER_ERROR("{}: expected a JSON object (one step graph), got {}", where, j.type_name());
   const Reader r(where);
   StepGraph g;
@@ -650,16 +646,7 @@ std::shared_ptr<const StepGnn> load_step_gnn(const std::string& path) {
     GPUCAST_USER_ERROR("weights file '{}': members is {}, expected 1 to {}{}", path, members, kMaxStepGnnMembers, kFix);
   }
   auto check_norm = [&](const char* what, const std::vector<float>& mean, const std::vector<float>& sd, int width) {
-    if (static_cast<int>(mean.size()) != width || static_cast<int>(sd.size()) != width) {
-      GPUCAST_USER_ERROR("weights file '{}': {} normalisation has {}/{} values, expected {}{}", path, what,
-                         mean.size(), sd.size(), width, kFix);
-    }
-    for (int j = 0; j < width; ++j) {
-      if (!std::isfinite(mean[j]) || !std::isfinite(sd[j]) || sd[j] <= 0) {
-        GPUCAST_USER_ERROR("weights file '{}': {} normalisation {} has mean {} and deviation {}{}", path, what, j,
-                           mean[j], sd[j], kFix);
-      }
-    }
+    check_normalisation(path, what, mean, sd, static_cast<size_t>(width), kFix);
   };
   check_norm("node", n.node_mean, n.node_std, kNodeFeatures);
   check_norm("edge", n.edge_mean, n.edge_std, kEdgeFeatures);
@@ -699,6 +686,12 @@ StepCorrection step_correction(const StepGnn& model, const StepGraph& graph) {
     const torch::Tensor out = model.net->forward(make_batch({&t}));
     c.alpha = std::exp(out[0][0].item<double>());
     c.beta = std::exp(out[0][1].item<double>());
+  }
+  if (!std::isfinite(c.alpha) || !std::isfinite(c.beta) || c.alpha <= 0 || c.beta <= 0) {
+    // The output is bounded (kLogScale * tanh) for any finite weights; only a broken file gets here.
+    c.alpha = c.beta = 1.0;
+    c.source = "none: the graph network's answer is not a finite positive correction";
+    return c;
   }
   c.source = "gnn";
   return c;

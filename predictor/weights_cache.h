@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 #include "weights_file.h"
 
 namespace gpucast {
@@ -39,6 +40,11 @@ inline WeightsTensor weights_tensor(const std::string& name, const torch::Tensor
   wt.data.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
   return wt;
 }
+
+// The largest weight magnitude a weights file may hold: a thousand times the largest in the shipped files (1.29 in
+// job_memory.gcw, 1.22 in step_gnn.gcw; both trained with weight decay). A larger value is a corrupted or forged
+// file whose checksum happens to match, and would turn the model's answer into garbage.
+inline constexpr float kMaxWeightMagnitude = 1e3f;
 
 // Copies the file's tensors into the network's parameters: one per parameter, by name, of the same shape, every
 // value finite; errors name the path and the tensor and end with `fix` (how to get a good file).
@@ -61,11 +67,28 @@ inline void load_parameters(torch::nn::Module& net, const WeightsFile& w, const 
                          fmt::join(t.shape, ","), fmt::join(p.value().sizes().vec(), ","), fix);
     }
     for (float v : t.data) {
-      if (!std::isfinite(v)) {
-        GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds a non-finite value{}", path, p.key(), fix);
+      if (!std::isfinite(v) || std::abs(v) > kMaxWeightMagnitude) {
+        GPUCAST_USER_ERROR("weights file '{}': tensor '{}' holds {}, outside what training produces (finite, at most "
+                           "{:g} in magnitude){}", path, p.key(), v, kMaxWeightMagnitude, fix);
       }
     }
     p.value().copy_(torch::from_blob(const_cast<float*>(t.data.data()), p.value().sizes(), torch::kFloat32));
+  }
+}
+
+// A feature normalisation from a weights file: `width` finite means and finite deviations > 0 (a zero deviation
+// would divide by zero).
+inline void check_normalisation(const std::string& path, const char* what, const std::vector<float>& mean,
+                                const std::vector<float>& sd, size_t width, const std::string& fix) {
+  if (mean.size() != width || sd.size() != width) {
+    GPUCAST_USER_ERROR("weights file '{}': {} normalisation has {}/{} values, expected {}{}", path, what, mean.size(),
+                       sd.size(), width, fix);
+  }
+  for (size_t j = 0; j < width; ++j) {
+    if (!std::isfinite(mean[j]) || !std::isfinite(sd[j]) || sd[j] <= 0) {
+      GPUCAST_USER_ERROR("weights file '{}': {} normalisation {} has mean {} and deviation {} (expected finite, "
+                         "deviation > 0){}", path, what, j, mean[j], sd[j], fix);
+    }
   }
 }
 
@@ -76,9 +99,9 @@ class WeightsHeader {
   WeightsHeader(const WeightsFile& w, const std::string& path, const char* model, int version, std::string fix)
       : path_(path), fix_(std::move(fix)) {
     try {
-      h_ = nlohmann::json::parse(w.header_json);
-    } catch (const nlohmann::json::parse_error& e) {
-      GPUCAST_USER_ERROR("weights file '{}': header is not JSON (byte {}){}", path_, e.byte, fix_);
+      h_ = parse_json_input(w.header_json, "header");
+    } catch (const UserError& e) {
+      GPUCAST_USER_ERROR("weights file '{}': {}{}", path_, e.what(), fix_);
     }
     if (field("model") != model) {
       GPUCAST_USER_ERROR("weights file '{}' holds model {}, expected \"{}\"{}", path_, field("model").dump(), model,

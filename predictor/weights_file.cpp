@@ -105,6 +105,7 @@ WeightsFile read_weights_file(const std::string& path) {
     t.name.assign(take(name_len, "tensor name"), name_len);
     const uint32_t ndim = u32("tensor rank");
     if (ndim > 8) GPUCAST_USER_ERROR("weights file '{}' is corrupt: tensor '{}' has rank {}{}", path, t.name, ndim, fix);
+    // The element count, checked against the file's size after every dimension: no product can overflow.
     int64_t n = 1;
     for (uint32_t d = 0; d < ndim; ++d) {
       int64_t v;
@@ -114,13 +115,15 @@ WeightsFile read_weights_file(const std::string& path) {
       }
       t.shape.push_back(v);
       n *= v;
+      if (n > static_cast<int64_t>(body_end)) {
+        GPUCAST_USER_ERROR("weights file '{}' is corrupt: tensor '{}' claims more values than the file holds{}", path,
+                           t.name, fix);
+      }
     }
-    if (n > static_cast<int64_t>(body_end)) {
-      GPUCAST_USER_ERROR("weights file '{}' is corrupt: tensor '{}' claims {} values{}", path, t.name, n, fix);
-    }
+    const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+    const char* src = take(bytes, "tensor data");
     t.data.resize(static_cast<size_t>(n));
-    std::memcpy(t.data.data(), take(static_cast<size_t>(n) * sizeof(float), "tensor data"),
-                static_cast<size_t>(n) * sizeof(float));
+    if (n > 0) std::memcpy(t.data.data(), src, bytes);  // an empty vector's data() may be null
     w.tensors.push_back(std::move(t));
   }
   if (pos != body_end) {

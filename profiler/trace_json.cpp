@@ -12,6 +12,7 @@
 
 #include "gpucast/error.h"
 #include "gpucast/files.h"
+#include "gpucast/json_input.h"
 
 namespace gpucast {
 namespace {
@@ -60,21 +61,43 @@ class Reader {
   }
   template <typename T>
   T get(const json& obj, const char* key, const std::string& where) const {
-    const json& v = field(obj, key, where);
-    try {
-      return v.get<T>();
-    } catch (const json::exception&) {
-      fail(fmt::format("{}{}{}", where, where.empty() ? "" : ".", key), expected_name<T>(), v);
-    }
+    return as<T>(field(obj, key, where), fmt::format("{}{}{}", where, where.empty() ? "" : ".", key));
   }
   template <typename T>
   T get_or(const json& obj, const char* key, const std::string& where, T fallback) const {
     if (!obj.is_object() || !obj.contains(key)) return fallback;
     return get<T>(obj, key, where);
   }
+  // `v` as T, checked: integers in T's range (never a float cast to one), numbers finite, lists element by element.
+  template <typename T>
+  T as(const json& v, const std::string& path) const {
+    if constexpr (std::is_same_v<T, bool>) {
+      if (v.is_boolean()) return v.get<bool>();
+    } else if constexpr (std::is_same_v<T, uint64_t>) {
+      if (v.is_number_unsigned()) return v.get<uint64_t>();
+      if (auto x = json_integer(v, 0, std::numeric_limits<int64_t>::max())) return static_cast<uint64_t>(*x);
+    } else if constexpr (std::is_integral_v<T>) {
+      if (auto x = json_integer(v, std::numeric_limits<T>::min(), std::numeric_limits<T>::max())) {
+        return static_cast<T>(*x);
+      }
+    } else if constexpr (std::is_floating_point_v<T>) {
+      if (auto d = json_finite(v)) return static_cast<T>(*d);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (v.is_string()) return v.get<std::string>();
+    } else {
+      if (v.is_array()) {
+        T out;
+        out.reserve(v.size());
+        for (size_t i = 0; i < v.size(); ++i) {
+          out.push_back(as<typename T::value_type>(v[i], fmt::format("{}[{}]", path, i)));
+        }
+        return out;
+      }
+    }
+    fail(path, expected_name<T>(), v);
+  }
   [[noreturn]] void fail(const std::string& where, std::string_view expected, const json& got) const {
-    std::string shown = got.dump();
-    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, where, expected, shown);
+    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, where, expected, json_excerpt(got));
   }
 
  private:
@@ -82,8 +105,9 @@ class Reader {
   static std::string_view expected_name() {
     if constexpr (std::is_same_v<T, std::string>) return "a string";
     else if constexpr (std::is_same_v<T, bool>) return "a boolean";
-    else if constexpr (std::is_floating_point_v<T>) return "a number";
-    else if constexpr (std::is_integral_v<T>) return "an integer";
+    else if constexpr (std::is_floating_point_v<T>) return "a finite number";
+    else if constexpr (std::is_integral_v<T>) return "an integer in range";
+    else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
     else return "a list of integers";
   }
   std::string source_;
@@ -241,17 +265,12 @@ std::string trace_to_json(const Trace& trace, int indent) {
 }
 
 Trace trace_from_json(std::string_view text, std::string_view source) {
-  json j;
-  try {
-    j = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    GPUCAST_USER_ERROR("{}: not a gpucast trace: malformed JSON at byte {} ({})", source, e.byte, e.what());
-  }
+  const json j = parse_json_input(text, source);
   Reader r(source);
   if (!j.is_object() || !j.contains("schema_version")) {
     GPUCAST_USER_ERROR("{}: not a gpucast trace: no 'schema_version' field at the top level", source);
   }
-  const int version = r.get<int>(j, "schema_version", "");
+  const int64_t version = r.get<int64_t>(j, "schema_version", "");
   if (version != kTraceSchemaVersion) {
     GPUCAST_USER_ERROR(
         "{}: trace schema_version {} is not supported by this gpucast (reads version {}); record the "
@@ -330,6 +349,14 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   auto check_ref = [&](int64_t ref, int64_t limit, const std::string& w, const json& got) {
     if (ref < -1 || ref >= limit) r.fail(w, fmt::format("-1 or an index below {}", limit), got);
   };
+  // A block's bytes (negative for a free where allowed): at most kMaxTraceBlockBytes, so that sums over a trace's
+  // events cannot overflow.
+  auto check_bytes = [&](int64_t bytes, const std::string& w, const json& got, bool negative) {
+    if (bytes > kMaxTraceBlockBytes || bytes < (negative ? -kMaxTraceBlockBytes : 0)) {
+      r.fail(w, fmt::format("a byte count {}up to {}", negative ? "(negative for a free) " : "of 0 ",
+                            kMaxTraceBlockBytes), got);
+    }
+  };
   for (size_t i = 0; i < t.ops.size(); ++i) {
     const std::string w = fmt::format("ops[{}]", i);
     check_ref(t.ops[i].parent, n_ops, w + ".parent", ops[i]["parent"]);
@@ -348,6 +375,8 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     e.ptr = r.get<uint64_t>(o, "ptr", w);
     e.bytes = r.get<int64_t>(o, "bytes", w);
     e.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, e.bytes);
+    check_bytes(e.bytes, w + ".bytes", o["bytes"], true);
+    check_bytes(e.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), true);
     e.device = r.get<std::string>(o, "device", w);
     e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
     e.op = r.get_or<int64_t>(o, "op", w, -1);
@@ -371,6 +400,8 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     a.ptr = r.get<uint64_t>(o, "ptr", w);
     a.bytes = r.get<int64_t>(o, "bytes", w);
     a.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, a.bytes);
+    check_bytes(a.bytes, w + ".bytes", o["bytes"], false);
+    check_bytes(a.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), false);
     a.device = r.get<std::string>(o, "device", w);
     a.baseline = r.get_or<bool>(o, "baseline", w, false);
     a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
@@ -379,12 +410,19 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
     check_ref(a.free_event, n_events, w + ".free_event", o.value("free_event", json(-1)));
     a.alloc_op = r.get_or<int64_t>(o, "alloc_op", w, -1);
     a.free_op = r.get_or<int64_t>(o, "free_op", w, -1);
+    check_ref(a.alloc_op, n_ops, w + ".alloc_op", o.value("alloc_op", json(-1)));
+    check_ref(a.free_op, n_ops, w + ".free_op", o.value("free_op", json(-1)));
     try {
       a.category = category_from_string(r.get_or<std::string>(o, "category", w, "other"));
     } catch (const UserError& err) {
       GPUCAST_USER_ERROR("{}: {}: {}", source, w, err.what());
     }
     t.allocations.push_back(std::move(a));
+  }
+  const int64_t n_allocs = static_cast<int64_t>(t.allocations.size());
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    const std::string w = fmt::format("events[{}].allocation", i);
+    check_ref(t.events[i].allocation, n_allocs, w, events[i].value("allocation", json(-1)));
   }
   return t;
 }

@@ -35,7 +35,7 @@ def test_bad_trace_files(tmp_path):
         gpucast.load_trace(str(missing))
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 1, "ops": [')
-    with pytest.raises(ValueError, match=rf"{bad}: not a gpucast trace: malformed JSON at byte 31"):
+    with pytest.raises(ValueError, match=rf"{bad}: malformed JSON at byte 31: "):
         gpucast.load_trace(str(bad))
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"schema_version": 99}))

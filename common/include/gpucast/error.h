@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -16,6 +17,10 @@ class UserError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+// `s` with every byte that is not part of well-formed UTF-8 written as \xNN: messages quote what they were given,
+// and Python decodes every message as UTF-8.
+std::string valid_utf8(std::string_view s);
 
 // An error a caller may act on carries a stable code (lower-case words joined by '-') at the start of its message:
 // "[gpucast:<code>] ...". Python reads it (gpucast._errors.error_code) instead of the prose; docs/design.md lists

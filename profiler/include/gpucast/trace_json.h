@@ -9,6 +9,10 @@
 
 namespace gpucast {
 
+// The largest block a trace file may hold (1 TiB: more than any device has; an H200 holds 141 GB). Bounding each
+// block keeps sums over a trace's events far from int64_t's range.
+inline constexpr int64_t kMaxTraceBlockBytes = int64_t{1} << 40;
+
 std::string trace_to_json(const Trace& trace, int indent = -1);
 // The ops named in `names` only, each with its id (its index), name, phase, parent (index and name), module and
 // inputs: {"ops": [...]}, a fraction of the whole document for a large trace.
