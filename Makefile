@@ -8,6 +8,7 @@
 #   make bench     overhead benchmark
 #   make dataset   regenerate bench/dataset/jobs.jsonl.gz (the job-level memory dataset; about 45 min on 2 cores)
 #   make weights   train the job-level model and ship its weights (bench/learned_memory.py --ship)
+#   make fuzz      fuzz every parser: FUZZ_SECONDS of mutations per target (default 120), finds saved in build/fuzz/
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,7 +16,7 @@ BUILD := build
 APT_PACKAGES := libgtest-dev libgmock-dev libfmt-dev cmake ninja-build g++
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv deps configure build demo test test-cpp test-python sanitize bench dataset weights clean
+.PHONY: all venv deps configure build demo test test-cpp test-python sanitize bench dataset weights fuzz clean
 
 all: build
 
@@ -71,6 +72,12 @@ dataset: build
 
 weights: build
 	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship
+
+# The parsers' fuzz targets (tests/fuzz/run.py), longer than the test's bounded run: the corpus, the known faults'
+# inputs, the saved crashes, then mutations for FUZZ_SECONDS per target; a summary in build/fuzz/summary.json.
+fuzz: build
+	PYTHONPATH=python:. $(PY) tests/fuzz/run.py --seconds $${FUZZ_SECONDS:-120} --seed $${FUZZ_SEED:-0} \
+	  --known --crashes --out $(BUILD)/fuzz --json $(BUILD)/fuzz/summary.json
 
 clean:
 	rm -rf $(BUILD) build-sanitize
