@@ -9,6 +9,7 @@ huge strings, invalid UTF-8. Sizes stay within max_bytes.
 from __future__ import annotations
 
 import array
+import copy
 import json
 import math
 import random
@@ -129,9 +130,12 @@ def mutate_json(rng: random.Random, data: bytes, max_bytes: int) -> bytes:
         return mutate_bytes(rng, data, max_bytes)
     if rng.random() < 0.2:
         return mutate_bytes(rng, data, max_bytes)
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        doc = _json_once(rng, doc, max_bytes)
-    out = dumps(doc)
+    try:
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            doc = _json_once(rng, doc, max_bytes)
+        out = dumps(doc)
+    except RecursionError:  # a seed deeper than Python's stack: bytes only
+        return mutate_bytes(rng, data, max_bytes)
     if rng.random() < 0.15:
         out = mutate_bytes(rng, out, max_bytes)
     return out[:max_bytes]
@@ -201,8 +205,7 @@ def _json_once(rng: random.Random, doc, max_bytes: int):
     elif op == "swap" and len(nodes) > 1:
         (c1, s1, _), (c2, s2, _) = rng.sample(nodes, 2)
         v1, v2 = c1[s1], c2[s2]
-        if v1 is not c2 and v2 is not c1:  # not a value into its own container
-            c1[s1], c2[s2] = v2, v1
+        c1[s1], c2[s2] = copy.deepcopy(v2), copy.deepcopy(v1)  # copies: a value swapped into its own part is no cycle
     elif op == "root":
         return Raw(rng.choice(OTHER_TYPES)) if rng.random() < 0.5 else _deep(rng, max_bytes)
     return doc

@@ -6,7 +6,8 @@
 
 Per target (targets.py: trace, job, job_weights, step_gnn_weights, gpu_rates, step_graph, auto_config, link,
 parallel, alloc_conf) it evaluates the corpus's real files (tests/data/fuzz/<target>/*), with --known the inputs of
-faults found before (<target>/known/), with --crashes the fuzzer's own saved finds (<target>/crashes/), then N
+faults found before (<target>/known/), with --crashes the fuzzer's own saved finds (<target>/crashes/; a .gz file
+is evaluated as its decompressed bytes; a .why file beside one says what it is), then N
 mutations of the corpus (or as many as S seconds per target allow). GPUCAST_LIBRARY picks the library under test.
 
 A child process imports gpucast once and evaluates input after input; before each it writes the input's index to a
@@ -14,13 +15,15 @@ progress file. Where the child dies (a signal) or does not answer within --timeo
 a hang: it is saved and a new child goes on with the next input. Outcomes: ok, value-error (gpucast refused the
 input with a ValueError), or a fault: crash, hang, any other exception type (UnicodeDecodeError, TypeError,
 RuntimeError, ...), raw-json-error (a raw nlohmann message), garbage (a non-finite or non-positive answer),
-no-fallback (a GPU rates file that stopped the forecast). Each fault's input is saved under --out/<target>/.
+no-fallback (a GPU rates file that stopped the forecast). Each fault's input is saved under --out/<target>/, its
+message beside it (.detail).
 Exit status 1 when any fault was found.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import hashlib
 import json
 import os
@@ -117,7 +120,7 @@ def seeds_of(target: str) -> list[Path]:
 
 def saved_of(target: str, sub: str) -> list[Path]:
     d = CORPUS / target / sub
-    return sorted(p for p in d.iterdir() if p.is_file() and not p.name.endswith(".txt")
+    return sorted(p for p in d.iterdir() if p.is_file() and p.suffix not in (".detail", ".why")
                   and not p.name.startswith(".")) if d.is_dir() else []
 
 
@@ -179,11 +182,11 @@ def run(args) -> dict:
             n = 0
             work_input = work / f"input{t.ext}"
 
-            def one(origin: str, path: Path, data: bytes | None) -> None:
+            def one(origin: str, path: Path, data: bytes | None, run_as: Path | None = None) -> None:
                 nonlocal index
                 if data is not None:
-                    path.write_bytes(data)
-                outcome, detail = child.evaluate(index, name, path)
+                    (run_as or path).write_bytes(data)
+                outcome, detail = child.evaluate(index, name, run_as or path)
                 index += 1
                 stats["tried"] += 1
                 stats[origin] += 1
@@ -196,7 +199,7 @@ def run(args) -> dict:
                     saved = out / name / f"{outcome}-{digest}{t.ext}"
                     saved.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(path, saved)
-                    saved.with_suffix(saved.suffix + ".txt").write_text(detail + "\n")
+                    saved.with_suffix(saved.suffix + ".detail").write_text(detail + "\n")
                 sig = signature(name, outcome, detail)
                 fault = {"target": name, "kind": outcome, "origin": origin, "input": str(saved),
                          "detail": detail, "new": sig not in seen, "signature": sig}
@@ -207,7 +210,10 @@ def run(args) -> dict:
                           flush=True)
 
             for origin, p in fixed:
-                one(origin, p, None)
+                if p.suffix == ".gz":  # a saved input stored compressed: evaluated as its plain bytes
+                    one(origin, p, gzip.decompress(p.read_bytes()), work / f"saved{t.ext}")
+                else:
+                    one(origin, p, None)
             while True:
                 if args.seconds is not None and time.monotonic() - t0 >= args.seconds:
                     break
@@ -266,8 +272,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.out).resolve() / "work"
         work.mkdir(parents=True, exist_ok=True)
         child = Child(work, args.timeout)
+        path = Path(args.input).resolve()
+        if path.suffix == ".gz":
+            plain = work / f"saved{TARGETS[args.target].ext}"
+            plain.write_bytes(gzip.decompress(path.read_bytes()))
+            path = plain
         try:
-            outcome, detail = child.evaluate(0, args.target, Path(args.input).resolve())
+            outcome, detail = child.evaluate(0, args.target, path)
         finally:
             child.stop()
         print(f"{args.target} {args.input}: {outcome}" + (f"\n{detail}" if detail else ""))

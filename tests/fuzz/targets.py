@@ -84,6 +84,18 @@ def check_correction(out: dict, what: str) -> None:
     finite(out["step_ms"], f"{what}.step_ms", non_negative=True)
 
 
+def check_version_read(path: str, what: str) -> None:
+    """An input gpucast accepted carries the schema_version it reads (1): a version of 2**32 + 1 read as 1 (a
+    silent truncation) is a wrong answer, not an answer."""
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except (ValueError, RecursionError):
+        return  # what Python cannot read, gpucast read otherwise: nothing to compare
+    v = doc.get("schema_version", 1) if isinstance(doc, dict) else 1
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != 1:
+        raise Garbage(f"{what}: schema_version {v!r} accepted (gpucast reads version 1)")
+
+
 def check_job_estimate(e: dict, what: str) -> None:
     finite(e["bytes"], f"{what}.bytes", positive=True)
     for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes"):
@@ -177,12 +189,14 @@ def run_trace(path: str) -> None:
     repr(t)
     finite(t.peak_bytes("cpu"), "peak_bytes('cpu')", non_negative=True)
     check_memory_forecast(_auto.forecast_traced_step(t, 2, "cpu"), "forecast")
+    check_version_read(path, "load_trace")
 
 
 def run_job(path: str) -> None:
     """python -m gpucast predict-job job.json (gpucast.predict_job with the shipped model's weights)."""
     import gpucast
     check_job_estimate(gpucast.predict_job(path, weights=str(WEIGHTS / "job_memory.gcw")), "predict_job")
+    check_version_read(path, "predict_job")
 
 
 def run_job_weights(path: str) -> None:
@@ -361,4 +375,4 @@ def setup_process() -> None:
             sys.path.insert(0, str(p))
     import torch
     torch.set_num_threads(1)
-    import gpucast  # noqa: F401
+    __import__("gpucast")  # loads the library under test ($GPUCAST_LIBRARY) once, before the first input
