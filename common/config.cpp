@@ -107,6 +107,9 @@ void Config::set(const ConfigKey& k, std::string_view raw) {
       int64_t v = 0;
       auto [p, ec] = std::from_chars(raw.data(), raw.data() + raw.size(), v);
       if (ec != std::errc() || p != raw.data() + raw.size() || v < (k.form == ConfigKey::Form::PositiveInt ? 1 : 0)) bad();
+      if (v > k.max_int) {
+        GPUCAST_USER_ERROR("{}: option '{}' expects at most {}, got '{}'", what_, k.name, k.max_int, raw);
+      }
       values_[k.name] = v;
       break;
     }

@@ -52,6 +52,11 @@ json parse_json_input(std::string_view text, std::string_view source) {
     GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: nested more than {} levels deep", source, at + 1,
                        kMaxJsonDepth);
   }
+  // JSON text is UTF-8 (RFC 8259, section 8.1); strings with other bytes could not be shown or returned to Python.
+  if (const size_t bad = invalid_utf8_at(text); bad != std::string_view::npos) {
+    GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: not UTF-8 (byte 0x{:02X})", source, bad + 1,
+                       static_cast<unsigned char>(text[bad]));
+  }
   try {
     return json::parse(text.begin(), text.end());
   } catch (const json::parse_error& e) {

@@ -20,6 +20,8 @@ namespace gpucast {
 
 namespace {
 
+constexpr long long kMaxSizeMb = 1 << 20;
+
 int64_t parse_size_mb(std::string_view what, std::string_view key, std::string_view raw, int64_t min_mb) {
   std::string s(raw);
   char* end = nullptr;
@@ -27,6 +29,11 @@ int64_t parse_size_mb(std::string_view what, std::string_view key, std::string_v
   const long long v = s.empty() ? -1 : std::strtoll(s.c_str(), &end, 10);
   if (s.empty() || end != s.c_str() + s.size() || errno != 0 || v < min_mb) {
     GPUCAST_USER_ERROR("{}: option '{}' expects an integer number of MiB >= {}, got '{}'", what, key, min_mb, raw);
+  }
+  // PyTorch caps these at SIZE_MAX / 1 MiB; gpucast at 1 TiB (2^20 MiB), beyond any device, so that sizes in
+  // bytes and their sums stay far from int64_t's range.
+  if (v > kMaxSizeMb) {
+    GPUCAST_USER_ERROR("{}: option '{}' expects at most {} MiB, got '{}'", what, key, kMaxSizeMb, raw);
   }
   return static_cast<int64_t>(v) * kMiB;
 }

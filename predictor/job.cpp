@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gpucast/checked.h"
 #include "gpucast/error.h"
 #include "gpucast/json_input.h"
 
@@ -45,10 +46,9 @@ class Fields {
       return fallback;
     }
     const json& v = obj[key];
-    if (!v.is_number_integer() || v.get<int64_t>() < min || v.get<int64_t>() > kMaxCount) {
-      fail(where + key, fmt::format("an integer from {} to {}", min, kMaxCount), v);
-    }
-    return v.get<int64_t>();
+    const std::optional<int64_t> x = json_integer(v, min, kMaxCount);
+    if (!x) fail(where + key, fmt::format("an integer from {} to {}", min, kMaxCount), v);
+    return *x;
   }
   std::string choice(const json& obj, const char* key, const std::string& where, const std::set<std::string>& allowed,
                      const std::string& fallback) const {
@@ -68,10 +68,9 @@ class Fields {
     const json& v = obj[key];
     if (!v.is_array()) fail(where + key, "a list of integers", v);
     for (const json& x : v) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > kMaxCount) {
-        fail(where + key, "a list of integers from 0 to " + std::to_string(kMaxCount), v);
-      }
-      out.push_back(x.get<int64_t>());
+      const std::optional<int64_t> n = json_integer(x, 0, kMaxCount);
+      if (!n) fail(where + key, "a list of integers from 0 to " + std::to_string(kMaxCount), v);
+      out.push_back(*n);
     }
     return out;
   }
@@ -94,11 +93,12 @@ JobDescription job_from_json(std::string_view text, std::string_view source) {
   if (!j.is_object()) GPUCAST_USER_ERROR("{}: not a job description: expected a JSON object", source);
   Fields f{std::string(source)};
   JobDescription job;
-  job.schema_version = static_cast<int>(f.count(j, "schema_version", "", 0, 0, true));
-  if (job.schema_version != kJobSchemaVersion) {
-    GPUCAST_USER_ERROR("{}: job schema_version {} is not supported (reads version {})", source, job.schema_version,
+  const int64_t version = f.count(j, "schema_version", "", 0, 0, true);  // compared whole, then narrowed
+  if (version != kJobSchemaVersion) {
+    GPUCAST_USER_ERROR("{}: job schema_version {} is not supported (reads version {})", source, version,
                        kJobSchemaVersion);
   }
+  job.schema_version = kJobSchemaVersion;
   job.family = f.choice(j, "family", "", kFamilies, "other");
   const json& layers = f.at(j, "layers", "");
   if (!layers.is_array()) f.fail("layers", "a list of layers", layers);
@@ -157,18 +157,22 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   e.method = "analytical";
   const int64_t elem = element_bytes(job.dtype);
   int64_t params = 0, param_tensors = 0;
+  // Every sum and product of the description's counts is checked (gpucast/checked.h): each is bounded, their
+  // products are not.
+  auto add = [](int64_t a, int64_t b) { return checked_add(a, b, "job"); };
+  auto mul = [](int64_t a, int64_t b) { return checked_mul(a, b, "job"); };
   for (const JobLayer& l : job.layers) {
-    params += l.params;
+    params = add(params, l.params);
     if (l.params > 0) param_tensors += 2;  // weight and (usually) bias
   }
   const int64_t world = std::max<int64_t>(1, job.world_size);
   const int64_t micro = std::max<int64_t>(1, job.batch_size / (world * std::max<int64_t>(1, job.grad_accumulation)));
-  e.parameter_bytes = params * elem;
-  e.gradient_bytes = params * elem;
+  e.parameter_bytes = mul(params, elem);
+  e.gradient_bytes = mul(params, elem);
   const int64_t moments = job.optimizer == "sgd" ? 0 : job.optimizer == "sgd_momentum" ? 1 : 2;
-  e.optimizer_bytes = moments * params * elem + (moments == 2 ? 4 * param_tensors : 0);
+  e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) : 0);
   if (job.strategy == "ddp" && world > 1) {
-    e.gradient_bytes *= 2;  // the buckets' copy of the gradients
+    e.gradient_bytes = mul(e.gradient_bytes, 2);  // the buckets' copy of the gradients
     e.notes.push_back("DDP: a second copy of the gradients in its buckets");
   }
   if (job.strategy == "zero1" || job.strategy == "zero2" || job.strategy == "fsdp") e.optimizer_bytes /= world;
@@ -180,25 +184,26 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
     if (per_sample < 0) {
       // From dimensions: a linear layer saves its input (in features per token), others are not derived.
       const int64_t tokens = std::max<int64_t>(1, job.seq_len);
-      if (l.kind == "linear" && l.dims.size() >= 2) per_sample = l.dims[0] * tokens * elem;
+      if (l.kind == "linear" && l.dims.size() >= 2) per_sample = mul(mul(l.dims[0], tokens), elem);
       else {
         ++unknown;
         continue;
       }
     }
-    act_total += per_sample * micro;
-    act_max = std::max(act_max, per_sample * micro);
+    act_total = add(act_total, mul(per_sample, micro));
+    act_max = std::max(act_max, mul(per_sample, micro));
   }
   if (unknown > 0) e.notes.push_back(fmt::format("{} layer(s) without an activation size: not counted", unknown));
   if (job.activation_checkpointing) {
     // Recomputation keeps one layer's activations plus what crosses checkpoint boundaries (taken as 10 %).
-    e.activation_bytes = act_max + act_total / 10;
+    e.activation_bytes = add(act_max, act_total / 10);
     e.notes.push_back("activation checkpointing: one layer's activations plus 10 % of the rest");
   } else {
     e.activation_bytes = act_total;
   }
-  e.input_bytes = job.input_bytes_per_sample * micro;
-  e.bytes = e.parameter_bytes + e.gradient_bytes + e.optimizer_bytes + e.activation_bytes + e.input_bytes;
+  e.input_bytes = mul(job.input_bytes_per_sample, micro);
+  e.bytes = add(add(add(add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes), e.activation_bytes),
+                e.input_bytes);
   return e;
 }
 

@@ -1,6 +1,6 @@
 #include "gpucast/memory_timeline.h"
 
-#include "gpucast/error.h"
+#include "gpucast/checked.h"
 
 #include <map>
 #include <set>
@@ -32,9 +32,7 @@ std::vector<DeviceMemory> analyze_memory(const Trace& trace) {
     ++d.events;
     // Blocks are bounded (kMaxTraceBlockBytes) but a file may hold any number of them: a sum past int64_t is a
     // bad trace, not a number.
-    if (__builtin_add_overflow(d.end_bytes, e.block_bytes, &d.end_bytes)) {
-      GPUCAST_USER_ERROR("trace: the bytes held on {} overflow at events[{}]: not a trace of a real job", e.device, i);
-    }
+    d.end_bytes = checked_add(d.end_bytes, e.block_bytes, "trace: bytes held");
     if (d.end_bytes > d.peak_bytes) {
       d.peak_bytes = d.end_bytes;
       d.peak_event = static_cast<int64_t>(i);

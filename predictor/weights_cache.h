@@ -188,7 +188,7 @@ std::shared_ptr<const Model> cached_model(const std::string& path,
     cache[path] = {mtime, model};
     return model;
   } catch (const std::exception& e) {
-    *why = e.what();
+    *why = valid_utf8(e.what());  // it goes into a note that is returned as JSON
     failures[path] = {mtime, *why};
     return nullptr;
   }

@@ -103,6 +103,10 @@ WeightsFile read_weights_file(const std::string& path) {
     WeightsTensor t;
     const uint32_t name_len = u32("tensor name length");
     t.name.assign(take(name_len, "tensor name"), name_len);
+    if (invalid_utf8_at(t.name) != std::string::npos) {
+      GPUCAST_USER_ERROR("weights file '{}' is corrupt: tensor {}'s name '{}' is not UTF-8{}", path, i,
+                         valid_utf8(t.name), fix);
+    }
     const uint32_t ndim = u32("tensor rank");
     if (ndim > 8) GPUCAST_USER_ERROR("weights file '{}' is corrupt: tensor '{}' has rank {}{}", path, t.name, ndim, fix);
     // The element count, checked against the file's size after every dimension: no product can overflow.

@@ -24,6 +24,7 @@ import torch.optim.optimizer as _optimizer_module
 
 from ._forecast import run_forecaster
 from ._results import SCHEMA_VERSION, MemoryForecast
+from ._settings import env_text
 from ._trace import _flatten, compiling, trace
 
 _ops = torch.ops.gpucast
@@ -46,7 +47,7 @@ def config() -> dict:
     """GPUCAST_CONF, parsed once (ValueError naming the key, the expected form and the value)."""
     global _config
     if _config is None:
-        _config = json.loads(_ops.parse_auto_config(os.environ.get("GPUCAST_CONF", "")))
+        _config = json.loads(_ops.parse_auto_config(env_text("GPUCAST_CONF")))
     return _config
 
 

@@ -18,7 +18,7 @@ from ._errors import error_code
 from ._notes import note
 from ._probes import (_REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
 from ._results import Forecast, MemoryForecast, TimeForecast
-from ._settings import (_buffer_bytes, _correction, _default_link, _format_link, _format_parallel, _gpu_pricing,
+from ._settings import (env_text, _buffer_bytes, _correction, _default_link, _format_link, _format_parallel, _gpu_pricing,
                         _module_paths, _note_default_link, _optimizer_list, _optimizer_name, _prior, _time_on_target,
                         devices)
 
@@ -27,11 +27,11 @@ def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safe
                    parallel: str, exclude: list, conv_workspace: int = -1) -> MemoryForecast:
     """MemoryForecaster.run with the settings PyTorch takes from the environment, read as PyTorch reads them:
     PYTORCH_ALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF), CUBLAS_WORKSPACE_CONFIG and CUDNN_CONV_WSCAP_DBG."""
-    alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    alloc_conf = env_text("PYTORCH_ALLOC_CONF") or env_text("PYTORCH_CUDA_ALLOC_CONF")
     text = forecaster.run(target_batch=batch, target=target, capacity_bytes=capacity, safety_fraction=safety,
                           probe_device=probe_device, parallel=parallel, alloc_conf=alloc_conf,
-                          cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""), exclude=exclude,
-                          conv_workspace=conv_workspace, cudnn_conv_wscap=os.environ.get("CUDNN_CONV_WSCAP_DBG", ""))
+                          cublas_workspace_config=env_text("CUBLAS_WORKSPACE_CONFIG"), exclude=exclude,
+                          conv_workspace=conv_workspace, cudnn_conv_wscap=env_text("CUDNN_CONV_WSCAP_DBG"))
     return MemoryForecast(**json.loads(text))
 
 

@@ -118,10 +118,14 @@ def _job_text(job: dict | str) -> str:
     if isinstance(job, str) and job.lstrip().startswith("{"):
         return job
     try:
-        with open(job, encoding="utf-8") as f:
-            return f.read()
+        with open(job, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise OSError(f"cannot read '{job}': {e.strerror}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{job}: not a job description: not UTF-8 at byte {e.start} ({e.reason})") from None
 
 
 def predict_job(job: dict | str, weights: str | None = None) -> dict:

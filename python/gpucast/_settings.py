@@ -4,6 +4,7 @@ that price a GPU from CPU probes or correct a CPU step with the graph network. N
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -14,6 +15,17 @@ from ._notes import note
 
 if TYPE_CHECKING:
     from ._results import TimeForecast
+
+
+def env_text(name: str, default: str = "") -> str:
+    """The environment variable as text the ops accept: os.environ keeps bytes that are not UTF-8 as lone
+    surrogates, which no op can take; such a value is a ValueError naming the variable."""
+    value = os.environ.get(name, default)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not UTF-8 at character {e.start}; gpucast reads configuration as UTF-8 text") from None
+    return value
 
 
 def interconnects() -> list[dict]:

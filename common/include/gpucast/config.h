@@ -16,6 +16,8 @@ namespace gpucast {
 
 using ConfigValue = std::variant<bool, int64_t, double, std::string, std::vector<std::string>>;
 
+inline constexpr int64_t kMaxConfigInt = int64_t{1} << 40;
+
 struct ConfigKey {
   enum class Form { Bool, PositiveInt, NonNegativeInt, Fraction, Choice, String, List };
   std::string name;
@@ -23,6 +25,9 @@ struct ConfigKey {
   ConfigValue fallback;                // default
   std::vector<std::string> choices;    // for Choice
   std::string doc;
+  // For the integer forms: the largest value accepted. 2^40 by default: above every count or size gpucast reads
+  // (a MiB count times 2^20 stays below 2^63), so no product of one overflows.
+  int64_t max_int = kMaxConfigInt;
 };
 
 class Config {

@@ -21,6 +21,8 @@ class UserError : public std::invalid_argument {
 // `s` with every byte that is not part of well-formed UTF-8 written as \xNN: messages quote what they were given,
 // and Python decodes every message as UTF-8.
 std::string valid_utf8(std::string_view s);
+// The offset of the first byte of `s` that is not part of well-formed UTF-8, or npos.
+size_t invalid_utf8_at(std::string_view s);
 
 // An error a caller may act on carries a stable code (lower-case words joined by '-') at the start of its message:
 // "[gpucast:<code>] ...". Python reads it (gpucast._errors.error_code) instead of the prose; docs/design.md lists
