@@ -62,7 +62,9 @@ struct TraceHolder : torch::CustomClassHolder {
     return translate("trace-file", [&] { return ops_to_json(get(), names); });
   }
   void save(const std::string& path) const {
-    translate("file-write", [&] { write_file_atomically(path, trace_to_json(get())); });
+    translate("file-write", [&] {
+      write_file_atomically(path, [&](std::ostream& out) { write_trace_json(get(), out); });
+    });
   }
   void save_chrome(const std::string& path) const {
     translate("file-write", [&] { write_file_atomically(path, trace_to_chrome_json(get())); });
@@ -98,6 +100,19 @@ struct TraceHolder : torch::CustomClassHolder {
     return json(by).dump();
   }
   int64_t num_events() const { return static_cast<int64_t>(get().events.size()); }
+  int64_t num_allocations() const { return static_cast<int64_t>(get().allocations.size()); }
+  // What Python's lazy views read: the header (counters, notes, context), records by chunk, and the bytes held by
+  // category computed here (never the whole document in Python).
+  std::string header_json() const { return translate("trace-file", [&] { return trace_header_json(get()); }); }
+  std::string records_json(const std::string& kind, int64_t first, int64_t count) const {
+    return translate("argument", [&] {
+      if (first < 0 || count < 0) GPUCAST_USER_ERROR("records_json: first and count should be >= 0");
+      return trace_records_json(get(), kind, static_cast<size_t>(first), static_cast<size_t>(count));
+    });
+  }
+  std::string bytes_by_category(const std::string& device, bool at_peak) const {
+    return translate("trace-file", [&] { return json(gpucast::bytes_by_category(get(), device, at_peak)).dump(); });
+  }
 };
 
 // Collects probe traces, then forecasts (torch.classes.gpucast.MemoryForecaster).
@@ -283,7 +298,11 @@ TORCH_LIBRARY(gpucast, m) {
       .def("num_ops", &TraceHolder::num_ops)
       .def("activation_bytes_by_module", &TraceHolder::activation_bytes_by_module)
       .def("iteration_timing", &TraceHolder::iteration_timing)
-      .def("num_events", &TraceHolder::num_events);
+      .def("num_events", &TraceHolder::num_events)
+      .def("num_allocations", &TraceHolder::num_allocations)
+      .def("header_json", &TraceHolder::header_json)
+      .def("records_json", &TraceHolder::records_json)
+      .def("bytes_by_category", &TraceHolder::bytes_by_category);
   using gpucast::MemoryForecasterHolder;
   m.class_<MemoryForecasterHolder>("MemoryForecaster")
       .def(torch::init<>())

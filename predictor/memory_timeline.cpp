@@ -106,4 +106,28 @@ std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device
   return out;
 }
 
+std::map<std::string, int64_t> bytes_by_category(const Trace& trace, const std::string& device, bool at_peak) {
+  int64_t at = static_cast<int64_t>(trace.events.size()) - 1;
+  if (at_peak) {
+    int64_t held = 0, peak = 0;
+    at = -1;
+    for (size_t i = 0; i < trace.events.size(); ++i) {
+      if (trace.events[i].device != device) continue;
+      held = checked_add(held, trace.events[i].block_bytes, "trace: bytes held");
+      if (held > peak) peak = held, at = static_cast<int64_t>(i);
+    }
+  }
+  std::map<std::string, int64_t> out;
+  for (const Allocation& a : trace.allocations) {
+    if (a.device != device) continue;
+    const bool allocated = a.alloc_event < 0 || a.alloc_event <= at;
+    const bool freed = a.free_event >= 0 && a.free_event <= at;
+    if (allocated && !freed) {
+      int64_t& sum = out[std::string(to_string(a.category))];
+      sum = checked_add(sum, a.block_bytes, "trace: bytes by category");
+    }
+  }
+  return out;
+}
+
 }  // namespace gpucast

@@ -186,7 +186,67 @@ std::string ops_to_json(const Trace& trace, const std::vector<std::string>& name
   return j.dump();
 }
 
-std::string trace_to_json(const Trace& trace, int indent) {
+namespace {
+
+json op_to_json(const OpRecord& op) {
+  return {{"id", op.id},
+          {"name", op.name},
+          {"overload", op.overload},
+          {"scope", to_string(op.scope)},
+          {"phase", to_string(op.phase)},
+          {"thread", op.thread},
+          {"seq_nr", op.seq_nr},
+          {"fwd_thread", op.fwd_thread},
+          {"parent", op.parent},
+          {"depth", op.depth},
+          {"nested", op.nested},
+          {"start_ns", op.start_ns},
+          {"end_ns", op.end_ns},
+          {"start_seq", op.start_seq},
+          {"end_seq", op.end_seq},
+          {"complete", op.complete},
+          {"module", op.module},
+          {"fwd_op", op.fwd_op},
+          {"bwd_node", op.bwd_node},
+          {"device_ns", op.device_ns},
+          {"inputs", values_to_json(op.inputs)},
+          {"outputs", values_to_json(op.outputs)}};
+}
+
+json event_to_json(const MemEvent& e) {
+  return {{"seq", e.seq},           {"ptr", e.ptr},   {"bytes", e.bytes},
+          {"block_bytes", e.block_bytes}, {"device", e.device}, {"thread", e.thread},
+          {"op", e.op},             {"phase", to_string(e.phase)}, {"time_ns", e.time_ns},
+          {"allocation", e.allocation}};
+}
+
+json allocation_to_json(const Allocation& a) {
+  return {{"ptr", a.ptr},
+          {"bytes", a.bytes},
+          {"block_bytes", a.block_bytes},
+          {"device", a.device},
+          {"baseline", a.baseline},
+          {"alloc_event", a.alloc_event},
+          {"free_event", a.free_event},
+          {"alloc_op", a.alloc_op},
+          {"free_op", a.free_op},
+          {"category", to_string(a.category)}};
+}
+
+// Writes records [first, first + count) of `list` as a JSON array, one record's value built at a time.
+template <typename T, typename F>
+void write_records(std::ostream& out, const std::vector<T>& list, size_t first, size_t count, F to_json) {
+  out << '[';
+  const size_t end = std::min(list.size(), first + std::min(count, list.size()));
+  for (size_t i = first; i < end; ++i) {
+    if (i > first) out << ',';
+    out << to_json(list[i]).dump();
+  }
+  out << ']';
+}
+
+// The document's fields other than its three record lists.
+json header_value(const Trace& trace) {
   json j;
   j["schema_version"] = trace.schema_version;
   j["context"] = {{"gpucast_version", trace.context.gpucast_version},
@@ -207,61 +267,46 @@ std::string trace_to_json(const Trace& trace, int indent) {
   j["notes"] = trace.notes;
   j["timing_source"] = trace.timing_source;
   if (!trace.timed_layers.empty()) j["timed_layers"] = trace.timed_layers;
-  json ops = json::array();
-  for (const OpRecord& op : trace.ops) {
-    ops.push_back({{"id", op.id},
-                   {"name", op.name},
-                   {"overload", op.overload},
-                   {"scope", to_string(op.scope)},
-                   {"phase", to_string(op.phase)},
-                   {"thread", op.thread},
-                   {"seq_nr", op.seq_nr},
-                   {"fwd_thread", op.fwd_thread},
-                   {"parent", op.parent},
-                   {"depth", op.depth},
-                   {"nested", op.nested},
-                   {"start_ns", op.start_ns},
-                   {"end_ns", op.end_ns},
-                   {"start_seq", op.start_seq},
-                   {"end_seq", op.end_seq},
-                   {"complete", op.complete},
-                   {"module", op.module},
-                   {"fwd_op", op.fwd_op},
-                   {"bwd_node", op.bwd_node},
-                   {"device_ns", op.device_ns},
-                   {"inputs", values_to_json(op.inputs)},
-                   {"outputs", values_to_json(op.outputs)}});
+  return j;
+}
+
+}  // namespace
+
+std::string trace_header_json(const Trace& trace) { return header_value(trace).dump(); }
+
+void write_trace_json(const Trace& trace, std::ostream& out) {
+  // The document is the header's fields and the three record lists, keys in nlohmann's (sorted) order, as one
+  // json value would dump them; the lists are streamed, so that no copy of the whole trace is built in memory.
+  json keys = header_value(trace);
+  keys["ops"] = nullptr;
+  keys["events"] = nullptr;
+  keys["allocations"] = nullptr;
+  out << '{';
+  bool first = true;
+  for (const auto& [key, value] : keys.items()) {
+    out << (first ? "" : ",") << json(key).dump() << ':';
+    first = false;
+    if (key == "ops") write_records(out, trace.ops, 0, trace.ops.size(), op_to_json);
+    else if (key == "events") write_records(out, trace.events, 0, trace.events.size(), event_to_json);
+    else if (key == "allocations") write_records(out, trace.allocations, 0, trace.allocations.size(), allocation_to_json);
+    else out << value.dump();
   }
-  j["ops"] = std::move(ops);
-  json events = json::array();
-  for (const MemEvent& e : trace.events) {
-    events.push_back({{"seq", e.seq},
-                      {"ptr", e.ptr},
-                      {"bytes", e.bytes},
-                      {"block_bytes", e.block_bytes},
-                      {"device", e.device},
-                      {"thread", e.thread},
-                      {"op", e.op},
-                      {"phase", to_string(e.phase)},
-                      {"time_ns", e.time_ns},
-                      {"allocation", e.allocation}});
-  }
-  j["events"] = std::move(events);
-  json allocs = json::array();
-  for (const Allocation& a : trace.allocations) {
-    allocs.push_back({{"ptr", a.ptr},
-                      {"bytes", a.bytes},
-                      {"block_bytes", a.block_bytes},
-                      {"device", a.device},
-                      {"baseline", a.baseline},
-                      {"alloc_event", a.alloc_event},
-                      {"free_event", a.free_event},
-                      {"alloc_op", a.alloc_op},
-                      {"free_op", a.free_op},
-                      {"category", to_string(a.category)}});
-  }
-  j["allocations"] = std::move(allocs);
-  return j.dump(indent);
+  out << '}';
+}
+
+std::string trace_to_json(const Trace& trace) {
+  std::ostringstream out;
+  write_trace_json(trace, out);
+  return out.str();
+}
+
+std::string trace_records_json(const Trace& trace, std::string_view kind, size_t first, size_t count) {
+  std::ostringstream out;
+  if (kind == "ops") write_records(out, trace.ops, first, count, op_to_json);
+  else if (kind == "events") write_records(out, trace.events, first, count, event_to_json);
+  else if (kind == "allocations") write_records(out, trace.allocations, first, count, allocation_to_json);
+  else GPUCAST_USER_ERROR("trace records: kind should be ops, events or allocations, got '{}'", kind);
+  return out.str();
 }
 
 Trace trace_from_json(std::string_view text, std::string_view source) {

@@ -10,7 +10,8 @@ import ctypes
 import json
 import threading
 from types import SimpleNamespace
-from typing import Any, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Iterable
 
 import torch
 import torch.optim.optimizer as _optimizer_module
@@ -260,47 +261,82 @@ def _op(d: dict) -> SimpleNamespace:
     return SimpleNamespace(**d)
 
 
+class _Records(Sequence):
+    """A trace's ops, events or allocations as a read-only sequence whose records are built from C++ a chunk at a
+    time: iterating a trace at the op cap holds one chunk in Python, not the whole trace."""
+
+    _CHUNK = 4096  # records per call: about 50 MB of Python objects for ops with inputs, at most
+
+    def __init__(self, handle: Any, kind: str, size: int, make: Callable[[dict], Any]):
+        self._h, self._kind, self._size, self._make = handle, kind, size, make
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _chunk(self, first: int, count: int) -> list:
+        return [self._make(d) for d in json.loads(self._h.records_json(self._kind, first, count))]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._size))]
+        if i < 0:
+            i += self._size
+        if not 0 <= i < self._size:
+            raise IndexError(f"trace {self._kind}: index {i} out of range ({self._size})")
+        return self._chunk(i, 1)[0]
+
+    def __iter__(self) -> Iterator:
+        for first in range(0, self._size, self._CHUNK):
+            yield from self._chunk(first, self._CHUNK)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (list, tuple, _Records)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"<trace {self._kind}: {self._size} records>"
+
+
 class Trace:
-    """A recorded trace. Backed by the C++ value; Python views are built on first use."""
+    """A recorded trace. Backed by the C++ value; Python's views of it are lazy (ops, events, allocations are read
+    a chunk at a time) or computed in C++ (summary, peak and category bytes), so their memory stays bounded."""
 
     def __init__(self, handle: Any):
         self._h = handle
-        self._doc: dict | None = None
-        self._ops: list | None = None
+        self._header: dict | None = None
 
-    def _document(self) -> dict:
-        if self._doc is None:
-            self._doc = json.loads(self._h.to_json())
-        return self._doc
+    def _head(self) -> dict:
+        if self._header is None:
+            self._header = json.loads(self._h.header_json())
+        return self._header
 
     @property
-    def ops(self) -> list:
+    def ops(self) -> Sequence:
         """Op records: name, overload, scope, phase, module, inputs, outputs, start_ns, end_ns, ..."""
-        if self._ops is None:
-            self._ops = [_op(o) for o in self._document()["ops"]]
-        return self._ops
+        return _Records(self._h, "ops", self._h.num_ops(), _op)
 
     @property
-    def events(self) -> list:
+    def events(self) -> Sequence:
         """Memory events in order: ptr, bytes (+alloc/-free), block_bytes, device, op, phase, ..."""
-        return [SimpleNamespace(**e) for e in self._document()["events"]]
+        return _Records(self._h, "events", self._h.num_events(), lambda e: SimpleNamespace(**e))
 
     @property
-    def allocations(self) -> list:
+    def allocations(self) -> Sequence:
         """Blocks seen in the window: ptr, bytes, device, baseline, alloc/free event and op, category."""
-        return [SimpleNamespace(**a) for a in self._document()["allocations"]]
+        return _Records(self._h, "allocations", self._h.num_allocations(), lambda a: SimpleNamespace(**a))
 
     @property
     def counters(self) -> dict:
-        return dict(self._document()["counters"])
+        return dict(self._head()["counters"])
 
     @property
     def notes(self) -> list[str]:
-        return list(self._document()["notes"])
+        return list(self._head()["notes"])
 
     @property
     def context(self) -> dict:
-        return dict(self._document()["context"])
+        return dict(self._head()["context"])
 
     def summary(self, top: int = 5) -> str:
         return self._h.summary(top)
@@ -317,27 +353,7 @@ class Trace:
         """Bytes held by category at the end of the trace (at="end") or at the window peak (at="peak")."""
         if at not in ("end", "peak"):
             raise ValueError(f"bytes_by_category: 'at' must be 'end' or 'peak', got {at!r}")
-        doc = self._document()
-        events = doc["events"]
-        idx = len(events) - 1
-        if at == "peak":
-            held = peak = 0
-            idx = -1
-            for i, e in enumerate(events):
-                if e["device"] != device:
-                    continue
-                held += e["block_bytes"]
-                if held > peak:
-                    peak, idx = held, i
-        out: dict[str, int] = {}
-        for a in doc["allocations"]:
-            if a["device"] != device:
-                continue
-            allocated = a["alloc_event"] < 0 or a["alloc_event"] <= idx
-            freed = a["free_event"] >= 0 and a["free_event"] <= idx
-            if allocated and not freed:
-                out[a["category"]] = out.get(a["category"], 0) + a["block_bytes"]
-        return out
+        return json.loads(self._h.bytes_by_category(str(device), at == "peak"))
 
     def save(self, path: str) -> None:
         """Write the trace as JSON (schema_version and context included); load it with gpucast.load_trace."""

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct DeviceMemory {
 std::vector<DeviceMemory> analyze_memory(const Trace& trace);
 // Window peak of one device in allocator bytes; 0 for a device with no events.
 int64_t window_peak_bytes(const Trace& trace, const std::string& device);
+// Bytes of the blocks held on `device` by category (category names as the trace writes them): at the end of the
+// trace, or (at_peak) at the event where the window's held bytes first reach their peak (before any event when
+// nothing is held).
+std::map<std::string, int64_t> bytes_by_category(const Trace& trace, const std::string& device, bool at_peak);
 
 struct LayerStat {
   std::string module;
