@@ -319,10 +319,11 @@ TORCH_LIBRARY(gpucast, m) {
             torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
             torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,
             torch::arg("cudnn_conv_wscap") = ""});
-  m.def("predict_job(str job_json, str? weights=None) -> str",
-        [](const std::string& text, std::optional<std::string> weights) {
+  // source: what errors name the description by (its file's path, or "job").
+  m.def("predict_job(str job_json, str? weights=None, str source=\"job\") -> str",
+        [](const std::string& text, std::optional<std::string> weights, const std::string& source) {
           return gpucast::translate("job-file", [&] {
-            const gpucast::JobDescription job = gpucast::job_from_json(text, "job");
+            const gpucast::JobDescription job = gpucast::job_from_json(text, source);
             return gpucast::job_estimate_to_json(
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
           });

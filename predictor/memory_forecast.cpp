@@ -1501,6 +1501,17 @@ MemoryForecast forecast_memory(const MemoryForecastInput& input) {
   const auto t0 = std::chrono::steady_clock::now();
   MemoryForecast out;
   Forecaster(input, out).run();
+  // A probe trace that hit its cap (TraceOptions max_ops / max_events) lacks the ops or memory events past it: what
+  // it held there is not counted, so the forecast can only be lower than the job's need.
+  for (size_t i = 0; i < input.probes.size(); ++i) {
+    const TraceCounters& c = input.probes[i]->counters;
+    if (c.dropped_ops > 0 || c.dropped_events > 0) {
+      out.warnings.push_back(Note{"trace-capped", fmt::format(
+          "the probe trace at batch {} reached its cap and dropped {} ops and {} memory events (max_ops, "
+          "max_events): the forecast is a lower bound", i < input.probe_batch.size() ? input.probe_batch[i] : 0,
+          c.dropped_ops, c.dropped_events)});
+    }
+  }
   // Rules applied at every batch the largest-batch search simulates say so once: each note and warning once, in
   // the order first given.
   for (std::vector<Note>* lines : {&out.notes, &out.warnings}) {

@@ -341,6 +341,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   }
   if (j.contains("counters")) {
     const json& c = j["counters"];
+    if (!c.is_object()) r.fail("counters", "an object", c);
     TraceCounters& k = t.counters;
     k.dropped_ops = r.get_or<int64_t>(c, "dropped_ops", "counters", 0);
     k.dropped_events = r.get_or<int64_t>(c, "dropped_events", "counters", 0);

@@ -38,6 +38,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+from gpucast._jsonl import append_record, read_records  # noqa: E402
 
 SEED = 20261202
 FAMILIES = ("mlp", "cnn", "rnn", "transformer-encoder", "transformer-decoder", "vit")
@@ -386,14 +387,7 @@ def _note(msg):
 def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                rows.append(json.loads(line))
-    return rows
+    return list(read_records(str(path), gzip.open if path.suffix == ".gz" else open))
 
 
 def main(argv=None) -> int:
@@ -419,15 +413,12 @@ def main(argv=None) -> int:
         from tqdm import tqdm
         bar = tqdm(total=len(todo), unit="job", desc="dataset")
     t0 = time.time()
-    with open(out, "a", encoding="utf-8") as f:
-        for n, i in enumerate(todo):
-            row = run_job(i, args.seed, args.forecast_every)
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-            f.flush()
-            if bar is not None:
-                bar.update(1)
-            elif not args.quiet and (n + 1) % 100 == 0:
-                print(f"dataset: {n + 1}/{len(todo)} jobs, {time.time() - t0:.0f} s", file=sys.stderr)
+    for n, i in enumerate(todo):
+        append_record(str(out), run_job(i, args.seed, args.forecast_every))  # a new line after a torn one
+        if bar is not None:
+            bar.update(1)
+        elif not args.quiet and (n + 1) % 100 == 0:
+            print(f"dataset: {n + 1}/{len(todo)} jobs, {time.time() - t0:.0f} s", file=sys.stderr)
     if bar is not None:
         bar.close()
     if args.gzip:

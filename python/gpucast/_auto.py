@@ -23,6 +23,7 @@ import torch
 import torch.optim.optimizer as _optimizer_module
 
 from ._forecast import run_forecaster
+from ._jsonl import append_record
 from ._results import SCHEMA_VERSION, MemoryForecast
 from ._settings import env_text
 from ._trace import _flatten, compiling, trace
@@ -172,10 +173,10 @@ class _AutoSession:
         record = {"schema_version": SCHEMA_VERSION, "time": time.time(), "mode": "auto",
                   "context": json.loads(_ops.context()), "memory": dict(f.__dict__)}
         try:
-            with open(path, "a", encoding="utf-8") as fh:  # append: an existing log is never truncated
-                fh.write(json.dumps(record) + "\n")
+            append_record(path, record)  # append: an existing log is never truncated
         except OSError as e:
-            warnings.warn(f"gpucast: cannot append the forecast to GPUCAST_LOG={path!r}: {e.strerror}", stacklevel=3)
+            warnings.warn(f"gpucast: cannot append the forecast to GPUCAST_LOG={path!r}: {e.strerror or e}",
+                          stacklevel=3)
 
     def _track(self, f: MemoryForecast) -> None:
         """Loggers from gpucast.log_to(), and trackers with an active run (MLflow, W&B), get the forecast."""
@@ -188,6 +189,12 @@ class _AutoSession:
             trackers.Logger(found).log_forecast(fc)
 
     def _judge(self, f: MemoryForecast) -> None:
+        capped = [w["text"] for w in f.warnings if w["code"] == "trace-capped"]
+        if capped:
+            warnings.warn(f"gpucast: the first iteration's trace reached its cap: the forecast "
+                          f"({f.peak_reserved_bytes / 2**20:,.0f} MiB reserved) is a lower bound ({capped[0]})",
+                          RuntimeWarning,
+                          stacklevel=4)
         judge(f, self.cfg["capacity_mb"], self.cfg["warn_fraction"], self.cfg["on_risk"], stacklevel=4)
 
     def _fail(self, e: Exception) -> None:

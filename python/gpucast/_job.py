@@ -136,5 +136,5 @@ def predict_job(job: dict | str, weights: str | None = None) -> dict:
     version, the analytical estimate answers instead and result["notes"][0] says why; result["method"] is
     "learned" or "analytical". A bad job description raises ValueError naming the field."""
     text = _job_text(job)
-    out = torch.ops.gpucast.predict_job(text, weights) if weights is not None else torch.ops.gpucast.predict_job(text)
-    return json.loads(out)
+    source = job if isinstance(job, str) and not job.lstrip().startswith("{") else "job"
+    return json.loads(torch.ops.gpucast.predict_job(text, weights, source=str(source)))

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optimizer_module
 
+from ._jsonl import append_record
+
 MIB = 2**20
 
 
@@ -138,8 +140,7 @@ class JsonLines(_Adapter):
             raise OSError(f"cannot write '{self.path}': {e.strerror}") from e
 
     def _write(self, record):
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
 
     def forecast(self, fc_dict, memory):
         self._write({"kind": "forecast", "time": time.time(), **fc_dict})
