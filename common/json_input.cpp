@@ -47,6 +47,10 @@ std::string reason(const json::exception& e) {
 }  // namespace
 
 json parse_json_input(std::string_view text, std::string_view source) {
+  return parse_json_input(text, source, nullptr);
+}
+
+json parse_json_input(std::string_view text, std::string_view source, const json::parser_callback_t& callback) {
   size_t at = 0;
   if (nesting_depth(text, kMaxJsonDepth, &at) < 0) {
     GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: nested more than {} levels deep", source, at + 1,
@@ -58,7 +62,7 @@ json parse_json_input(std::string_view text, std::string_view source) {
                        static_cast<unsigned char>(text[bad]));
   }
   try {
-    return json::parse(text.begin(), text.end());
+    return json::parse(text.begin(), text.end(), callback);
   } catch (const json::parse_error& e) {
     GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: {}", source, e.byte, valid_utf8(reason(e)));
   } catch (const json::exception& e) {  // out_of_range.406: a number too large for a double (1e400)

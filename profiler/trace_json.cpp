@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -50,6 +51,7 @@ json values_to_json(const std::vector<Value>& values) {
 class Reader {
  public:
   explicit Reader(std::string_view source) : source_(source) {}
+  const std::string& source() const { return source_; }
 
   const json& field(const json& obj, const char* key, const std::string& where) const {
     if (!obj.is_object()) fail(where, "an object", obj);
@@ -309,20 +311,120 @@ std::string trace_records_json(const Trace& trace, std::string_view kind, size_t
   return out.str();
 }
 
-Trace trace_from_json(std::string_view text, std::string_view source) {
-  const json j = parse_json_input(text, source);
-  Reader r(source);
-  if (!j.is_object() || !j.contains("schema_version")) {
-    GPUCAST_USER_ERROR("{}: not a gpucast trace: no 'schema_version' field at the top level", source);
+namespace {
+
+OpRecord op_from_json(const Reader& r, const json& o, size_t i) {
+  const std::string w = fmt::format("ops[{}]", i);
+  OpRecord op;
+  op.id = r.get<int64_t>(o, "id", w);
+  if (op.id != static_cast<int64_t>(i)) r.fail(w + ".id", fmt::format("{}", i), o["id"]);
+  op.name = r.get<std::string>(o, "name", w);
+  op.overload = r.get_or<std::string>(o, "overload", w, "");
+  try {
+    op.scope = scope_from_string(r.get<std::string>(o, "scope", w));
+    op.phase = phase_from_string(r.get<std::string>(o, "phase", w));
+  } catch (const UserError& e) {
+    GPUCAST_USER_ERROR("{}: {}: {}", r.source(), w, e.what());
   }
-  const int64_t version = r.get<int64_t>(j, "schema_version", "");
-  if (version != kTraceSchemaVersion) {
-    GPUCAST_USER_ERROR(
-        "{}: trace schema_version {} is not supported by this gpucast (reads version {}); record the "
-        "trace again with this version",
-        source, version, kTraceSchemaVersion);
+  op.thread = r.get<uint64_t>(o, "thread", w);
+  op.seq_nr = r.get_or<int64_t>(o, "seq_nr", w, -1);
+  op.fwd_thread = r.get_or<uint64_t>(o, "fwd_thread", w, 0);
+  op.parent = r.get_or<int64_t>(o, "parent", w, -1);
+  op.depth = r.get_or<int32_t>(o, "depth", w, 0);
+  op.nested = r.get_or<int64_t>(o, "nested", w, 0);
+  op.start_ns = r.get<int64_t>(o, "start_ns", w);
+  op.end_ns = r.get<int64_t>(o, "end_ns", w);
+  op.start_seq = r.get_or<uint64_t>(o, "start_seq", w, 0);
+  op.end_seq = r.get_or<uint64_t>(o, "end_seq", w, 0);
+  op.complete = r.get_or<bool>(o, "complete", w, true);
+  op.module = r.get_or<std::string>(o, "module", w, "");
+  op.fwd_op = r.get_or<int64_t>(o, "fwd_op", w, -1);
+  op.bwd_node = r.get_or<int64_t>(o, "bwd_node", w, -1);
+  op.device_ns = r.get_or<int64_t>(o, "device_ns", w, -1);
+  if (o.contains("inputs")) op.inputs = values_from_json(r, o["inputs"], w + ".inputs");
+  if (o.contains("outputs")) op.outputs = values_from_json(r, o["outputs"], w + ".outputs");
+  return op;
+}
+
+// A block's bytes (negative for a free where allowed): at most kMaxTraceBlockBytes, so that sums over a trace's
+// events cannot overflow.
+void check_bytes(const Reader& r, int64_t bytes, const std::string& w, const json& got, bool negative) {
+  if (bytes > kMaxTraceBlockBytes || bytes < (negative ? -kMaxTraceBlockBytes : 0)) {
+    r.fail(w, fmt::format("a byte count {}up to {}", negative ? "(negative for a free) " : "of 0 ", kMaxTraceBlockBytes),
+           got);
   }
-  Trace t;
+}
+
+MemEvent event_from_json(const Reader& r, const json& o, size_t i) {
+  const std::string w = fmt::format("events[{}]", i);
+  MemEvent e;
+  e.seq = r.get<uint64_t>(o, "seq", w);
+  e.ptr = r.get<uint64_t>(o, "ptr", w);
+  e.bytes = r.get<int64_t>(o, "bytes", w);
+  e.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, e.bytes);
+  check_bytes(r, e.bytes, w + ".bytes", o["bytes"], true);
+  check_bytes(r, e.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), true);
+  e.device = r.get<std::string>(o, "device", w);
+  e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
+  e.op = r.get_or<int64_t>(o, "op", w, -1);
+  try {
+    e.phase = phase_from_string(r.get_or<std::string>(o, "phase", w, "forward"));
+  } catch (const UserError& err) {
+    GPUCAST_USER_ERROR("{}: {}: {}", r.source(), w, err.what());
+  }
+  e.time_ns = r.get_or<int64_t>(o, "time_ns", w, 0);
+  e.allocation = r.get_or<int64_t>(o, "allocation", w, -1);
+  return e;
+}
+
+Allocation allocation_from_json(const Reader& r, const json& o, size_t i) {
+  const std::string w = fmt::format("allocations[{}]", i);
+  Allocation a;
+  a.ptr = r.get<uint64_t>(o, "ptr", w);
+  a.bytes = r.get<int64_t>(o, "bytes", w);
+  a.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, a.bytes);
+  check_bytes(r, a.bytes, w + ".bytes", o["bytes"], false);
+  check_bytes(r, a.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), false);
+  a.device = r.get<std::string>(o, "device", w);
+  a.baseline = r.get_or<bool>(o, "baseline", w, false);
+  a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
+  a.free_event = r.get_or<int64_t>(o, "free_event", w, -1);
+  a.alloc_op = r.get_or<int64_t>(o, "alloc_op", w, -1);
+  a.free_op = r.get_or<int64_t>(o, "free_op", w, -1);
+  try {
+    a.category = category_from_string(r.get_or<std::string>(o, "category", w, "other"));
+  } catch (const UserError& err) {
+    GPUCAST_USER_ERROR("{}: {}: {}", r.source(), w, err.what());
+  }
+  return a;
+}
+
+// The references between records, checked once all are read: each is -1 or an index into the list it names.
+void check_references(const Reader& r, const Trace& t) {
+  const auto n_ops = static_cast<int64_t>(t.ops.size());
+  const auto n_events = static_cast<int64_t>(t.events.size());
+  const auto n_allocs = static_cast<int64_t>(t.allocations.size());
+  auto check = [&](int64_t ref, int64_t limit, const std::string& w) {
+    if (ref < -1 || ref >= limit) r.fail(w, fmt::format("-1 or an index below {}", limit), json(ref));
+  };
+  for (size_t i = 0; i < t.ops.size(); ++i) {
+    check(t.ops[i].parent, n_ops, fmt::format("ops[{}].parent", i));
+    check(t.ops[i].fwd_op, n_ops, fmt::format("ops[{}].fwd_op", i));
+    check(t.ops[i].bwd_node, n_ops, fmt::format("ops[{}].bwd_node", i));
+  }
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    check(t.events[i].op, n_ops, fmt::format("events[{}].op", i));
+    check(t.events[i].allocation, n_allocs, fmt::format("events[{}].allocation", i));
+  }
+  for (size_t i = 0; i < t.allocations.size(); ++i) {
+    check(t.allocations[i].alloc_event, n_events, fmt::format("allocations[{}].alloc_event", i));
+    check(t.allocations[i].free_event, n_events, fmt::format("allocations[{}].free_event", i));
+    check(t.allocations[i].alloc_op, n_ops, fmt::format("allocations[{}].alloc_op", i));
+    check(t.allocations[i].free_op, n_ops, fmt::format("allocations[{}].free_op", i));
+  }
+}
+
+void read_header(const Reader& r, const json& j, Trace& t) {
   const json& ctx = r.field(j, "context", "");
   t.context.gpucast_version = r.get<std::string>(ctx, "gpucast_version", "context");
   t.context.torch_version = r.get<std::string>(ctx, "torch_version", "context");
@@ -354,122 +456,59 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   t.notes = r.get_or<std::vector<std::string>>(j, "notes", "", {});
   t.timing_source = r.get_or<std::string>(j, "timing_source", "", "cpu_clock");
   t.timed_layers = r.get_or<std::vector<std::string>>(j, "timed_layers", "", {});
+  for (const char* list : {"ops", "events", "allocations"}) {
+    const json& v = r.field(j, list, "");
+    if (!v.is_array()) r.fail(list, "a list", v);
+  }
+}
 
-  const json& ops = r.field(j, "ops", "");
-  if (!ops.is_array()) r.fail("ops", "a list", ops);
-  t.ops.reserve(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const std::string w = fmt::format("ops[{}]", i);
-    const json& o = ops[i];
-    OpRecord op;
-    op.id = r.get<int64_t>(o, "id", w);
-    if (op.id != static_cast<int64_t>(i)) r.fail(w + ".id", fmt::format("{}", i), o["id"]);
-    op.name = r.get<std::string>(o, "name", w);
-    op.overload = r.get_or<std::string>(o, "overload", w, "");
-    try {
-      op.scope = scope_from_string(r.get<std::string>(o, "scope", w));
-      op.phase = phase_from_string(r.get<std::string>(o, "phase", w));
-    } catch (const UserError& e) {
-      GPUCAST_USER_ERROR("{}: {}: {}", source, w, e.what());
-    }
-    op.thread = r.get<uint64_t>(o, "thread", w);
-    op.seq_nr = r.get_or<int64_t>(o, "seq_nr", w, -1);
-    op.fwd_thread = r.get_or<uint64_t>(o, "fwd_thread", w, 0);
-    op.parent = r.get_or<int64_t>(o, "parent", w, -1);
-    op.depth = r.get_or<int32_t>(o, "depth", w, 0);
-    op.nested = r.get_or<int64_t>(o, "nested", w, 0);
-    op.start_ns = r.get<int64_t>(o, "start_ns", w);
-    op.end_ns = r.get<int64_t>(o, "end_ns", w);
-    op.start_seq = r.get_or<uint64_t>(o, "start_seq", w, 0);
-    op.end_seq = r.get_or<uint64_t>(o, "end_seq", w, 0);
-    op.complete = r.get_or<bool>(o, "complete", w, true);
-    op.module = r.get_or<std::string>(o, "module", w, "");
-    op.fwd_op = r.get_or<int64_t>(o, "fwd_op", w, -1);
-    op.bwd_node = r.get_or<int64_t>(o, "bwd_node", w, -1);
-    op.device_ns = r.get_or<int64_t>(o, "device_ns", w, -1);
-    if (o.contains("inputs")) op.inputs = values_from_json(r, o["inputs"], w + ".inputs");
-    if (o.contains("outputs")) op.outputs = values_from_json(r, o["outputs"], w + ".outputs");
-    t.ops.push_back(std::move(op));
-  }
-  const int64_t n_ops = static_cast<int64_t>(t.ops.size());
-  auto check_ref = [&](int64_t ref, int64_t limit, const std::string& w, const json& got) {
-    if (ref < -1 || ref >= limit) r.fail(w, fmt::format("-1 or an index below {}", limit), got);
-  };
-  // A block's bytes (negative for a free where allowed): at most kMaxTraceBlockBytes, so that sums over a trace's
-  // events cannot overflow.
-  auto check_bytes = [&](int64_t bytes, const std::string& w, const json& got, bool negative) {
-    if (bytes > kMaxTraceBlockBytes || bytes < (negative ? -kMaxTraceBlockBytes : 0)) {
-      r.fail(w, fmt::format("a byte count {}up to {}", negative ? "(negative for a free) " : "of 0 ",
-                            kMaxTraceBlockBytes), got);
-    }
-  };
-  for (size_t i = 0; i < t.ops.size(); ++i) {
-    const std::string w = fmt::format("ops[{}]", i);
-    check_ref(t.ops[i].parent, n_ops, w + ".parent", ops[i]["parent"]);
-    check_ref(t.ops[i].fwd_op, n_ops, w + ".fwd_op", ops[i].value("fwd_op", json(-1)));
-    check_ref(t.ops[i].bwd_node, n_ops, w + ".bwd_node", ops[i].value("bwd_node", json(-1)));
-  }
+}  // namespace
 
-  const json& events = r.field(j, "events", "");
-  if (!events.is_array()) r.fail("events", "a list", events);
-  t.events.reserve(events.size());
-  for (size_t i = 0; i < events.size(); ++i) {
-    const std::string w = fmt::format("events[{}]", i);
-    const json& o = events[i];
-    MemEvent e;
-    e.seq = r.get<uint64_t>(o, "seq", w);
-    e.ptr = r.get<uint64_t>(o, "ptr", w);
-    e.bytes = r.get<int64_t>(o, "bytes", w);
-    e.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, e.bytes);
-    check_bytes(e.bytes, w + ".bytes", o["bytes"], true);
-    check_bytes(e.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), true);
-    e.device = r.get<std::string>(o, "device", w);
-    e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
-    e.op = r.get_or<int64_t>(o, "op", w, -1);
-    check_ref(e.op, n_ops, w + ".op", o.value("op", json(-1)));
-    try {
-      e.phase = phase_from_string(r.get_or<std::string>(o, "phase", w, "forward"));
-    } catch (const UserError& err) {
-      GPUCAST_USER_ERROR("{}: {}: {}", source, w, err.what());
+Trace trace_from_json(std::string_view text, std::string_view source) {
+  // Streamed: each record of the three lists becomes the Trace's as soon as it is parsed and is then dropped from
+  // the document (nlohmann's parser callback), so reading never holds a second, far larger copy of the trace.
+  // Keys come in any order (the writer sorts them: "allocations" before "schema_version"), so a record's error is
+  // kept and raised only once the version is known to be this gpucast's.
+  const Reader r(source);
+  Trace t;
+  std::string list;  // the top-level key whose value is being read
+  size_t index = 0;
+  std::optional<UserError> first_error;
+  const json j = parse_json_input(text, source, [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key) {
+      list = parsed.get<std::string>();
+      index = 0;
+      return true;
     }
-    e.time_ns = r.get_or<int64_t>(o, "time_ns", w, 0);
-    e.allocation = r.get_or<int64_t>(o, "allocation", w, -1);
-    t.events.push_back(std::move(e));
-  }
-  const json& allocs = r.field(j, "allocations", "");
-  if (!allocs.is_array()) r.fail("allocations", "a list", allocs);
-  const int64_t n_events = static_cast<int64_t>(t.events.size());
-  for (size_t i = 0; i < allocs.size(); ++i) {
-    const std::string w = fmt::format("allocations[{}]", i);
-    const json& o = allocs[i];
-    Allocation a;
-    a.ptr = r.get<uint64_t>(o, "ptr", w);
-    a.bytes = r.get<int64_t>(o, "bytes", w);
-    a.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, a.bytes);
-    check_bytes(a.bytes, w + ".bytes", o["bytes"], false);
-    check_bytes(a.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), false);
-    a.device = r.get<std::string>(o, "device", w);
-    a.baseline = r.get_or<bool>(o, "baseline", w, false);
-    a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
-    a.free_event = r.get_or<int64_t>(o, "free_event", w, -1);
-    check_ref(a.alloc_event, n_events, w + ".alloc_event", o.value("alloc_event", json(-1)));
-    check_ref(a.free_event, n_events, w + ".free_event", o.value("free_event", json(-1)));
-    a.alloc_op = r.get_or<int64_t>(o, "alloc_op", w, -1);
-    a.free_op = r.get_or<int64_t>(o, "free_op", w, -1);
-    check_ref(a.alloc_op, n_ops, w + ".alloc_op", o.value("alloc_op", json(-1)));
-    check_ref(a.free_op, n_ops, w + ".free_op", o.value("free_op", json(-1)));
-    try {
-      a.category = category_from_string(r.get_or<std::string>(o, "category", w, "other"));
-    } catch (const UserError& err) {
-      GPUCAST_USER_ERROR("{}: {}: {}", source, w, err.what());
+    if (depth != 2 || event != json::parse_event_t::object_end ||
+        (list != "ops" && list != "events" && list != "allocations")) {
+      return true;
     }
-    t.allocations.push_back(std::move(a));
+    if (!first_error) {
+      try {
+        if (list == "ops") t.ops.push_back(op_from_json(r, parsed, index));
+        else if (list == "events") t.events.push_back(event_from_json(r, parsed, index));
+        else t.allocations.push_back(allocation_from_json(r, parsed, index));
+      } catch (const UserError& e) {
+        first_error = e;
+      }
+    }
+    ++index;
+    return false;  // read: not kept in the document
+  });
+  if (!j.is_object() || !j.contains("schema_version")) {
+    GPUCAST_USER_ERROR("{}: not a gpucast trace: no 'schema_version' field at the top level", source);
   }
-  const int64_t n_allocs = static_cast<int64_t>(t.allocations.size());
-  for (size_t i = 0; i < t.events.size(); ++i) {
-    const std::string w = fmt::format("events[{}].allocation", i);
-    check_ref(t.events[i].allocation, n_allocs, w, events[i].value("allocation", json(-1)));
+  const int64_t version = r.get<int64_t>(j, "schema_version", "");
+  if (version != kTraceSchemaVersion) {
+    GPUCAST_USER_ERROR(
+        "{}: trace schema_version {} is not supported by this gpucast (reads version {}); record the "
+        "trace again with this version",
+        source, version, kTraceSchemaVersion);
   }
+  if (first_error) throw *first_error;
+  read_header(r, j, t);
+  check_references(r, t);
   return t;
 }
 

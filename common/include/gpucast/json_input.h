@@ -20,6 +20,9 @@ namespace gpucast {
 inline constexpr int kMaxJsonDepth = 64;
 
 nlohmann::json parse_json_input(std::string_view text, std::string_view source);
+// The same, with nlohmann's parser callback (a reader that takes records as they are parsed and drops them).
+nlohmann::json parse_json_input(std::string_view text, std::string_view source,
+                                const nlohmann::json::parser_callback_t& callback);
 
 // `v` as an integer in [lo, hi], or nothing: a float (1e300 cast to an integer is undefined), a number out of
 // range (4294967297 read as an int would wrap), or not a number.
