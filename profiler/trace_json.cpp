@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <optional>
 #include <cstring>
 #include <fstream>
@@ -355,15 +356,21 @@ void check_bytes(const Reader& r, int64_t bytes, const std::string& w, const jso
   }
 }
 
+// A record's "bytes" and "block_bytes" (block_bytes defaulting to bytes), each checked by check_bytes.
+std::pair<int64_t, int64_t> sizes_from_json(const Reader& r, const json& o, const std::string& w, bool negative) {
+  const auto bytes = r.get<int64_t>(o, "bytes", w);
+  const auto block = r.get_or<int64_t>(o, "block_bytes", w, bytes);
+  check_bytes(r, bytes, w + ".bytes", o["bytes"], negative);
+  check_bytes(r, block, w + ".block_bytes", o.value("block_bytes", o["bytes"]), negative);
+  return {bytes, block};
+}
+
 MemEvent event_from_json(const Reader& r, const json& o, size_t i) {
   const std::string w = fmt::format("events[{}]", i);
   MemEvent e;
   e.seq = r.get<uint64_t>(o, "seq", w);
   e.ptr = r.get<uint64_t>(o, "ptr", w);
-  e.bytes = r.get<int64_t>(o, "bytes", w);
-  e.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, e.bytes);
-  check_bytes(r, e.bytes, w + ".bytes", o["bytes"], true);
-  check_bytes(r, e.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), true);
+  std::tie(e.bytes, e.block_bytes) = sizes_from_json(r, o, w, true);
   e.device = r.get<std::string>(o, "device", w);
   e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
   e.op = r.get_or<int64_t>(o, "op", w, -1);
@@ -381,10 +388,7 @@ Allocation allocation_from_json(const Reader& r, const json& o, size_t i) {
   const std::string w = fmt::format("allocations[{}]", i);
   Allocation a;
   a.ptr = r.get<uint64_t>(o, "ptr", w);
-  a.bytes = r.get<int64_t>(o, "bytes", w);
-  a.block_bytes = r.get_or<int64_t>(o, "block_bytes", w, a.bytes);
-  check_bytes(r, a.bytes, w + ".bytes", o["bytes"], false);
-  check_bytes(r, a.block_bytes, w + ".block_bytes", o.value("block_bytes", o["bytes"]), false);
+  std::tie(a.bytes, a.block_bytes) = sizes_from_json(r, o, w, false);
   a.device = r.get<std::string>(o, "device", w);
   a.baseline = r.get_or<bool>(o, "baseline", w, false);
   a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
