@@ -1,7 +1,10 @@
 // Safe reading of outside JSON (gpucast/json_input.h).
 #include "gpucast/json_input.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "gpucast/error.h"
@@ -11,31 +14,72 @@ namespace {
 
 using nlohmann::json;
 
-// The deepest nesting of [ and { outside strings, stopping at the first byte past `limit`; -1 past it.
-// (byte offset of the first too-deep bracket in *at)
-int nesting_depth(std::string_view text, int limit, size_t* at) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) {
-        *at = i;
-        return -1;
+// What parse_json_input checks before parsing, fed the text in pieces: nesting of [ and { outside strings at most
+// kMaxJsonDepth, and well-formed UTF-8 (a sequence may straddle two pieces). The first failure is kept.
+class Precheck {
+ public:
+  explicit Precheck(std::string_view source) : source_(source) {}
+  void feed(std::string_view piece) {
+    std::string joined;
+    if (!carry_.empty()) {  // an incomplete UTF-8 sequence from the previous piece
+      joined = carry_ + std::string(piece);
+      piece = joined;
+      offset_ -= carry_.size();
+      carry_.clear();
+    }
+    const size_t bad = invalid_utf8_at(piece);
+    size_t usable = piece.size();
+    if (bad != std::string_view::npos) {
+      // At most 3 bytes at the end may be the start of a sequence that the next piece completes.
+      if (piece.size() - bad <= 3 && starts_sequence(piece.substr(bad))) {
+        carry_ = std::string(piece.substr(bad));
+        usable = bad;
+      } else {
+        GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: not UTF-8 (byte 0x{:02X})", source_, offset_ + bad + 1,
+                           static_cast<unsigned char>(piece[bad]));
       }
-      deepest = std::max(deepest, depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
+    }
+    for (size_t i = 0; i < usable; ++i) {
+      const char c = piece[i];
+      if (in_string_) {
+        if (escaped_) escaped_ = false;
+        else if (c == '\\') escaped_ = true;
+        else if (c == '"') in_string_ = false;
+      } else if (c == '"') {
+        in_string_ = true;
+      } else if (c == '[' || c == '{') {
+        if (++depth_ > kMaxJsonDepth) {
+          GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: nested more than {} levels deep", source_,
+                             offset_ + i + 1, kMaxJsonDepth);
+        }
+      } else if (c == ']' || c == '}') {
+        --depth_;
+      }
+    }
+    offset_ += piece.size();
+  }
+  void finish() {
+    if (!carry_.empty()) {
+      GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: not UTF-8 (byte 0x{:02X})", source_,
+                         offset_ - carry_.size() + 1, static_cast<unsigned char>(carry_[0]));
     }
   }
-  return deepest;
-}
+
+ private:
+  // `tail` (1 to 3 bytes) is a UTF-8 lead byte followed by continuation bytes only: a sequence cut short.
+  static bool starts_sequence(std::string_view tail) {
+    const auto b = static_cast<unsigned char>(tail[0]);
+    if (b < 0xC2 || b > 0xF4) return false;
+    for (size_t k = 1; k < tail.size(); ++k) {
+      if ((static_cast<unsigned char>(tail[k]) & 0xC0) != 0x80) return false;
+    }
+    return true;
+  }
+  std::string source_, carry_;
+  size_t offset_ = 0;
+  int depth_ = 0;
+  bool in_string_ = false, escaped_ = false;
+};
 
 // nlohmann's message without its "[json.exception.x.n] " prefix.
 std::string reason(const json::exception& e) {
@@ -51,22 +95,38 @@ json parse_json_input(std::string_view text, std::string_view source) {
 }
 
 json parse_json_input(std::string_view text, std::string_view source, const json::parser_callback_t& callback) {
-  size_t at = 0;
-  if (nesting_depth(text, kMaxJsonDepth, &at) < 0) {
-    GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: nested more than {} levels deep", source, at + 1,
-                       kMaxJsonDepth);
-  }
-  // JSON text is UTF-8 (RFC 8259, section 8.1); strings with other bytes could not be shown or returned to Python.
-  if (const size_t bad = invalid_utf8_at(text); bad != std::string_view::npos) {
-    GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: not UTF-8 (byte 0x{:02X})", source, bad + 1,
-                       static_cast<unsigned char>(text[bad]));
-  }
+  Precheck check(source);
+  check.feed(text);
+  check.finish();
   try {
     return json::parse(text.begin(), text.end(), callback);
   } catch (const json::parse_error& e) {
     GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: {}", source, e.byte, valid_utf8(reason(e)));
   } catch (const json::exception& e) {  // out_of_range.406: a number too large for a double (1e400)
     GPUCAST_USER_ERROR("{}: malformed JSON: {}", source, valid_utf8(reason(e)));
+  }
+}
+
+json parse_json_file(const std::string& path, const json::parser_callback_t& callback) {
+  // Checked in pieces, then parsed from the file: the text is never held whole (a trace file can be gigabytes).
+  std::ifstream in(path, std::ios::binary);
+  if (!in) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
+  Precheck check(path);
+  std::string piece(size_t{1} << 20, '\0');
+  while (in) {
+    in.read(piece.data(), static_cast<std::streamsize>(piece.size()));
+    check.feed(std::string_view(piece.data(), static_cast<size_t>(in.gcount())));
+  }
+  if (in.bad()) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
+  check.finish();
+  in.clear();
+  in.seekg(0);
+  try {
+    return json::parse(in, callback);
+  } catch (const json::parse_error& e) {
+    GPUCAST_USER_ERROR("{}: malformed JSON at byte {}: {}", path, e.byte, valid_utf8(reason(e)));
+  } catch (const json::exception& e) {
+    GPUCAST_USER_ERROR("{}: malformed JSON: {}", path, valid_utf8(reason(e)));
   }
 }
 

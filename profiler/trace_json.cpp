@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <optional>
@@ -468,7 +469,12 @@ void read_header(const Reader& r, const json& j, Trace& t) {
 
 }  // namespace
 
-Trace trace_from_json(std::string_view text, std::string_view source) {
+namespace {
+
+// `parse` runs nlohmann's parser with the callback given to it, over a text or a file.
+using ParseWith = std::function<json(const json::parser_callback_t&)>;
+
+Trace read_trace(std::string_view source, const ParseWith& parse) {
   // Streamed: each record of the three lists becomes the Trace's as soon as it is parsed and is then dropped from
   // the document (nlohmann's parser callback), so reading never holds a second, far larger copy of the trace.
   // Keys come in any order (the writer sorts them: "allocations" before "schema_version"), so a record's error is
@@ -478,7 +484,7 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   std::string list;  // the top-level key whose value is being read
   size_t index = 0;
   std::optional<UserError> first_error;
-  const json j = parse_json_input(text, source, [&](int depth, json::parse_event_t event, json& parsed) {
+  const json j = parse([&](int depth, json::parse_event_t event, json& parsed) {
     if (depth == 1 && event == json::parse_event_t::key) {
       list = parsed.get<std::string>();
       index = 0;
@@ -514,6 +520,12 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
   read_header(r, j, t);
   check_references(r, t);
   return t;
+}
+
+}  // namespace
+
+Trace trace_from_json(std::string_view text, std::string_view source) {
+  return read_trace(source, [&](const json::parser_callback_t& cb) { return parse_json_input(text, source, cb); });
 }
 
 std::string trace_to_chrome_json(const Trace& trace) {
@@ -559,6 +571,8 @@ std::string trace_to_chrome_json(const Trace& trace) {
   return doc.dump();
 }
 
-Trace load_trace(const std::string& path) { return trace_from_json(read_text_file(path), path); }
+Trace load_trace(const std::string& path) {
+  return read_trace(path, [&](const json::parser_callback_t& cb) { return parse_json_file(path, cb); });
+}
 
 }  // namespace gpucast

@@ -5,6 +5,8 @@
 # preloaded. Any finding fails the run (-fno-sanitize-recover=all).
 #
 # Settings, each with its reason:
+# - libstdc++ preloaded after the ASan runtime: python does not link it, and ASan's __cxa_throw interceptor finds
+#   no real __cxa_throw when it initialises before libstdc++ is loaded (every C++ exception would then abort).
 # - detect_leaks=0: CPython and torch keep objects alive until exit by design (interned strings, the dispatcher's
 #   registrations, CUDA/OpenMP pools); a leak report at exit would be theirs, not gpucast's. gpucast's own leaks are
 #   checked where they can be: the C++ test binaries run with leak detection on.
@@ -29,6 +31,6 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 ctest --test-dir "$BUILD" --output-
 files=()
 for f in $SANITIZE_PYTEST; do [ -f "$f" ] && files+=("$f"); done
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-LD_PRELOAD="$(${CXX:-g++} -print-file-name=libasan.so)" \
+LD_PRELOAD="$(${CXX:-g++} -print-file-name=libasan.so) $(${CXX:-g++} -print-file-name=libstdc++.so)" \
 GPUCAST_LIBRARY="$PWD/$BUILD/lib/libgpucast.so" \
 PYTHONPATH=python:. "$PY" -m pytest -q -p no:cacheprovider "${files[@]}"

@@ -7,6 +7,7 @@
 
 #include "gpucast/error.h"
 #include "gpucast/files.h"
+#include "gpucast/json_input.h"
 
 namespace fs = std::filesystem;
 using namespace gpucast;
@@ -64,6 +65,31 @@ TEST_F(Files, UnwritableAndUnreadablePathsAreNamed) {
     FAIL();
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()), "cannot read '" + (dir_ / "missing.json").string() + "': No such file or directory");
+  }
+}
+
+// A file is checked in 1 MiB pieces: a UTF-8 sequence that straddles two pieces is whole, a bad byte or deep
+// nesting anywhere is named by its byte, as for a text.
+TEST_F(Files, JsonFilesAreCheckedPieceByPiece) {
+  const std::string p = (dir_ / "big.json").string();
+  std::string text = "[\"" + std::string((size_t{1} << 20) - 3, 'a') + "\xc3\xa9\"]";  // the é at bytes 2^20-1, 2^20
+  write_file_atomically(p, std::string_view(text));
+  EXPECT_EQ(parse_json_file(p, nullptr)[0].get<std::string>().size(), (size_t{1} << 20) - 1);
+  text[text.size() - 4] = '\xff';  // the é's lead byte, the last of the first piece
+  write_file_atomically(p, std::string_view(text));
+  try {
+    parse_json_file(p, nullptr);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), p + ": malformed JSON at byte " + std::to_string(text.size() - 3) +
+                                         ": not UTF-8 (byte 0xFF)");
+  }
+  write_file_atomically(p, std::string(70, '[') + std::string(70, ']'));
+  try {
+    parse_json_file(p, nullptr);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), p + ": malformed JSON at byte 65: nested more than 64 levels deep");
   }
 }
 

@@ -24,6 +24,9 @@ nlohmann::json parse_json_input(std::string_view text, std::string_view source);
 nlohmann::json parse_json_input(std::string_view text, std::string_view source,
                                 const nlohmann::json::parser_callback_t& callback);
 
+// A JSON file read the same way without holding its text: checked in 1 MiB pieces, then parsed from the file.
+nlohmann::json parse_json_file(const std::string& path, const nlohmann::json::parser_callback_t& callback);
+
 // `v` as an integer in [lo, hi], or nothing: a float (1e300 cast to an integer is undefined), a number out of
 // range (4294967297 read as an int would wrap), or not a number.
 std::optional<int64_t> json_integer(const nlohmann::json& v, int64_t lo, int64_t hi);
