@@ -51,7 +51,7 @@ def test_report_of_a_bad_file_names_it(tmp_path):
     (tmp_path / "bad.json").write_text('{"schema_version": 2}')
     out = cli("report", "bad.json", cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("gpucast: bad.json: trace schema_version 2 is not supported by this gpucast "
+    assert out.stderr.strip() == ("gpucast: [gpucast:trace-file] bad.json: trace schema_version 2 is not supported by this gpucast "
                                   "(reads version 1); record the trace again with this version")
 
 
