@@ -154,11 +154,12 @@ def test_model_input_validation():
     with pytest.raises(ValueError) as e:
         gpucast.predict_job(too_long)
     assert str(e.value).splitlines()[0] == (
-        "job: field 'layers' has 4097 layers; the job-level model reads at most 4096 (leaf modules)")
+        "[gpucast:job-file] job: field 'layers' has 4097 layers; the job-level model reads at most 4096 "
+        "(leaf modules)")
     with pytest.raises(ValueError) as e:
         gpucast.predict_job(dict(JOB, layers=[{"kind": "linear", "params": -5}]))
     assert str(e.value).splitlines()[0] == (
-        "job: field 'layers[0].params' should be an integer from 0 to 17592186044416, got -5")
+        "[gpucast:job-file] job: field 'layers[0].params' should be an integer from 0 to 17592186044416, got -5")
 
 
 def _write(path, data):

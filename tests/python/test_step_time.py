@@ -264,7 +264,7 @@ def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
     # A table of the user's that cannot be used: the shipped one prices the step, and a warning says so.
     with pytest.warns(UserWarning, match=f"GPUCAST_GPU_RATES could not be used for H100-80GB "
-                                         f"\\(\\[gpucast:gpu-rates\\] {bad}: not JSON"):
+                                         f"\\(\\[gpucast:gpu-rates\\] {bad}: malformed JSON at byte "):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="H100-80GB", probe_batch_sizes=(2, 4))
     assert fc.time is not None and fc.memory is not None
     # Valid JSON with a field of the wrong type is as unusable (it raised before its error had a code).
@@ -283,7 +283,7 @@ def test_gpu_target_without_rates_has_no_step_time(tmp_path, monkeypatch):
     assert [x["forward_ms"] for x in fc.time.per_layer] == [x["forward_ms"] for x in shipped.time.per_layer]
     # Neither the user's table nor the shipped one knows the GPU: no step time, the memory forecast stands.
     monkeypatch.setenv("GPUCAST_GPU_RATES", str(bad))
-    with pytest.warns(UserWarning, match=f"no step time for RTX-4090: \\[gpucast:gpu-rates\\] {bad}: not JSON"):
+    with pytest.warns(UserWarning, match=f"no step time for RTX-4090: \\[gpucast:gpu-rates\\] {bad}: malformed JSON at byte "):
         fc = gpucast.forecast(step, make, 64, model=model, optimizer=opt, target="RTX-4090", probe_batch_sizes=(2, 4))
     assert fc.time is None and fc.memory is not None
 
