@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 
 #include "gpucast/error.h"
 
@@ -60,15 +59,6 @@ void write_file_atomically(const std::string& path, const std::function<void(std
 
 void write_file_atomically(const std::string& path, std::string_view text) {
   write_file_atomically(path, [&](std::ostream& out) { out.write(text.data(), static_cast<std::streamsize>(text.size())); });
-}
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
-  return ss.str();
 }
 
 }  // namespace gpucast

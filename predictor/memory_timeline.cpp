@@ -55,15 +55,28 @@ std::vector<DeviceMemory> analyze_memory(const Trace& trace) {
   return out;
 }
 
-int64_t window_peak_bytes(const Trace& trace, const std::string& device) {
-  int64_t held = 0, peak = 0;
-  for (const MemEvent& e : trace.events) {
-    if (e.device != device) continue;
-    held += e.block_bytes;
-    peak = std::max(peak, held);
+namespace {
+
+// The most bytes held at once on `device`, counted from the trace's start, and the event where they were first
+// reached (-1: nothing was ever held).
+struct WindowPeak {
+  int64_t bytes = 0;
+  int64_t event = -1;
+};
+WindowPeak window_peak(const Trace& trace, const std::string& device) {
+  WindowPeak p;
+  int64_t held = 0;
+  for (size_t i = 0; i < trace.events.size(); ++i) {
+    if (trace.events[i].device != device) continue;
+    held = checked_add(held, trace.events[i].block_bytes, "trace: bytes held");
+    if (held > p.bytes) p = {held, static_cast<int64_t>(i)};
   }
-  return peak;
+  return p;
 }
+
+}  // namespace
+
+int64_t window_peak_bytes(const Trace& trace, const std::string& device) { return window_peak(trace, device).bytes; }
 
 std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device) {
   std::map<std::string, LayerStat> by_module;
@@ -107,16 +120,7 @@ std::vector<LayerStat> layer_stats(const Trace& trace, const std::string& device
 }
 
 std::map<std::string, int64_t> bytes_by_category(const Trace& trace, const std::string& device, bool at_peak) {
-  int64_t at = static_cast<int64_t>(trace.events.size()) - 1;
-  if (at_peak) {
-    int64_t held = 0, peak = 0;
-    at = -1;
-    for (size_t i = 0; i < trace.events.size(); ++i) {
-      if (trace.events[i].device != device) continue;
-      held = checked_add(held, trace.events[i].block_bytes, "trace: bytes held");
-      if (held > peak) peak = held, at = static_cast<int64_t>(i);
-    }
-  }
+  const int64_t at = at_peak ? window_peak(trace, device).event : static_cast<int64_t>(trace.events.size()) - 1;
   std::map<std::string, int64_t> out;
   for (const Allocation& a : trace.allocations) {
     if (a.device != device) continue;

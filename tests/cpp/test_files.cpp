@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 
@@ -13,6 +15,11 @@ namespace fs = std::filesystem;
 using namespace gpucast;
 
 namespace {
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 class Files : public ::testing::Test {
  protected:
@@ -61,7 +68,7 @@ TEST_F(Files, UnwritableAndUnreadablePathsAreNamed) {
                  "cannot write '/nonexistent-dir/t.json': No such file or directory; give a path in a writable directory");
   }
   try {
-    read_text_file((dir_ / "missing.json").string());
+    parse_json_file((dir_ / "missing.json").string(), nullptr);
     FAIL();
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()), "cannot read '" + (dir_ / "missing.json").string() + "': No such file or directory");

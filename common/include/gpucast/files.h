@@ -1,4 +1,4 @@
-// gpucast/files.h: the one way gpucast reads and writes whole files.
+// gpucast/files.h: the one way gpucast writes whole files (gpucast/json_input.h reads them).
 //
 // A write never leaves a half-written file where the user's was: it goes to a temporary file in the same folder,
 // is flushed to disk, and replaces the target by rename(2), which POSIX makes atomic within a file system. On any
@@ -16,8 +16,5 @@ namespace gpucast {
 // `path`, atomically.
 void write_file_atomically(const std::string& path, const std::function<void(std::ostream&)>& write);
 void write_file_atomically(const std::string& path, std::string_view text);
-
-// The whole file; a UserError names the path when it cannot be read.
-std::string read_text_file(const std::string& path);
 
 }  // namespace gpucast
