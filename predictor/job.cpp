@@ -8,6 +8,7 @@
 #include "gpucast/checked.h"
 #include "gpucast/error.h"
 #include "gpucast/json_input.h"
+#include "note_json.h"
 
 namespace gpucast {
 namespace {
@@ -173,7 +174,7 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) : 0);
   if (job.strategy == "ddp" && world > 1) {
     e.gradient_bytes = mul(e.gradient_bytes, 2);  // the buckets' copy of the gradients
-    e.notes.push_back("DDP: a second copy of the gradients in its buckets");
+    e.notes.push_back(Note{"ddp-bucket-copy", "DDP: a second copy of the gradients in its buckets"});
   }
   if (job.strategy == "zero1" || job.strategy == "zero2" || job.strategy == "fsdp") e.optimizer_bytes /= world;
   if (job.strategy == "zero2" || job.strategy == "fsdp") e.gradient_bytes /= world;
@@ -193,11 +194,14 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
     act_total = add(act_total, mul(per_sample, micro));
     act_max = std::max(act_max, mul(per_sample, micro));
   }
-  if (unknown > 0) e.notes.push_back(fmt::format("{} layer(s) without an activation size: not counted", unknown));
+  if (unknown > 0) {
+    e.notes.push_back(Note{"activation-size-unknown",
+                           fmt::format("{} layer(s) without an activation size: not counted", unknown)});
+  }
   if (job.activation_checkpointing) {
     // Recomputation keeps one layer's activations plus what crosses checkpoint boundaries (taken as 10 %).
     e.activation_bytes = add(act_max, act_total / 10);
-    e.notes.push_back("activation checkpointing: one layer's activations plus 10 % of the rest");
+    e.notes.push_back(Note{"activation-checkpointing", "activation checkpointing: one layer's activations plus 10 % of the rest"});
   } else {
     e.activation_bytes = act_total;
   }

@@ -195,16 +195,18 @@ JobEstimate learned_job_estimate(const LearnedJobModel& model, const JobDescript
   const double ratio = std::exp(correction);
   if (!std::isfinite(ratio) || ratio < kMinLearnedRatio || ratio > kMaxLearnedRatio) {
     e.notes.insert(e.notes.begin(),
-                   fmt::format("learned model's answer implausible ({}x the analytical estimate, outside {}x-{}x); "
-                               "analytical estimate", ratio, kMinLearnedRatio, kMaxLearnedRatio));
+                   Note{"learned-implausible", fmt::format("learned model's answer implausible ({}x the analytical "
+                                                           "estimate, outside {}x-{}x); analytical estimate",
+                                                           ratio, kMinLearnedRatio, kMaxLearnedRatio)});
     return e;
   }
   e.method = "learned";
   const double bytes = std::exp(f.log_analytic_bytes + correction);
   e.bytes = static_cast<int64_t>(std::min(bytes, 9.0e18));
   e.notes.insert(e.notes.begin(),
-                 fmt::format("{} model v{} trained on {} jobs; breakdown fields are the analytical estimate's",
-                             kJobModelName, kJobModelVersion, model.info.value("train_jobs", 0)));
+                 Note{"learned", fmt::format("{} model v{} trained on {} jobs; breakdown fields are the analytical "
+                                             "estimate's",
+                                             kJobModelName, kJobModelVersion, model.info.value("train_jobs", 0))});
   return e;
 }
 
@@ -226,7 +228,8 @@ JobEstimate predict_job_memory(const JobDescription& job, const std::string& wei
   }
   job_features(job);  // the same input validation either way
   JobEstimate e = analytical_job_estimate(job);
-  e.notes.insert(e.notes.begin(), fmt::format("learned model unavailable: {}; analytical estimate", why));
+  e.notes.insert(e.notes.begin(),
+                 Note{"learned-unavailable", fmt::format("learned model unavailable: {}; analytical estimate", why)});
   return e;
 }
 

@@ -53,7 +53,7 @@ def _predict_job(args) -> int:
     for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes"):
         print(f"  {k.replace('_bytes', ''):<12} {e[k] / mib:>12,.1f} MiB")
     for n in e["notes"]:
-        print(f"  note: {n}")
+        print(f"  note: {n['text']}")
     return 0
 
 

@@ -133,8 +133,9 @@ def predict_job(job: dict | str, weights: str | None = None) -> dict:
 
     The learned model (BiGRU-optimized Transformer) answers when its weights load: `weights`, else
     $GPUCAST_JOB_WEIGHTS, else the weights shipped with gpucast. When they are missing, truncated or of another
-    version, the analytical estimate answers instead and result["notes"][0] says why; result["method"] is
-    "learned" or "analytical". A bad job description raises ValueError naming the field."""
+    version, the analytical estimate answers instead and result["notes"][0] says why (code "learned-unavailable";
+    "learned-implausible" when its answer is not within 0.25x-4x of the analytical one); result["method"] is
+    "learned" or "analytical". Each note is {"code", "text"}: act on the code, the text may be reworded. A bad job description raises ValueError naming the field."""
     text = _job_text(job)
     source = job if isinstance(job, str) and not job.lstrip().startswith("{") else "job"
     return json.loads(torch.ops.gpucast.predict_job(text, weights, source=str(source)))

@@ -69,6 +69,20 @@ TEST(JobFeatures, ExactValues) {
   EXPECT_DOUBLE_EQ(f.log_analytic_bytes, std::log(static_cast<double>(e.bytes)));
 }
 
+TEST(JobEstimate, NoteCodes) {
+  EXPECT_TRUE(analytical_job_estimate(small_job()).notes.empty());
+  JobDescription j = small_job();
+  j.strategy = "ddp";
+  j.world_size = 2;
+  j.activation_checkpointing = true;
+  j.layers[2].dims.clear();  // a linear layer without dimensions or an activation size
+  const JobEstimate e = analytical_job_estimate(j);
+  std::vector<std::string> codes;
+  for (const Note& n : e.notes) codes.push_back(n.code);
+  EXPECT_EQ(codes, (std::vector<std::string>{"ddp-bucket-copy", "activation-size-unknown", "activation-checkpointing"}));
+  EXPECT_EQ(e.gradient_bytes, 2 * e.parameter_bytes);  // the buckets' copy
+}
+
 TEST(JobFeatures, InputValidation) {
   JobDescription j = small_job();
   j.layers.clear();

@@ -84,7 +84,27 @@ def test_a_broken_job_model_gives_the_analytical_estimate_with_a_note(name):
     out = gpucast.predict_job(str(job), weights=str(FUZZ / "job_weights/known" / name))
     analytical = gpucast.predict_job(str(job), weights="/nonexistent.gcw")
     assert out["method"] == "analytical" and out["bytes"] == analytical["bytes"] > 0
-    assert out["notes"][0].startswith("learned model unavailable: weights file")
+    assert out["notes"][0]["code"] == "learned-unavailable" and "weights file" in out["notes"][0]["text"]
+
+
+@pytest.mark.parametrize("shift", [8.0, -8.0])
+def test_an_implausible_learned_answer_gives_the_analytical_estimate_with_a_note(tmp_path, shift):
+    # Finite weights within the trainer's range whose answer is exp(+-8) (about 2981x or 1/2981x) the analytical
+    # estimate: outside 0.25x-4x, taken for a broken model.
+    sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
+    import mutate
+    w = mutate.parse_weights(Path(torch.ops.gpucast.job_weights_path()).read_bytes())
+    bias = next(t for t in w["tensors"] if t[0] == b"head2.bias")
+    assert len(bias[2]) == 1  # the head's one output: the log of the correction
+    bias[2][0] += shift
+    path = tmp_path / "shifted.gcw"
+    path.write_bytes(mutate.build_weights(w))
+    job = FUZZ / "job/dataset_mlp.json"
+    out = gpucast.predict_job(str(job), weights=str(path))
+    analytical = gpucast.predict_job(str(job), weights="/nonexistent.gcw")
+    assert out["method"] == "analytical" and out["bytes"] == analytical["bytes"] > 0
+    assert out["notes"][0]["code"] == "learned-implausible"
+    assert gpucast.predict_job(str(job))["method"] == "learned"  # the shipped weights answer this job
 
 
 @pytest.mark.parametrize("name", ["head_bias_3e38.gcw", "node_std_zero.gcw"])

@@ -25,7 +25,7 @@ def test_describe_a_decoder():
     assert json.loads(torch.ops.gpucast.validate_job(json.dumps(job)))["layers"] == job["layers"]
     e = gpucast.predict_job(job, weights="")  # the analytical estimate, explicitly
     assert e["method"] == "analytical"
-    assert e["notes"][0] == "learned model unavailable: no weights file for the learned model; analytical estimate"
+    assert e["notes"][0]["code"] == "learned-unavailable" and "no weights file" in e["notes"][0]["text"]
     assert e["bytes"] == sum(e[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes",
                                             "activation_bytes", "input_bytes"))
     params = sum(p.numel() * 4 for p in model.parameters())

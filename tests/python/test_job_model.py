@@ -64,7 +64,7 @@ def test_shipped_weights_answer():
     for r in data:
         e = gpucast.predict_job(r["job"])
         assert e["method"] == "learned", e["notes"]
-        assert e["notes"][0].startswith("bigru-transformer model v1 trained on ")
+        assert e["notes"][0]["code"] == "learned" and "v1 trained on " in e["notes"][0]["text"]
         errs.append(abs(e["bytes"] - r["label_bytes"]) / r["label_bytes"])
     errs.sort()
     assert errs[len(errs) // 2] < 0.10  # median relative error on jobs the dataset holds
@@ -85,7 +85,8 @@ def fallback_note(path):
     e = gpucast.predict_job(JOB, weights=str(path))
     assert e["method"] == "analytical"
     assert e["bytes"] == gpucast.predict_job(JOB, weights="")["bytes"]  # the same analytical estimate
-    return e["notes"][0]
+    assert e["notes"][0]["code"] == "learned-unavailable"
+    return e["notes"][0]["text"]
 
 
 def test_missing_weights_fall_back(tmp_path):
@@ -146,7 +147,7 @@ def test_environment_variable_names_the_weights(tmp_path):
         env=dict(os.environ, GPUCAST_JOB_WEIGHTS=str(p), PYTHONPATH=f"{ROOT / 'python'}"))
     assert out.returncode == 0, out.stderr
     e = json.loads(out.stdout.strip().splitlines()[-1])
-    assert e["method"] == "analytical" and f"cannot open weights file '{p}'" in e["notes"][0]
+    assert e["method"] == "analytical" and f"cannot open weights file '{p}'" in e["notes"][0]["text"]
 
 
 def test_model_input_validation():
@@ -183,7 +184,7 @@ def test_training_is_deterministic(tmp_path):
         outs.append((tmp_path / f"w{k}.gcw").read_bytes())
     assert outs[0] == outs[1]
     e = gpucast.predict_job(data[0]["job"], weights=str(tmp_path / "w0.gcw"))
-    assert e["method"] == "learned" and e["notes"][0].startswith("bigru-transformer model v1 trained on 36 jobs")
+    assert e["method"] == "learned" and e["notes"][0]["code"] == "learned" and "trained on 36 jobs" in e["notes"][0]["text"]
 
 
 def test_training_bad_input(tmp_path):

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "gpucast/note.h"
+
 namespace gpucast {
 
 inline constexpr int kJobSchemaVersion = 1;
@@ -54,7 +56,7 @@ struct JobEstimate {
   int64_t activation_bytes = 0;
   int64_t input_bytes = 0;
   std::string method;                // "analytical" or "learned"
-  std::vector<std::string> notes;
+  std::vector<Note> notes;           // codes: docs/design.md
 };
 
 JobEstimate analytical_job_estimate(const JobDescription& job);
