@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -100,21 +101,55 @@ namespace {
 constexpr int64_t kNone = -1;
 
 // One allocation or free of a probe, in order. Allocations are numbered by position; a free names the
-// position it frees (initial blocks are numbered -2, -3, ...).
+// position it frees (initial blocks are numbered -2, -3, ...). 32 bytes: a forecast holds a few copies of every
+// probe's memory events, so the layout bounds its memory (bench/large_trace.py).
 struct Entry {
-  bool alloc = true;
   int64_t ref = 0;          // alloc: own position; free: position of the freed allocation
   int64_t bytes = 0;
+  int32_t op = kNone;       // op in the probe's trace (extract() refuses traces of 2^31 ops or more)
+  int32_t iteration = 1;
   Category category = Category::Other;
   Phase phase = Phase::Forward;
-  int64_t op = kNone;       // op in the probe's trace
-  int iteration = 1;
-  uint64_t ptr = 0;         // alloc: the block's address in the probe
+  bool alloc = true;
   bool conv_call = false;   // a marker (no bytes): a convolution call, where cuDNN would take its workspace
+  bool probe_block = false; // alloc: a block the probe allocated, its address in Stream::ptr_of[position]
+
+  static Entry made(bool alloc, int64_t ref, int64_t bytes, Category c, Phase ph, int32_t op, int32_t iteration) {
+    Entry e;
+    e.alloc = alloc;
+    e.ref = ref;
+    e.bytes = bytes;
+    e.category = c;
+    e.phase = ph;
+    e.op = op;
+    e.iteration = iteration;
+    return e;
+  }
 };
+static_assert(sizeof(Entry) == 32, "Entry's layout bounds a forecast's memory");
+
+// Refs of the second iteration synthesized from a one-iteration trace: the first iteration's plus this.
+constexpr int64_t kSecondIterationRef = int64_t{1} << 40;
+
+// Inserts `adds` (the index of the entry each goes before, in order of that index) into `entries` in place: a
+// stream of millions of entries is not copied for a few additions (at most one reallocation, to the exact size).
+void insert_before(std::vector<Entry>& entries, const std::vector<std::pair<size_t, Entry>>& adds) {
+  if (adds.empty()) return;
+  const size_t n = entries.size();
+  entries.reserve(n + adds.size());
+  entries.resize(n + adds.size());
+  size_t to = entries.size();  // entries at [to, end) are final
+  size_t from = n;             // entries [0, from) are still to move
+  for (size_t k = adds.size(); k-- > 0;) {
+    const size_t before = std::min(adds[k].first, n);
+    while (from > before) entries[--to] = entries[--from];
+    entries[--to] = adds[k].second;
+  }
+}
 
 struct Stream {
   std::vector<int64_t> initial_bytes;
+  std::vector<uint64_t> ptr_of;     // allocation position -> the block's address in the probe
   std::vector<Category> initial_category;
   std::vector<Entry> entries;
   int iterations = 1;
@@ -147,7 +182,8 @@ std::unordered_set<int64_t> freed_in_their_call(const std::vector<Entry>& entrie
 Stream extract(const Trace& t, const std::string& device, const std::unordered_set<uint64_t>& exclude) {
   Stream s;
   // Iteration boundaries: the end of each optimizer step.
-  const std::vector<uint64_t> ends = iteration_ends(t);
+  std::vector<uint64_t> ends = iteration_ends(t);
+  std::sort(ends.begin(), ends.end());
   uint64_t zero_grad_start = 0, zero_grad_end = 0, first_backward = ~uint64_t{0};
   for (const OpRecord& op : t.ops) {
     if (is_optimizer_step(op) && op.name.find("Adam") != std::string::npos) s.adam = true;
@@ -158,12 +194,19 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
     if (op.phase == Phase::Backward) first_backward = std::min(first_backward, op.start_seq);
     if (op.name.rfind("aten::_fused_adam", 0) == 0) s.fused_optimizer = true;
   }
+  if (t.ops.size() >= static_cast<size_t>(std::numeric_limits<int32_t>::max()) ||
+      ends.size() >= static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    GPUCAST_USER_ERROR("forecast: a probe trace of {} ops and {} iterations; at most 2^31 - 1 of each",
+                       t.ops.size(), ends.size());
+  }
   s.iterations = std::max<int>(1, static_cast<int>(ends.size()));
-  std::unordered_map<int64_t, int64_t> position;  // allocation index -> position
+  // Allocation index -> position (kUnplaced: not in this stream).
+  constexpr int64_t kUnplaced = std::numeric_limits<int64_t>::min();
+  std::vector<int64_t> position(t.allocations.size(), kUnplaced);
   for (size_t a = 0; a < t.allocations.size(); ++a) {
     const Allocation& al = t.allocations[a];
     if (!al.baseline || al.device != device || exclude.count(al.ptr) != 0) continue;
-    position[static_cast<int64_t>(a)] = initial_ref(s.initial_bytes.size());
+    position[a] = initial_ref(s.initial_bytes.size());
     s.initial_bytes.push_back(al.block_bytes);
     s.initial_category.push_back(al.category);
   }
@@ -179,6 +222,15 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
       s.initial_category.push_back(Category::Other);
     }
   }
+  // Sized exactly up front: a vector grown by doubling holds up to twice its entries, and both copies while it grows.
+  size_t entries = 0, allocations = 0;
+  for (const MemEvent& e : t.events) {
+    if (e.device != device || e.allocation < 0) continue;
+    ++entries;
+    if (e.bytes > 0) ++allocations;
+  }
+  s.entries.reserve(entries);
+  s.ptr_of.reserve(allocations);
   int64_t next = 0;
   for (const MemEvent& e : t.events) {
     if (e.device != device || e.allocation < 0) continue;
@@ -187,24 +239,23 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
     en.alloc = e.bytes > 0;
     en.category = al.category;
     en.phase = e.phase;
-    en.op = e.op;
-    en.iteration = 1;
-    for (uint64_t end : ends) {
-      if (e.seq > end) ++en.iteration;
-    }
-    en.iteration = std::min(en.iteration, s.iterations);
+    en.op = static_cast<int32_t>(e.op);
+    // 1 + the iterations that ended before it (ends sorted above).
+    const auto ended = std::lower_bound(ends.begin(), ends.end(), e.seq) - ends.begin();
+    en.iteration = static_cast<int32_t>(std::min<int64_t>(1 + ended, s.iterations));
     if (en.alloc) {
       en.ref = next++;
       en.bytes = al.block_bytes;
-      en.ptr = e.ptr;
-      position[e.allocation] = en.ref;
+      en.probe_block = e.ptr != 0;
+      s.ptr_of.push_back(e.ptr);
+      position[static_cast<size_t>(e.allocation)] = en.ref;
     } else {
-      auto it = position.find(e.allocation);
-      if (it == position.end()) continue;  // an excluded block
+      const int64_t at = position[static_cast<size_t>(e.allocation)];
+      if (at == kUnplaced) continue;  // an excluded block
       // Blocks held at the start that no hook claimed, freed meanwhile: garbage collection or other threads of
       // the process, not the training step. Leaving them out keeps probes comparable (and errs high).
-      if (it->second < 0 && al.category == Category::Other) continue;
-      en.ref = it->second;
+      if (at < 0 && al.category == Category::Other) continue;
+      en.ref = at;
     }
     if (zero_grad_start != 0 && s.zero_grad_entry == kNone && e.seq > zero_grad_start && e.seq < zero_grad_end &&
         e.seq < first_backward) {
@@ -476,7 +527,7 @@ struct Model {
   const Stream* shape = nullptr;  // the largest probe's stream: structure, categories, ops
   const Trace* trace = nullptr;
   std::vector<Fit> initial_fits;
-  std::vector<Fit> entry_fits;    // per allocation position
+  std::vector<Fit> alloc_fits;    // per allocation position (an allocation's ref)
   int64_t nonlinear = 0;
 };
 
@@ -594,12 +645,16 @@ class Forecaster {
     std::unordered_set<uint64_t> exclude(in_.exclude_ptrs.begin(), in_.exclude_ptrs.end());
     for (const Trace* t : in_.probes) streams_.push_back(extract(*t, in_.probe_device, exclude));
     build_model();
+    // Only the reference probe's stream is read from here on: the others' memory goes back now.
+    for (Stream& st : streams_) {
+      if (&st != model_.shape) st = Stream{};
+    }
     out_.target = in_.target;
     out_.batch_size = in_.target_batch;
     const int64_t per = per_rank(in_.target_batch);
     out_.per_rank_batch = per;
     out_.seq_len = in_.target_seq;
-    const Planned plan = planned(per, gpu);
+    Planned plan = planned(per, gpu);
     out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
                                                           [](const Entry& e) { return e.alloc; }));
     const Replay r = replay(plan, gpu, in_.allocator);
@@ -649,6 +704,7 @@ class Forecaster {
     } else {
       out_.peak_phase = "start";
     }
+    plan = Planned{};  // its memory back before the search below plans at other batch sizes
     out_.max_batch_size = out_.capacity_bytes > 0 ? max_batch(gpu) : 0;
   }
 
@@ -746,7 +802,10 @@ class Forecaster {
       for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
         model_.initial_fits.push_back(proportional(s.initial_bytes[k], s.initial_category[k]));
       }
-      for (const Entry& e : s.entries) model_.entry_fits.push_back(proportional(e.bytes, e.category));
+      model_.alloc_fits.reserve(s.ptr_of.size());
+      for (const Entry& e : s.entries) {
+        if (e.alloc) model_.alloc_fits.push_back(proportional(e.bytes, e.category));
+      }
       out_.notes.push_back(Note{"one-probe", 
           "one probe: parameters, gradients and optimizer state kept, all other allocations scaled in proportion "
           "to the batch size"});
@@ -770,16 +829,18 @@ class Forecaster {
           "the probes held different numbers of blocks at the start (the process allocated or freed memory "
           "between them): matched by category"});
     }
-    // Each usable probe's allocation for each of the reference's: the same position, or for probes that ran
-    // other kernels, the one matched op by op (-1: none).
+    // Each usable probe's allocation for each of the reference's: the same position (same_position), or for
+    // probes that ran other kernels, the one matched op by op (match; -1: none).
+    std::vector<char> same_position(streams_.size(), 0);
     std::vector<std::vector<int64_t>> match(streams_.size());
     std::vector<uint64_t> ref_keys;
-    for (const Entry& e : s.entries) ref_keys.push_back(e.alloc ? allocation_key(e, *in_.probes[ref]) : 0);
     for (size_t i : usable) {
       if (kernel_diffs[i].empty()) {
-        match[i].resize(s.entries.size());
-        for (size_t k = 0; k < s.entries.size(); ++k) match[i][k] = static_cast<int64_t>(k);
+        same_position[i] = 1;
         continue;
+      }
+      if (ref_keys.empty()) {
+        for (const Entry& e : s.entries) ref_keys.push_back(e.alloc ? allocation_key(e, *in_.probes[ref]) : 0);
       }
       // Allocations only (frees follow the reference's), top-level op by top-level op: the probes run the same
       // top-level ops, and a kernel that allocates by the batch (a parallel kernel's buffers per chunk of work)
@@ -866,14 +927,13 @@ class Forecaster {
       for (size_t i : usable) v.push_back(static_cast<double>(streams_[i].initial_bytes[k]));
       model_.initial_fits.push_back(fit_any(v));
     }
+    model_.alloc_fits.reserve(s.ptr_of.size());
     for (size_t k = 0; k < s.entries.size(); ++k) {
-      if (!s.entries[k].alloc) {
-        model_.entry_fits.emplace_back();
-        continue;
-      }
+      if (!s.entries[k].alloc) continue;
       std::vector<double> v, bk;
       for (size_t n = 0; n < usable.size(); ++n) {
-        const int64_t at = match[usable[n]].empty() ? -1 : match[usable[n]][k];
+        const size_t u = usable[n];
+        const int64_t at = same_position[u] != 0 ? static_cast<int64_t>(k) : match[u].empty() ? -1 : match[u][k];
         if (at < 0) continue;
         v.push_back(static_cast<double>(streams_[usable[n]].entries[static_cast<size_t>(at)].bytes));
         bk.push_back(b[n]);
@@ -887,7 +947,7 @@ class Forecaster {
         f = proportional_fit(s.entries[k].bytes, s.entries[k].category, static_cast<double>(in_.probe_batch[ref]));
       }
       if (!f.linear) ++model_.nonlinear;
-      model_.entry_fits.push_back(f);
+      model_.alloc_fits.push_back(f);
     }
     for (const Fit& f : model_.initial_fits) {
       if (!f.linear) ++model_.nonlinear;
@@ -940,14 +1000,16 @@ class Forecaster {
     Planned p;
     p.initial.reserve(s.initial_bytes.size());
     p.initial_category.reserve(s.initial_bytes.size());
-    p.entries.reserve(s.entries.size() * (s.iterations < 2 ? 2 : 1) + 8);
+    // Room for all that follows, exactly, without a reallocation (which holds two copies at once): a synthesized
+    // second iteration and a GPU target's additions (two cuBLAS workspaces, an allocation and a free per step).
+    const size_t steps = static_cast<size_t>(std::max(2, s.iterations));
+    p.entries.reserve(s.entries.size() + (s.iterations < 2 ? steady_plan(s).entries : 0) + 2 * steps + 2);
     for (size_t k = 0; k < s.initial_bytes.size(); ++k) {
       p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
       p.initial_category.push_back(s.initial_category[k]);
     }
-    for (size_t k = 0; k < s.entries.size(); ++k) {
-      Entry e = s.entries[k];
-      if (e.alloc) e.bytes = size_of(model_.entry_fits[k], e.bytes);
+    for (Entry e : s.entries) {
+      if (e.alloc) e.bytes = size_of(model_.alloc_fits.at(static_cast<size_t>(e.ref)), e.bytes);
       p.entries.push_back(e);
     }
     if (s.iterations < 2) synthesize_steady_iteration(p, s);
@@ -961,53 +1023,65 @@ class Forecaster {
   // From a one-iteration trace, the second iteration: optimizer state exists, gradients from iteration 1
   // are freed where zero_grad runs (set_to_none, PyTorch's default) or kept and accumulated into.
   void synthesize_steady_iteration(Planned& p, const Stream& s) {
-    std::unordered_set<int64_t> freed;
-    for (const Entry& e : p.entries) {
-      if (!e.alloc) freed.insert(e.ref);
-    }
-    std::vector<int64_t> persistent_grads, persistent_other;
-    std::unordered_set<int64_t> skip;  // iteration-1 allocations not repeated
-    for (const Entry& e : p.entries) {
-      if (!e.alloc || freed.count(e.ref) != 0) continue;
-      if (e.category == Category::OptimizerState) skip.insert(e.ref);
-      else if (e.category == Category::Gradient) persistent_grads.push_back(e.ref);
-      else persistent_other.push_back(e.ref);
-    }
-    const bool zero_grad = s.zero_grad_entry != kNone;
-    if (!zero_grad) {
-      for (int64_t r : persistent_grads) skip.insert(r);  // accumulated into, not allocated again
-    }
-    constexpr int64_t kOffset = int64_t{1} << 40;
+    const SteadyPlan& plan = steady_plan(s);
     const size_t n = p.entries.size();
-    std::vector<Entry> second;
+    auto freed_in_iteration_2 = [](int64_t ref, Phase phase) {
+      return Entry::made(false, ref, 0, Category::Other, phase, kNone, 2);
+    };
+    const bool zero_grad = s.zero_grad_entry != kNone;
     for (size_t i = 0; i < n; ++i) {
       if (zero_grad && static_cast<int64_t>(i) == s.zero_grad_entry) {
-        for (int64_t r : persistent_grads) {
-          Entry f;
-          f.alloc = false;
-          f.ref = r;
-          f.iteration = 2;
-          f.phase = Phase::Optimizer;
-          second.push_back(f);
-        }
+        for (int64_t r : plan.persistent_grads) p.entries.push_back(freed_in_iteration_2(r, Phase::Optimizer));
       }
-      Entry e = p.entries[i];
-      if (skip.count(e.ref) != 0) continue;
-      if (e.ref >= 0) e.ref += kOffset;
+      Entry e = p.entries[i];  // a copy: the push below may move the vector
+      if (plan.skipped(e.ref)) continue;
+      if (e.ref >= 0) e.ref += kSecondIterationRef;
       else if (!e.alloc) continue;  // initial blocks freed in iteration 1 are gone
       e.iteration = 2;
-      second.push_back(e);
+      p.entries.push_back(e);
     }
     // What iteration 1 left behind besides its gradients (the loss, outputs kept by the caller) is replaced
     // during iteration 2: conservatively, freed at its end.
-    for (int64_t r : persistent_other) {
-      Entry f;
-      f.alloc = false;
-      f.ref = r;
-      f.iteration = 2;
-      second.push_back(f);
+    for (int64_t r : plan.persistent_other) p.entries.push_back(freed_in_iteration_2(r, Phase::Forward));
+  }
+
+  // What synthesize_steady_iteration() repeats and frees, from the stream's structure alone (the same at every
+  // batch size the largest-batch search tries): worked out once.
+  struct SteadyPlan {
+    std::vector<char> skip;  // by allocation position: not allocated again in iteration 2
+    std::vector<int64_t> persistent_grads, persistent_other;  // allocations iteration 1 never freed
+    size_t entries = 0;      // the entries iteration 2 adds
+    bool skipped(int64_t ref) const {
+      return ref >= 0 && ref < static_cast<int64_t>(skip.size()) && skip[static_cast<size_t>(ref)] != 0;
     }
-    p.entries.insert(p.entries.end(), second.begin(), second.end());
+  };
+
+  const SteadyPlan& steady_plan(const Stream& s) {
+    if (steady_built_) return steady_;
+    steady_built_ = true;
+    SteadyPlan& plan = steady_;
+    // Refs of allocations are their positions (0, 1, ...), of initial blocks -2, -3, ...: flags by position.
+    const auto positions = static_cast<int64_t>(s.ptr_of.size());
+    std::vector<char> freed(s.ptr_of.size(), 0);
+    for (const Entry& e : s.entries) {
+      if (!e.alloc && e.ref >= 0 && e.ref < positions) freed[static_cast<size_t>(e.ref)] = 1;
+    }
+    plan.skip.assign(s.ptr_of.size(), 0);
+    for (const Entry& e : s.entries) {
+      if (!e.alloc || e.ref < 0 || e.ref >= positions || freed[static_cast<size_t>(e.ref)] != 0) continue;
+      if (e.category == Category::OptimizerState) plan.skip[static_cast<size_t>(e.ref)] = 1;
+      else if (e.category == Category::Gradient) plan.persistent_grads.push_back(e.ref);
+      else plan.persistent_other.push_back(e.ref);
+    }
+    const bool zero_grad = s.zero_grad_entry != kNone;
+    if (!zero_grad) {
+      for (int64_t r : plan.persistent_grads) plan.skip[static_cast<size_t>(r)] = 1;  // accumulated into, not allocated again
+    }
+    for (const Entry& e : s.entries) {
+      if (!plan.skipped(e.ref) && (e.ref >= 0 || e.alloc)) ++plan.entries;
+    }
+    plan.entries += (zero_grad ? plan.persistent_grads.size() : 0) + plan.persistent_other.size();
+    return plan;
   }
 
   void apply_parallel(Planned& p, const ParallelConfig& par) {
@@ -1100,8 +1174,10 @@ class Forecaster {
     if (factor.empty()) return 0;
     int64_t changed = 0;
     for (Entry& e : p.entries) {
-      if (!e.alloc || e.ptr == 0) continue;
-      auto it = factor.find(e.ptr);
+      if (!e.alloc || !e.probe_block) continue;
+      const int64_t pos = e.ref >= kSecondIterationRef ? e.ref - kSecondIterationRef : e.ref;
+      if (pos < 0 || pos >= static_cast<int64_t>(model_.shape->ptr_of.size())) continue;
+      auto it = factor.find(model_.shape->ptr_of[static_cast<size_t>(pos)]);
       if (it == factor.end() || it->second == 1.0 || e.op < 0) continue;
       // Only the allocation made by that attention call (the address may be reused later).
       const OpRecord* op = &t.ops[e.op];
@@ -1214,10 +1290,10 @@ class Forecaster {
       if (conv_plan_[i] != 2) continue;
       if (gpu_probe && conv_workspace_ < 0 && ws >= 0 && e.iteration == 1) ++out_.conv_calls_measured;
       if (ws > 0) {
-        out.push_back(Entry{true, kConvWorkspaceRef, ws, Category::Temporary, e.phase, e.op, e.iteration});
-        out.push_back(Entry{false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration});
+        out.push_back(Entry::made(true, kConvWorkspaceRef, ws, Category::Temporary, e.phase, e.op, e.iteration));
+        out.push_back(Entry::made(false, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration));
       } else if (ws < 0) {
-        Entry mark{true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration};
+        Entry mark = Entry::made(true, kConvWorkspaceRef, 0, Category::Temporary, e.phase, e.op, e.iteration);
         mark.conv_call = true;
         out.push_back(mark);
       }
@@ -1295,8 +1371,8 @@ class Forecaster {
       if (e.iteration == 1) ++calls;
       largest = std::max(largest, ws);
       if (ws <= 0) continue;
-      out.push_back(Entry{true, next, ws, Category::Temporary, e.phase, e.op, e.iteration});
-      out.push_back(Entry{false, next, 0, Category::Temporary, e.phase, e.op, e.iteration});
+      out.push_back(Entry::made(true, next, ws, Category::Temporary, e.phase, e.op, e.iteration));
+      out.push_back(Entry::made(false, next, 0, Category::Temporary, e.phase, e.op, e.iteration));
       ++next;
     }
     p.entries = std::move(out);
@@ -1313,8 +1389,6 @@ class Forecaster {
   void add_device_allocations(Planned& p, const Stream& s) {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
     constexpr int64_t kWorkspaceRef = int64_t{1} << 50;
-    std::vector<Entry> out;
-    out.reserve(p.entries.size() + 16);
     bool fwd_done = false, bwd_done = false;
     int64_t adam_bytes = 0;
     for (const Entry& e : p.entries) {
@@ -1329,30 +1403,31 @@ class Forecaster {
     replace_conv_scratch(p);
     int last_optimizer_iteration = 0;
     const std::vector<char>& matmul = matmul_ops();
+    std::vector<std::pair<size_t, Entry>> adds;  // (the entry each goes before, the entry), in order
     for (size_t i = 0; i < p.entries.size(); ++i) {
       const Entry& e = p.entries[i];
       const bool mm = e.op >= 0 && matmul[static_cast<size_t>(e.op)] != 0;
       // cuBLAS workspaces: one per handle; the autograd engine's device thread has its own handle.
       if (mm && e.phase == Phase::Forward && !fwd_done) {
-        out.push_back(Entry{true, kWorkspaceRef, ws, Category::Other, Phase::Forward, e.op, e.iteration});
+        adds.emplace_back(i, Entry::made(true, kWorkspaceRef, ws, Category::Other, Phase::Forward, e.op, e.iteration));
         fwd_done = true;
       }
       if (mm && e.phase == Phase::Backward && !bwd_done) {
-        out.push_back(Entry{true, kWorkspaceRef + 1, ws, Category::Other, Phase::Backward, e.op, e.iteration});
+        adds.emplace_back(i, Entry::made(true, kWorkspaceRef + 1, ws, Category::Other, Phase::Backward, e.op,
+                                         e.iteration));
         bwd_done = true;
       }
       if (s.adam && !s.fused_optimizer && e.phase == Phase::Optimizer && e.iteration != last_optimizer_iteration &&
           adam_bytes > 0) {
         last_optimizer_iteration = e.iteration;
         const int64_t ref = kWorkspaceRef + 2 + e.iteration;
-        out.push_back(Entry{true, ref, adam_bytes, Category::Temporary, Phase::Optimizer, e.op, e.iteration});
-        out.push_back(e);
-        out.push_back(Entry{false, ref, 0, Category::Temporary, Phase::Optimizer, e.op, e.iteration});
-        continue;
+        adds.emplace_back(i, Entry::made(true, ref, adam_bytes, Category::Temporary, Phase::Optimizer, e.op,
+                                         e.iteration));
+        adds.emplace_back(i + 1, Entry::made(false, ref, 0, Category::Temporary, Phase::Optimizer, e.op,
+                                             e.iteration));
       }
-      out.push_back(e);
     }
-    p.entries = std::move(out);
+    insert_before(p.entries, adds);
     if (notes_added_) return;
     notes_added_ = true;
     out_.notes.push_back(Note{"cublas-workspace", fmt::format("cuBLAS workspace {} per handle (forward thread and autograd thread) added",
@@ -1481,6 +1556,8 @@ class Forecaster {
   MemoryForecast& out_;
   DeviceSpec spec_;
   std::vector<Stream> streams_;
+  SteadyPlan steady_;                     // steady_plan()
+  bool steady_built_ = false;
   Model model_;
   bool notes_added_ = false;
   int64_t conv_workspace_ = -1;           // cuDNN workspace per convolution call; -1 unknown
