@@ -112,6 +112,7 @@ json parse_json_file(const std::string& path, const json::parser_callback_t& cal
   std::ifstream in(path, std::ios::binary);
   if (!in) GPUCAST_USER_ERROR("cannot read '{}': {}", path, std::strerror(errno));
   Precheck check(path);
+  // 1 MiB pieces: a chosen size, not measured.
   std::string piece(size_t{1} << 20, '\0');
   while (in) {
     in.read(piece.data(), static_cast<std::streamsize>(piece.size()));
@@ -152,6 +153,7 @@ std::optional<double> json_finite(const json& v) {
 
 std::string json_excerpt(const json& v) {
   std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  // 200 characters: a chosen length for an error message's excerpt (197 and "...").
   if (s.size() > 200) s = s.substr(0, 197) + "...";
   return valid_utf8(s);
 }

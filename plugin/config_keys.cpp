@@ -14,6 +14,7 @@ std::vector<ConfigKey> trace_config_keys() {
       {"nested_ops", F::Bool, true, {},
        "record ops nested in another op; False: count them in the enclosing op instead (the forecast's timing "
        "traces), except those a backward node links to"},
+      // 2,000,000 ops and 4,000,000 events: chosen bounds (as TracerOptions' in tracer.h), not measured.
       {"max_ops", F::PositiveInt, int64_t{2000000}, {}, "bound on recorded ops; more are counted as dropped"},
       {"max_events", F::PositiveInt, int64_t{4000000}, {}, "bound on recorded memory events; more are counted as dropped"},
       {"device_timing", F::Bool, true, {}, "time device work (CUPTI, else CUDA events) where a CUDA device is present"},
@@ -29,6 +30,7 @@ std::vector<ConfigKey> auto_config_keys() {
       {"target", F::String, std::string("auto"), {},
        "cpu, a device table name (python -m gpucast devices), or auto: this process's GPU, else cpu"},
       {"capacity_mb", F::NonNegativeInt, int64_t{0}, {}, "device memory in MiB, overriding the table (0: the table's)"},
+      // 0.9: a chosen default, a tenth of the capacity kept for what the forecast does not count.
       {"warn_fraction", F::Fraction, 0.9, {}, "warn when the forecast exceeds this fraction of capacity"},
       {"on_risk", F::Choice, std::string("warn"), {"warn", "raise"}, "warn once, or raise before iteration 2"},
   };

@@ -142,6 +142,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       std::map<int64_t, int64_t> parsed;
       for (const auto& kv : ws) {
         const std::string& key = kv.key();
+        // 18 digits: under 10^18, which fits int64_t.
         const bool digits = !key.empty() && key.size() <= 18 &&
                             std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
         if (!digits || kv.value() < 0) {
@@ -315,6 +316,7 @@ TORCH_LIBRARY(gpucast, m) {
       // (PYTORCH_ALLOC_CONF, CUBLAS_WORKSPACE_CONFIG, CUDNN_CONV_WSCAP_DBG); exclude: storages that are not the job's.
       .def("run", &MemoryForecasterHolder::run, "the memory forecast at target_batch, as JSON",
            {torch::arg("target_batch"), torch::arg("target") = "cpu", torch::arg("capacity_bytes") = 0,
+            // 0.9: a chosen default, as auto mode's warn_fraction: a tenth of the capacity kept for what is uncounted.
             torch::arg("safety_fraction") = 0.9, torch::arg("probe_device") = "cpu", torch::arg("parallel") = "",
             torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
             torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,

@@ -20,6 +20,7 @@ namespace gpucast {
 
 namespace {
 
+// 2^20 MB (1 TiB): a chosen bound on a size setting, above any device's memory.
 constexpr long long kMaxSizeMb = 1 << 20;
 
 int64_t parse_size_mb(std::string_view what, std::string_view key, std::string_view raw, int64_t min_mb) {
@@ -258,6 +259,7 @@ struct AllocatorSim::Impl {
   Pool large{false, {}, 0};
   std::unordered_map<int64_t, Block*> live;
   std::map<std::pair<int, bool>, Expandable> expandable;
+  // 2^40: a chosen start of the simulated addresses (any value works; they only order blocks).
   int64_t next_address = int64_t{1} << 40;
 
   ~Impl() {
@@ -322,6 +324,7 @@ struct AllocatorSim::Impl {
     if (seg.page == 0) {
       seg.page = pool.small ? kSmallBuffer : cfg.large_segment_size;
       seg.base = next_address;
+      // 2^40: a chosen range, larger than any device's memory.
       next_address += int64_t{1} << 40;  // a large virtual range per segment
       ++st.segments;
       st.peak_segments = std::max(st.peak_segments, st.segments);

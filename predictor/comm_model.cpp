@@ -111,6 +111,7 @@ Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ra
     svt += w * v * s.us;
   }
   const double det = suu * svv - suv * suv;
+  // 1e-300: a chosen guard against a singular system, near the smallest normal double.
   if (std::abs(det) < 1e-300) GPUCAST_USER_ERROR("fit: the all-reduce samples do not determine a link");
   const double x = (sut * svv - svt * suv) / det;
   const double a = (suu * svt - suv * sut) / det;
@@ -150,6 +151,9 @@ const std::vector<Interconnect>& interconnect_table() {
       {"nvlink3", {9.0, 218400.0}, "A100 SXM4 NVLink 3 (600 GB/s per GPU): ring fitted to vTrain's A100 4-GPU nccl-tests table"},
       {"nvlink4", {9.0, 327600.0}, "H100 SXM NVLink 4 (900 GB/s per GPU): nvlink3's fit scaled by 900/600"},
       {"nvlink5", {9.0, 655200.0}, "B200 NVLink 5 (1800 GB/s per GPU): nvlink3's fit scaled by 1800/600"},
+      // pcie*, ib-*, eth-100g: no measurement here. Link rates from the specifications (PCI-SIG PCIe 3.0 / 4.0 /
+      // 5.0 x16: 16 / 32 / 64 GB/s per direction; InfiniBand HDR 200 and NDR 400 Gb/s; IEEE 802.3 100 Gb/s); the bus
+      // bandwidths a chosen 62.5 % of PCIe's rate and 92 / 88 % of the NICs', the alphas (10 / 15 / 30 us) chosen.
       {"pcie3", {10.0, 10000.0}, "PCIe 3.0 x16 (16 GB/s per direction), nominal nccl-tests bus bandwidth"},
       {"pcie4", {10.0, 20000.0}, "PCIe 4.0 x16 (32 GB/s per direction), nominal nccl-tests bus bandwidth"},
       {"pcie5", {10.0, 40000.0}, "PCIe 5.0 x16 (64 GB/s per direction), nominal nccl-tests bus bandwidth"},
@@ -192,6 +196,8 @@ std::vector<ConfigKey> link_config_keys() {
       {"memory_contention_samples", F::String, std::string(), {},
        "memory-bound slowdown by working set: BYTES/FACTOR;BYTES/FACTOR;..."},
       {"compute_contention", F::String, std::string("1"), {}, "compute-bound slowdown, all ranks at work"},
+      // 5: a chosen default where calibrate() has not measured it (it measured 1.96-1.97 on the 2-core host of
+      // bench/results/fsdp_live.txt); keep it equal to Topology::balance.
       {"balance", F::String, std::string("5"), {}, "FLOP per byte splitting a layer's time"},
       {"sync_wait_us", F::String, std::string("0"), {},
        "the last rank's lag at a step's first collective, ranks sharing cores"},

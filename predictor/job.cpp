@@ -171,6 +171,7 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   e.parameter_bytes = mul(params, elem);
   e.gradient_bytes = mul(params, elem);
   const int64_t moments = job.optimizer == "sgd" ? 0 : job.optimizer == "sgd_momentum" ? 1 : 2;
+  // 4: Adam's float32 step count per parameter tensor (torch 2.14.1 torch/optim/adam.py:175, optimizer.py:221).
   e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) : 0);
   if (job.strategy == "ddp" && world > 1) {
     e.gradient_bytes = mul(e.gradient_bytes, 2);  // the buckets' copy of the gradients
@@ -200,6 +201,7 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   }
   if (job.activation_checkpointing) {
     // Recomputation keeps one layer's activations plus what crosses checkpoint boundaries (taken as 10 %).
+    // 10 %: a chosen share, not measured.
     e.activation_bytes = add(act_max, act_total / 10);
     e.notes.push_back(Note{"activation-checkpointing", "activation checkpointing: one layer's activations plus 10 % of the rest"});
   } else {

@@ -32,6 +32,7 @@ struct NetImpl : nn::Module {
     const int64_t d = c.d_model;
     proj = register_module("proj", nn::Linear(kLayerFeatures, d));
     gru = register_module("gru", nn::GRU(nn::GRUOptions(d, d).batch_first(true).bidirectional(true)));
+    // dim_feedforward 4 * d: twice the encoder's width (2 * d), chosen (the Transformer paper's ratio is 4).
     encoder = register_module(
         "encoder", nn::TransformerEncoder(nn::TransformerEncoderOptions(
                                               nn::TransformerEncoderLayerOptions(2 * d, c.heads)

@@ -20,6 +20,7 @@ namespace {
 using Shape = std::vector<int64_t>;
 constexpr const char* kOutside = kOutsideModules;
 constexpr size_t kMatmul = 0, kConv = 1, kAttention = 2, kElementwise = kLayerCostKinds.size() - 1;
+// 1e-9: a chosen ridge, small against the features' scale.
 constexpr double kRidge = 1e-9;
 
 std::string_view base_name(std::string_view name) {
@@ -242,6 +243,7 @@ struct Point {
   double ops = 0, flops = 0, bytes = 0;  // per second of the measurement; FLOPs and bytes doubled for backward
 };
 
+// The search's settings below are chosen, not tuned on a recorded measurement.
 constexpr double kGridLo = -4, kGridHi = 2, kGridStep = 0.25;  // log10 of the rates over the prior's
 constexpr double kBoundLo = -8, kBoundHi = 4;
 constexpr int kMaxSteps = 1000;  // pattern-search moves from one start
@@ -384,6 +386,7 @@ class Rng {
  public:
   explicit Rng(uint64_t seed) : s_(seed) {}
   uint64_t next() {
+    // Constants of Vigna's splitmix64 (xorshift.di.unimi.it/splitmix64.c); 0x1.0p-53: a double's 53-bit mantissa.
     uint64_t z = (s_ += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
@@ -529,6 +532,7 @@ std::vector<size_t> fedorov(const Rows& rows, size_t p, size_t k, uint64_t seed,
   }
   refresh();
   double log_det = info.log_det();
+  // 100: a chosen bound on the exchange passes (each pass that improves raises det; few are needed).
   constexpr int kMaxPasses = 100;
   for (int pass = 0; pass < kMaxPasses; ++pass) {
     bool improved = false;
@@ -617,9 +621,11 @@ double op_flops(const OpRecord& op) {
       f = attention_flops(op);
       break;
     case 3:  // norm
+      // 5 FLOPs per element (mean, variance, normalise, scale and shift): a chosen count, the rates are fitted to it.
       f = 5 * output_elements(op);
       break;
     default:
+      // 5 per element for softmax (max, subtract, exp, sum, divide), 1 otherwise: chosen counts, rates fitted to them.
       f = (is_softmax(b) ? 5 : 1) * output_elements(op);
   }
   return std::isfinite(f) ? f : 0;

@@ -32,6 +32,8 @@ namespace gpucast {
 // Compute capabilities: NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus).
 const std::vector<DeviceSpec>& device_table() {
   static const std::vector<DeviceSpec> table = {
+      // Context bytes (520 MiB A100, 560 MiB H100 / H200, 420 MiB the others): estimates, no source; no measurement of
+      // them is recorded here (measure: nvidia-smi used minus torch.cuda.memory_reserved() after a step).
       {"A100-40GB", 40960 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (40 GB HBM2); nvidia-smi 40960 MiB",
        "intra:nvlink3,gpus_per_node:8,inter:ib-hdr"},
       {"A100-80GB", 81920 * kMiB, 80, 520 * kMiB, "NVIDIA A100 datasheet (80 GB HBM2e); nvidia-smi 81920 MiB",
@@ -84,6 +86,7 @@ int64_t cublas_workspace_bytes(int compute_capability, const std::string& config
 
 int64_t cudnn_conv_wscap_bytes(const std::string& text) {
   if (text.empty()) return -1;
+  // 12 digits: under 10^12 MiB, whose bytes (about 2^60) fit int64_t.
   const bool digits = text.size() <= 12 && std::all_of(text.begin(), text.end(), [](char c) {
     return std::isdigit(static_cast<unsigned char>(c)) != 0;
   });
@@ -128,7 +131,8 @@ struct Entry {
 };
 static_assert(sizeof(Entry) == 32, "Entry's layout bounds a forecast's memory");
 
-// Refs of the second iteration synthesized from a one-iteration trace: the first iteration's plus this.
+// Refs of the second iteration synthesized from a one-iteration trace: the first iteration's plus this (2^40: a
+// chosen offset, far above any position a trace reaches).
 constexpr int64_t kSecondIterationRef = int64_t{1} << 40;
 
 // Inserts `adds` (the index of the entry each goes before, in order of that index) into `entries` in place: a
@@ -333,6 +337,7 @@ uint64_t allocation_key(const Entry& e, const Trace& t) {
                                    : std::string("\x1f");
   uint64_t h = std::hash<std::string>()(op);
   for (uint64_t v : {static_cast<uint64_t>(e.category), static_cast<uint64_t>(e.phase), static_cast<uint64_t>(e.iteration)}) {
+    // 0x9e3779b97f4a7c15: 2^64 divided by the golden ratio, with boost::hash_combine's shifts (6, 2).
     h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
   }
   return h;
@@ -413,6 +418,7 @@ Fit proportional_fit(int64_t bytes, Category c, double batch) {
 
 // Probes that run the same ops are matched allocation by allocation, top-level op by top-level op, up to this many
 // unmatched ones in one op; an op beyond it keeps its allocations unmatched.
+// 2048: a chosen bound (the matching costs O((N+M)·D)); not tuned on a recorded measurement.
 constexpr int64_t kMaxUnmatchedAllocations = 2048;
 
 // For each entry of a stream, the ordinal of the top-level op it happened in (parent < 0, in start order: the
@@ -431,6 +437,7 @@ std::vector<int64_t> entry_segments(const Stream& st, const Trace& t) {
   for (const Entry& e : st.entries) {
     if (e.op >= 0 && e.op < n) {
       int64_t o = e.op;
+      // 4096: a chosen guard, deeper than any op nesting a trace holds.
       for (int guard = 0; guard < 4096; ++guard) {  // up to the outermost op (a malformed parent link ends it)
         const int64_t parent = t.ops[static_cast<size_t>(o)].parent;
         if (parent < 0 || parent >= n || parent == o) break;
@@ -462,6 +469,7 @@ Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l
   f.cl = x[2];
   f.cbl = x[3];
   f.cbll = x[4];
+  // 0.5: half a byte, sizes being whole bytes.
   for (size_t i = 0; i < n; ++i) f.linear = f.linear && std::abs(f.at(b[i], l[i]) - s[i]) <= 0.5;
   f.linear = f.linear && rank_ok;
   return f;
@@ -489,6 +497,7 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   f.c1 = sxy / sxx;
   f.c0 = ms - f.c1 * mb;
   bool exact = true;
+  // 0.5: half a byte, sizes being whole bytes.
   for (size_t i = 0; i < n; ++i) exact = exact && std::abs(f.c0 + f.c1 * b[i] - s[i]) <= 0.5;
   if (exact || n < 3) return f;
   // Not linear over all probes. Quadratic growth shows as slopes growing with the batch, c2 (b_i + b_j);
@@ -497,6 +506,7 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   const double slope_prev = (s[n - 2] - s[n - 3]) / (b[n - 2] - b[n - 3]);
   const double slope_last = (s[n - 1] - s[n - 2]) / (b[n - 1] - b[n - 2]);
   const double quad_ratio = (b[n - 1] + b[n - 2]) / (b[n - 2] + b[n - 3]);
+  // 0.25: a chosen tolerance, a quarter of the growth a quadratic predicts between the two slopes.
   const bool quadratic = slope_prev > 0 && std::abs(slope_last / slope_prev - quad_ratio) < 0.25 * (quad_ratio - 1.0);
   if (!quadratic) {
     f.c1 = slope_last;
@@ -634,6 +644,8 @@ class Forecaster {
       out_.outside_allocator_bytes = spec_.context_bytes;
       const int64_t world = in_.parallel.dp * in_.parallel.tp * in_.parallel.pp;
       if (world > 1) {
+        // 256 MiB: an estimate, no measurement behind it. For scale: NCCL's Simple-protocol buffer is 4 MiB per
+        // channel and peer (NCCL 2.30.7, which torch 2.14.1 ships: src/init.cc:813 DEFAULT_BUFFSIZE): 64 of them.
         out_.outside_allocator_bytes += 256 * kMiB;
         out_.notes.push_back(Note{"nccl-buffers", "NCCL buffers outside the allocator estimated at 256 MiB per rank"});
       }
@@ -725,6 +737,7 @@ class Forecaster {
       for (int64_t l : in_.probe_seq) {
         if (l < 1) GPUCAST_USER_ERROR("forecast: probe sequence lengths must be at least 1, got {}", l);
       }
+      // 5: the terms of fit_batch_and_seq's least squares, {1, b, L, b L, b L^2}.
       if (in_.probes.size() < 5) {
         GPUCAST_USER_ERROR("forecast: scaling by sequence length needs at least 5 probes, got {}", in_.probes.size());
       }
@@ -918,6 +931,7 @@ class Forecaster {
       l.push_back(seq_scaling() ? static_cast<double>(in_.probe_seq[i]) : 0.0);
     }
     auto fit_any = [&](const std::vector<double>& v) { return seq_scaling() ? fit_batch_and_seq(b, l, v) : fit(b, v); };
+    // 5: the terms of fit_batch_and_seq's least squares, {1, b, L, b L, b L^2}.
     if (seq_scaling() && usable.size() < 5) {
       out_.warnings.push_back(Note{"seq-not-scaled", "scaling by sequence length needs five probes of the same structure: sizes not scaled"});
       out_.scaled = false;
@@ -1267,6 +1281,7 @@ class Forecaster {
     // out once (0 keep, 1 leave out, 2 keep and add the workspace after it).
     if (conv_plan_.size() != p.entries.size()) plan_conv_calls(p);
     if (out_.conv_calls == 0 && conv_scratch_ == 0) return;
+    // 2^50 - 1: a chosen ref range of its own, below kWorkspaceRef (2^50) and far above any trace position.
     constexpr int64_t kConvWorkspaceRef = (int64_t{1} << 50) - 1;
     const bool gpu_probe = gpu_probes();
     const std::vector<int64_t>& call = conv_call_of();
@@ -1336,6 +1351,7 @@ class Forecaster {
     if (op_call_of_.size() != ops.size()) {
       op_call_of_.assign(ops.size(), kNone);
       for (int64_t j = 0; j < n; ++j) {
+        // 64: a chosen guard, deeper than any op nesting a trace holds.
         for (int64_t k = j, depth = 0; k >= 0 && k < n && depth < 64; k = ops[k].parent, ++depth) {
           if (in_.op_workspaces.count(k) != 0) op_call_of_[j] = k;  // the outermost measured one
         }
@@ -1355,6 +1371,7 @@ class Forecaster {
     }
     std::vector<uint8_t> after(p.entries.size(), 0);
     for (const auto& [call, i] : last) after[i] = 1;
+    // 2^51: a chosen ref range of its own, above the conv and device workspaces' (2^50).
     constexpr int64_t kOpWorkspaceRef = int64_t{1} << 51;
     int64_t next = kOpWorkspaceRef, calls = 0, largest = 0, dropped = 0;
     std::vector<Entry> out;
@@ -1388,6 +1405,7 @@ class Forecaster {
   // What a CUDA run allocates through the caching allocator that CPU probes cannot show.
   void add_device_allocations(Planned& p, const Stream& s) {
     const int64_t ws = cublas_workspace_bytes(spec_.compute_capability, in_.cublas_workspace_config);
+    // 2^50: a chosen ref range of its own, far above any trace position.
     constexpr int64_t kWorkspaceRef = int64_t{1} << 50;
     bool fwd_done = false, bwd_done = false;
     int64_t adam_bytes = 0;
@@ -1499,6 +1517,8 @@ class Forecaster {
       return replay(planned(per_rank(global), gpu), gpu, in_.allocator).peak_reserved + out_.outside_allocator_bytes;
     };
     const int64_t step = in_.parallel.dp * in_.parallel.micro_batches;
+    // 2^30: a chosen ceiling on the global batch searched; 8 * step below (the first bracket) and guess / 64 (the
+    // first widening) are chosen to need few replays, not measured.
     constexpr int64_t kMaxGlobal = int64_t{1} << 30;
     if (!out_.scaled) return 0;
     const int64_t need_step = need(step);

@@ -45,6 +45,7 @@ constexpr int kRateFeature = 2 + 4 + 1 + 5;
 // rate measured a little higher as another machine: their standard deviation is taken as at least ln(2)/2 (a
 // factor of 2 in rate is two of them).
 constexpr float kRateSdFloor = 0.34657359f;
+// 1.5: a chosen bound, alpha and beta within e^-1.5 to e^1.5 (0.22x to 4.5x).
 constexpr double kLogScale = 1.5;         // log alpha, log beta = kLogScale * tanh(output)
 constexpr const char* kFix = "; retrain with gpucast-train step-gnn or reinstall gpucast to get the shipped weights";
 
@@ -243,6 +244,7 @@ StepGraph step_graph_from_json(const std::string& text, const std::string& where
 // ---- The network ----------------------------------------------------------------------------------------------
 namespace {
 
+// Widths: chosen defaults (no recorded sweep), as StepGnnTrainOptions::d_model.
 struct StepGnnConfig {
   int64_t d_model = 32;
   int64_t heads = 4;

@@ -248,8 +248,10 @@ void host_bound_rest(StepSchedule& s, const StepFits& fits) {
     auto hi = std::max_element(probes.begin(), probes.end(), [&](const auto& x, const auto& y) { return tokens(x) < tokens(y); });
     bool host_bound = false;
     if (tokens(*hi) > tokens(*lo) && lo->wall_ns > 0) {
+      // 0.5: a chosen threshold, the wall growing less than half as fast as the work.
       host_bound = (hi->wall_ns / lo->wall_ns - 1) < 0.5 * (tokens(*hi) / tokens(*lo) - 1);
     } else {
+      // 0.5: a chosen threshold, kernels filling less than half the wall.
       host_bound = kernel_ns(ref) < 0.5 * ref.wall_ns;
     }
     if (host_bound) {

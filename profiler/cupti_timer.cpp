@@ -90,6 +90,7 @@ struct CuptiApi {
   }
 };
 
+// 8 MiB per record buffer: a chosen size, not measured.
 constexpr size_t kBufferBytes = 8 * 1024 * 1024;
 // At most this much held in record buffers at once (about 900,000 kernel launches with their API and external
 // correlation records): a trace window left open over many iterations must not grow the process without bound.
@@ -111,6 +112,7 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
   *size = 0;
   *max_records = 0;
   if (!g_budget.take(kBufferBytes)) return;
+  // 8: ACTIVITY_RECORD_ALIGNMENT (CUPTI 13.0 cupti_common.h:77).
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   if (*buffer == nullptr) {
     g_budget.give(kBufferBytes);

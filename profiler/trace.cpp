@@ -57,6 +57,7 @@ int64_t gradient_node(const Trace& t, const OpRecord& op) {
   const int64_t own = op.scope == Scope::BackwardFunction ? op.id : op.bwd_node;
   if (linked(own) || op.phase != Phase::Backward) return own;
   const int64_t from = own >= 0 && own < op.id ? own : op.id;
+  // 256: a chosen bound on the ops looked back over, not measured.
   for (int64_t i = from - 1, seen = 0; i >= 0 && seen < 256; --i) {
     const OpRecord& p = t.ops[static_cast<size_t>(i)];
     if (p.thread != op.thread) continue;

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ._errors import error_code
 
 
+# Defaults chosen, not tuned on a recorded sweep: sizes 64 KiB to 64 MiB by 4x, timeout 60 s.
 def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int | None = None,
               timeout_s: float = 60.0, group=None) -> dict:
     """Time all-reduces of `sizes` bytes on the initialized process group and fit a ring link to them:
@@ -77,6 +78,7 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
                          f"on every rank of a group of two or more)")
     backend = dist.get_backend(group)
     if repeats is None:
+        # 9 and 27: chosen defaults, no recorded sweep (CPU samples are means of a heavy-tailed time: 3x the rounds).
         repeats = 9 if backend == "nccl" else 27
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -101,6 +103,7 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
         if small:
             late, late_gap = _after_compute([sizes[i] for i in small], [buffers[i] for i in small], repeats, group,
                                             wait, ranks, burst=_matmuls(_LATE_MATMULS))
+    # repeats // 3, at least 3: chosen, fewer rounds for the secondary collectives.
     sends = _sends(sizes, buffers, max(3, repeats // 3), group, wait)
     del buffers
     sharded = _gathers_and_scatters(sizes, max(3, repeats // 3), group, wait, ranks, device)
@@ -160,6 +163,7 @@ def _fit_link(samples: list, ranks: int) -> tuple:
 # The second CPU sweep (late_samples): sizes up to 4 MiB after a burst five times the first's. What the longer
 # idle spell adds to a collective is latency (waking the sleeping collective threads and connections), which the
 # larger messages hardly show.
+# 4 MiB and 40 matmuls (five times _after_compute's default burst of 8): chosen, not measured.
 _LATE_MAX_BYTES = 4 << 20
 _LATE_MATMULS = 40
 
@@ -167,6 +171,7 @@ _LATE_MATMULS = 40
 def _matmuls(count: int):
     """A function that multiplies two 256 x 256 matrices `count` times (constant ones: the caller's RNG stays as
     it was)."""
+    # 256 x 256: a chosen size, small enough for short bursts.
     a = torch.full((256, 256), 0.5)
     b = torch.full((256, 256), 0.25)
 
@@ -209,6 +214,7 @@ def _after_compute(sizes, buffers, repeats, group, wait, ranks, burst=None, run=
     over every rank (how long the group sat idle before each collective)."""
     burst = burst or _matmuls(8)
     local = _local_ranks(ranks)
+    # 1e-6: a chosen bound, a monotonic clock of 1 us or finer.
     shared = local == ranks and time.get_clock_info("monotonic").resolution <= 1e-6
     clock = time.monotonic if shared else time.perf_counter
     arrive = torch.zeros(repeats, len(sizes), dtype=torch.float64)
@@ -294,6 +300,7 @@ def _extra_seconds(plain, wrapped, group, wait, steps: int, blocks: int) -> floa
 _FSDP_OVERHEAD_MODELS = ((8, 1, 64), (2, 1, 1024), (2, 6, 64))
 
 
+# steps 10, blocks 3, and the models above: chosen, not tuned on a recorded sweep.
 def _fsdp_overhead(group, wait, timeout=None, steps: int = 10, blocks: int = 3) -> dict:
     """What FSDP2 (fully_shard) spends beside its collectives in a step, per unit, per layer with parameters and
     per MiB of parameters: on every rank at once, each rank's model sharded over a group of that rank alone (its
@@ -398,6 +405,7 @@ def _local_ranks(ranks: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
 
 
+# Chosen sizes, from within a core's cache to beyond the shared ones (see _host_sharing).
 _COPY_MIB = (1, 4, 16, 64)
 
 
@@ -430,6 +438,7 @@ def _host_sharing(ranks: int, group, wait) -> dict:
         fn()
     # Alone and all at once in alternation, so that a slow spell of the machine falls on both; medians.
     runs = {k: [] for k in ("alone_mm", "all_mm", *(f"{m}_{w}" for m in copies for w in ("alone", "all")))}
+    # 9 rounds: chosen, not measured.
     for _ in range(9):
         for mib, fn in copies.items():
             runs[f"{mib}_alone"].append(once(fn, rank == 0))
@@ -452,6 +461,7 @@ def _host_sharing(ranks: int, group, wait) -> dict:
     # met, by that compute's kind).
     lags = []
     drift = {"compute": [0.0, 0.0], "memory": [0.0, 0.0]}
+    # 12 rounds: chosen, not measured.
     for _ in range(12):
         for kind, work in (("compute", matmul), ("memory", copies[16])):
             wait(dist.barrier(group=group, async_op=True), "a barrier")
@@ -499,6 +509,7 @@ def _host_sharing(ranks: int, group, wait) -> dict:
 _DDP_OVERHEAD_WIDTHS = ((64,), (724, 724))
 
 
+# steps 12, blocks 4, batch 16 and the model's 64 inputs, 10 outputs: chosen, not tuned on a recorded sweep.
 def _ddp_overhead(ranks: int, group, wait, hidden: tuple = (64,), steps: int = 12, blocks: int = 4) -> tuple:
     """(gradient bytes, microseconds): what a DDP step spends outside backward beyond the plain module's (forward
     and optimizer step), on a small model (64 inputs, ReLU layers of the hidden widths, 10 outputs; batch 16, SGD)

@@ -117,6 +117,7 @@ def _kernel_probes(timings: list, per_rank: int, target: str, probe_device: str,
 # and +5.0, +0.5, +1.8 %): a timing probe at half the per-rank target is added when the probes forecast its step
 # under the budget (CPU targets).
 _REACH = 3
+# 1 s: a chosen budget for the added probe, not measured.
 _REACH_BUDGET_S = 1.0
 
 
@@ -140,6 +141,7 @@ def _reach_probes(timings: list, per_rank: int, target: str, probe_device: str, 
 
 # A GPU timing probe runs only where the memory forecast at its batch stays within this share of what this process
 # can hold on the device (the free memory and what its allocator has reserved).
+# 0.8: a chosen margin, a fifth kept for what the forecast misses; not measured.
 _REACH_MEMORY_SHARE = 0.8
 
 
@@ -181,6 +183,7 @@ def _round_median(rounds: list) -> list:
     return [torch.ops.gpucast.median_timing(list(texts)) for texts in zip(*rounds)]
 
 
+# warm 1, runs 3, traced 3 to 9, budget_s 0.1: chosen defaults, not tuned on a recorded sweep.
 def _steady_timing(step: Callable[[Any], Any], batch: Any, b: int, structure: str,
                    timed_layers: list | None = None, warm: int = 1, runs: int = 3, traced: tuple = (3, 9),
                    budget_s: float = 0.1, model: torch.nn.Module | None = None) -> str:

@@ -16,6 +16,7 @@ namespace gpucast {
 
 using ConfigValue = std::variant<bool, int64_t, double, std::string, std::vector<std::string>>;
 
+// 2^40: a chosen bound on an integer setting, far inside int64_t's range.
 inline constexpr int64_t kMaxConfigInt = int64_t{1} << 40;
 
 struct ConfigKey {

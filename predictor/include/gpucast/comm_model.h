@@ -113,6 +113,7 @@ struct Topology {
   bool overlap = true;
   double memory_contention = 1.0;
   double compute_contention = 1.0;
+  // 5: a chosen default, not measured (calibrate() measured 1.96-1.97 in bench/results/fsdp_live.txt).
   double balance = 5.0;
   // Memory-bound slowdown by working set, sorted by bytes; empty: memory_contention for every working set.
   std::vector<ContentionSample> memory_contention_samples;

@@ -19,6 +19,8 @@ namespace gpucast {
 inline constexpr const char* kJobModelName = "bigru-transformer";
 inline constexpr int kJobModelVersion = 1;
 
+// Widths: chosen defaults (no recorded sweep). dropout 0.1: nn.TransformerEncoderLayer's default (torch 2.14.1
+// torch/nn/modules/transformer.py:750).
 struct JobModelConfig {
   int64_t d_model = 32;     // projection width and GRU hidden size per direction
   int64_t heads = 4;        // attention heads of the encoder (over 2 * d_model)
@@ -46,6 +48,7 @@ struct TrainingJob {
 struct TrainOptions {
   JobModelConfig model;
   uint64_t seed = 0;
+  // Training settings: chosen defaults, no recorded sweep of them (weight_decay 1e-4, not AdamW's default 1e-2).
   int64_t max_epochs = 300;
   int64_t patience = 30;     // epochs without a better validation loss before stopping
   int64_t batch_size = 32;

@@ -186,6 +186,7 @@ struct StepTimeOptions {
   bool every_layer = false;
   std::string design = "d-optimal";
   uint64_t design_seed = 0;
+  // A chosen prior, not a measurement: the fit starts from a grid of 10^-4 to 10^2 times it (layer_model.cpp kGridLo).
   DeviceRates prior{5e10, 1e10, 5e-6};  // a CPU core: 50 GFLOP/s, 10 GB/s, 5 us per op
   // Target sequence length: > 0 scales every fit by length too (fit_size), from probes recorded at several
   // lengths (IterationTiming::seq); 0: by batch only.

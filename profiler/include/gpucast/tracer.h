@@ -22,6 +22,7 @@ struct TraceOptions {
   // a backward node to them (a sequence number); the outermost ops of each call, backward node and optimizer step
   // are. For timing traces, whose cost is then about that of the outermost ops.
   bool nested_ops = true;
+  // Chosen bounds (as the max_ops / max_events keys' defaults in plugin/config_keys.cpp), not measured.
   int64_t max_ops = 2000000;
   int64_t max_events = 4000000;
   bool device_timing = true;       // time device work where a CUDA device is present
