@@ -158,4 +158,12 @@ std::string json_excerpt(const json& v) {
   return valid_utf8(s);
 }
 
+void JsonFields::fail(const std::string& where, std::string_view expected, const json& got) const {
+  GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, where, expected, json_excerpt(got));
+}
+
+void JsonFields::missing(const std::string& where, const char* key) const {
+  GPUCAST_USER_ERROR("{}: missing field '{}{}{}'", source_, where, where.empty() ? "" : ".", key);
+}
+
 }  // namespace gpucast

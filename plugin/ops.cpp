@@ -16,6 +16,7 @@
 #include "gpucast/shipped_data.h"
 #include "gpucast/error.h"
 #include "gpucast/files.h"
+#include "gpucast/json_input.h"
 #include "gpucast/trace_exporters.h"
 #include "gpucast/gpu_rates.h"
 #include "gpucast/layer_model.h"
@@ -438,26 +439,21 @@ TORCH_LIBRARY(gpucast, m) {
   // rms_rel_error}, backward: ...}}.
   m.def("fit_layer_rates(str spec) -> str", [](const std::string& spec) {
     return gpucast::translate("argument", [&] {
-      json j;
-      try {
-        j = json::parse(spec);
-      } catch (const json::exception& e) {
-        GPUCAST_USER_ERROR("fit_layer_rates: not JSON ({})", e.what());
-      }
+      const gpucast::JsonFields r("fit_layer_rates");
+      const json j = gpucast::parse_json_input(spec, r.source());
+      const json& p = r.field(j, "prior", "");
+      const gpucast::DeviceRates prior{r.get<double>(p, "flops_per_s", "prior"), r.get<double>(p, "bytes_per_s", "prior"),
+                                       r.get<double>(p, "overhead_s", "prior")};
+      const json& layers = r.field(j, "layers", "");
+      if (!layers.is_array()) r.fail("layers", "a list of {kind, flops, bytes, ops, forward_ns, backward_ns}", layers);
       std::vector<gpucast::LayerCost> costs;
       std::vector<gpucast::LayerSample> samples;
-      gpucast::DeviceRates prior;
-      try {
-        prior = {j.at("prior").at("flops_per_s").get<double>(), j.at("prior").at("bytes_per_s").get<double>(),
-                 j.at("prior").at("overhead_s").get<double>()};
-        for (const json& l : j.at("layers")) {
-          costs.push_back({"", l.at("kind").get<std::string>(), l.at("flops").get<double>(),
-                           l.at("bytes").get<double>(), l.at("ops").get<int64_t>()});
-          samples.push_back({costs.size() - 1, l.at("forward_ns").get<double>(), l.at("backward_ns").get<double>()});
-        }
-      } catch (const json::exception& e) {
-        GPUCAST_USER_ERROR("fit_layer_rates: expected {{\"prior\": {{flops_per_s, bytes_per_s, overhead_s}}, "
-                           "\"layers\": [{{kind, flops, bytes, ops, forward_ns, backward_ns}}]}} ({})", e.what());
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const std::string w = fmt::format("layers[{}]", i);
+        const json& l = layers[i];
+        costs.push_back({"", r.get<std::string>(l, "kind", w), r.get<double>(l, "flops", w),
+                         r.get<double>(l, "bytes", w), r.get<int64_t>(l, "ops", w)});
+        samples.push_back({costs.size() - 1, r.get<double>(l, "forward_ns", w), r.get<double>(l, "backward_ns", w)});
       }
       gpucast::LayerTimeModel model;
       model.fit(costs, samples, prior);

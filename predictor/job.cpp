@@ -8,7 +8,7 @@
 #include "gpucast/checked.h"
 #include "gpucast/error.h"
 #include "gpucast/json_input.h"
-#include "note_json.h"
+#include "gpucast/note_json.h"
 
 namespace gpucast {
 namespace {
@@ -29,21 +29,19 @@ std::string join(const std::set<std::string>& s) {
   return out;
 }
 
-class Fields {
+// JsonFields with the job's own checks; `where` is a field's prefix with its dot ("layers[3].").
+class Fields : public JsonFields {
  public:
-  explicit Fields(std::string source) : source_(std::move(source)) {}
+  using JsonFields::JsonFields;
 
-  [[noreturn]] void fail(const std::string& field, std::string_view expected, const json& got) const {
-    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, field, expected, json_excerpt(got));
-  }
   const json& at(const json& obj, const char* key, const std::string& where) const {
-    if (!obj.contains(key)) GPUCAST_USER_ERROR("{}: missing field '{}{}'", source_, where, key);
+    if (!obj.contains(key)) missing(where.empty() ? where : where.substr(0, where.size() - 1), key);
     return obj[key];
   }
   int64_t count(const json& obj, const char* key, const std::string& where, int64_t min, int64_t fallback,
                 bool required = false) const {
     if (!obj.contains(key)) {
-      if (required) GPUCAST_USER_ERROR("{}: missing field '{}{}'", source_, where, key);
+      if (required) at(obj, key, where);
       return fallback;
     }
     const json& v = obj[key];
@@ -75,9 +73,6 @@ class Fields {
     }
     return out;
   }
-
- private:
-  std::string source_;
 };
 
 int64_t element_bytes(const std::string& dtype) {

@@ -18,7 +18,7 @@
 #include "gpucast/step_time.h"
 #include "gpucast/trace_summary.h"
 #include "least_squares.h"
-#include "note_json.h"
+#include "gpucast/note_json.h"
 
 namespace gpucast {
 
@@ -118,15 +118,8 @@ struct Entry {
   bool probe_block = false; // alloc: a block the probe allocated, its address in Stream::ptr_of[position]
 
   static Entry made(bool alloc, int64_t ref, int64_t bytes, Category c, Phase ph, int32_t op, int32_t iteration) {
-    Entry e;
-    e.alloc = alloc;
-    e.ref = ref;
-    e.bytes = bytes;
-    e.category = c;
-    e.phase = ph;
-    e.op = op;
-    e.iteration = iteration;
-    return e;
+    return Entry{.ref = ref, .bytes = bytes, .op = op, .iteration = iteration, .category = c, .phase = ph,
+                 .alloc = alloc};
   }
 };
 static_assert(sizeof(Entry) == 32, "Entry's layout bounds a forecast's memory");

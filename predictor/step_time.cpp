@@ -16,10 +16,11 @@
 #include <fmt/format.h>
 
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 #include "gpucast/layer_model.h"
 #include "gpucast/timed_layers.h"
 #include "least_squares.h"
-#include "note_json.h"
+#include "gpucast/note_json.h"
 #include "step_schedule.h"
 
 namespace gpucast {
@@ -610,57 +611,97 @@ std::string iteration_timing_to_json(const IterationTiming& t) {
       .dump();
 }
 
+namespace {
+
+// One layer of an iteration timing (iteration_timing_from_json).
+LayerTiming layer_timing_from_json(const JsonFields& r, const json& l, size_t i) {
+  const std::string w = fmt::format("layers[{}]", i);
+  if (!l.is_object()) r.fail(w, "an object", l);
+  LayerTiming lt;
+  lt.layer = r.get<std::string>(l, "layer", w);
+  lt.forward_ns = r.get<double>(l, "forward_ns", w);
+  lt.backward_ns = r.get<double>(l, "backward_ns", w);
+  lt.grad_bytes = r.get<int64_t>(l, "grad_bytes", w);
+  lt.backward_order = r.get<int64_t>(l, "backward_order", w);
+  lt.kind = r.get_or<std::string>(l, "kind", w, "other");
+  lt.out_bytes = r.get_or<int64_t>(l, "out_bytes", w, 0);
+  lt.cost_kind = r.get_or<std::string>(l, "cost_kind", w, "elementwise");
+  lt.flops = r.get_or<double>(l, "flops", w, 0.0);
+  lt.bytes = r.get_or<double>(l, "bytes", w, 0.0);
+  lt.ops = r.get_or<int64_t>(l, "ops", w, 0);
+  lt.forward_ops_all = r.get_or<int64_t>(l, "forward_ops_all", w, 0);
+  lt.backward_ops_all = r.get_or<int64_t>(l, "backward_ops_all", w, 0);
+  lt.timed = r.get_or<bool>(l, "timed", w, true);
+  if (lt.grad_bytes < 0 || lt.out_bytes < 0 || lt.ops < 0 || lt.forward_ops_all < 0 || lt.backward_ops_all < 0) {
+    r.fail(w, "counts and bytes of at least 0", l);
+  }
+  if (l.contains("parts")) {
+    const json& parts = l["parts"];
+    if (!parts.is_array()) r.fail(w + ".parts", "a list of [kind, half, flops, bytes, kernels]", parts);
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const std::string pw = fmt::format("{}.parts[{}]", w, k);
+      const json& p = parts[k];
+      if (!p.is_array() || p.size() != 5) r.fail(pw, "[kind, half, flops, bytes, kernels]", p);
+      lt.parts.push_back({r.as<std::string>(p[0], pw + "[0]"), r.as<bool>(p[1], pw + "[1]"),
+                          r.as<double>(p[2], pw + "[2]"), r.as<double>(p[3], pw + "[3]"),
+                          r.as<int64_t>(p[4], pw + "[4]")});
+    }
+  }
+  return lt;
+}
+
+}  // namespace
+
+// A probe's timing as iteration_timing_to_json writes it (an op argument: checked like any outside input). Fields
+// written since the first version are optional with their defaults; every field present is checked.
 IterationTiming iteration_timing_from_json(const std::string& text) {
+  const JsonFields r("iteration timing");
+  const json j = parse_json_input(text, r.source());
+  if (!j.is_object()) r.fail("", "an object (a gpucast iteration timing)", j);
+  constexpr int64_t kMaxCount = int64_t{1} << 40;  // ops, batches, bytes per layer: far above any trace's
+  auto count = [&](const json& obj, const char* key, const std::string& where, int64_t lo, int64_t fallback,
+                   bool required = false) {
+    if (!required && !obj.contains(key)) return fallback;
+    const int64_t v = r.get<int64_t>(obj, key, where);
+    if (v < lo || v > kMaxCount) {
+      r.fail(where.empty() ? key : where + "." + key, fmt::format("an integer from {} to 2^40", lo), obj[key]);
+    }
+    return v;
+  };
   IterationTiming t;
-  try {
-    const json j = json::parse(text);
-    t.batch = j.at("batch").get<int64_t>();
-    t.wall_ns = j.at("wall_ns").get<double>();
-    t.optimizer_ns = j.at("optimizer_ns").get<double>();
-    t.other_ns = j.at("other_ns").get<double>();
-    t.clock = j.at("clock").get<std::string>();
-    t.ops_total = j.value("ops_total", int64_t{0});
-    t.optimizer_ops = j.value("optimizer_ops", int64_t{0});
-    t.other_ops = j.value("other_ops", int64_t{0});
-    t.untraced_wall_ns = j.value("untraced_wall_ns", -1.0);
-    t.im2col_conv_ops = j.value("im2col_conv_ops", int64_t{0});
-    t.optimizer_bytes = j.value("optimizer_bytes", 0.0);
-    t.seq = j.value("seq", int64_t{0});
-    t.launch_ops = j.value("launch_ops", int64_t{-1});
-    for (const json& l : j.at("layers")) {
-      LayerTiming lt{l.at("layer").get<std::string>(), l.at("forward_ns").get<double>(),
-                     l.at("backward_ns").get<double>(), l.at("grad_bytes").get<int64_t>(),
-                     l.at("backward_order").get<int64_t>()};
-      lt.kind = l.value("kind", std::string("other"));
-      lt.out_bytes = l.value("out_bytes", int64_t{0});
-      lt.cost_kind = l.value("cost_kind", std::string("elementwise"));
-      lt.flops = l.value("flops", 0.0);
-      lt.bytes = l.value("bytes", 0.0);
-      lt.ops = l.value("ops", int64_t{0});
-      lt.forward_ops_all = l.value("forward_ops_all", int64_t{0});
-      lt.backward_ops_all = l.value("backward_ops_all", int64_t{0});
-      lt.timed = l.value("timed", true);
-      if (l.contains("parts")) {
-        for (const json& p : l.at("parts")) {
-          lt.parts.push_back({p.at(0).get<std::string>(), p.at(1).get<bool>(), p.at(2).get<double>(),
-                              p.at(3).get<double>(), p.at(4).get<int64_t>()});
-        }
+  t.batch = count(j, "batch", "", 1, 0, true);
+  t.wall_ns = r.get<double>(j, "wall_ns", "");
+  t.optimizer_ns = r.get<double>(j, "optimizer_ns", "");
+  t.other_ns = r.get<double>(j, "other_ns", "");
+  t.clock = r.get<std::string>(j, "clock", "");
+  if (t.clock != "cpu" && t.clock != "device" && t.clock != "gpu-table") {
+    r.fail("clock", "one of cpu|device|gpu-table", j["clock"]);
+  }
+  t.ops_total = count(j, "ops_total", "", 0, 0);
+  t.optimizer_ops = count(j, "optimizer_ops", "", 0, 0);
+  t.other_ops = count(j, "other_ops", "", 0, 0);
+  t.untraced_wall_ns = r.get_or<double>(j, "untraced_wall_ns", "", -1.0);
+  t.im2col_conv_ops = count(j, "im2col_conv_ops", "", 0, 0);
+  t.optimizer_bytes = r.get_or<double>(j, "optimizer_bytes", "", 0.0);
+  t.seq = count(j, "seq", "", 0, 0);
+  t.launch_ops = count(j, "launch_ops", "", -1, -1);
+  const json& layers = r.field(j, "layers", "");
+  if (!layers.is_array()) r.fail("layers", "a list of layers", layers);
+  t.layers.reserve(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) t.layers.push_back(layer_timing_from_json(r, layers[i], i));
+  if (j.contains("edges")) {
+    const json& edges = j["edges"];
+    if (!edges.is_array()) r.fail("edges", "a list of [src, dst, bytes]", edges);
+    const auto n = static_cast<int64_t>(t.layers.size());
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const std::string w = fmt::format("edges[{}]", i);
+      const auto e = r.as<std::vector<int64_t>>(edges[i], w);
+      if (e.size() != 3 || e[2] < 0) r.fail(w, "[src, dst, bytes] (bytes at least 0)", edges[i]);
+      if (e[0] < 0 || e[0] >= n || e[1] < 0 || e[1] >= n) {
+        GPUCAST_USER_ERROR("iteration timing: edge {} -> {} names a layer that is not there ({} layers)", e[0], e[1], n);
       }
-      t.layers.push_back(std::move(lt));
+      t.edges.push_back(LayerEdge{e[0], e[1], e[2]});
     }
-    if (j.contains("edges")) {
-      for (const json& e : j.at("edges")) {
-        LayerEdge le{e.at(0).get<int64_t>(), e.at(1).get<int64_t>(), e.at(2).get<int64_t>()};
-        const auto n = static_cast<int64_t>(t.layers.size());
-        if (le.src < 0 || le.src >= n || le.dst < 0 || le.dst >= n) {
-          GPUCAST_USER_ERROR("iteration timing: edge {} -> {} names a layer that is not there ({} layers)", le.src,
-                             le.dst, n);
-        }
-        t.edges.push_back(le);
-      }
-    }
-  } catch (const json::exception& e) {
-    GPUCAST_USER_ERROR("iteration timing: not a gpucast iteration timing ({})", e.what());
   }
   return t;
 }

@@ -80,7 +80,7 @@ std::string summarize_trace(const Trace& trace, int top_layers) {
     line(fmt::format("    {:<48} {:>9.3f} ms  {:>6} ops", layers[i].module,
                      static_cast<double>(time_of(layers[i])) / 1e6, layers[i].ops));
   }
-  for (const std::string& n : trace.notes) line("note: " + n);
+  for (const Note& n : trace.notes) line("note: " + n.text);
   return out;
 }
 

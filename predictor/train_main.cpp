@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpucast/error.h"
+#include "gpucast/json_input.h"
 #include "gpucast/job_model.h"
 #include "gpucast/step_gnn.h"
 
@@ -59,12 +60,7 @@ std::vector<gpucast::TrainingJob> read_jobs(const std::string& path) {
   for (int n = 1; std::getline(f, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(n);
-    nlohmann::json row;
-    try {
-      row = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      GPUCAST_USER_ERROR("{}: not JSON (byte {})", where, e.byte);
-    }
+    const nlohmann::json row = gpucast::parse_json_input(line, where);
     if (!row.is_object() || !row.contains("job") || !row.contains("label_bytes") ||
         !row["label_bytes"].is_number_integer()) {
       GPUCAST_USER_ERROR("{}: expected {{\"job\": {{...}}, \"label_bytes\": <integer>}}", where);

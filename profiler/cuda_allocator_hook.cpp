@@ -45,7 +45,7 @@ bool cuda_device_present() { return c10::cuda::device_count() > 0; }
 
 namespace detail {
 void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,
-                   std::vector<std::string>& notes) {
+                   std::vector<Note>& notes) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   const int n = c10::cuda::device_count();
   for (int d = 0; d < n; ++d) {
@@ -65,7 +65,8 @@ void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<Basel
       addr += b.size;
     }
   }
-  notes.push_back("CUDA block bytes are derived from requested sizes with the allocator's 512-byte rounding");
+  notes.push_back(Note{"cuda-block-bytes-derived",
+                       "CUDA block bytes are derived from requested sizes with the allocator's 512-byte rounding"});
 }
 }  // namespace detail
 

@@ -10,7 +10,7 @@ bool cuda_device_present() { return false; }
 
 namespace detail {
 void cuda_baseline(std::map<std::string, DeviceBaseline>& /*out*/, std::vector<BaselineBlock>& /*blocks*/,
-                   std::vector<std::string>& /*notes*/) {}
+                   std::vector<Note>& /*notes*/) {}
 }  // namespace detail
 
 }  // namespace gpucast

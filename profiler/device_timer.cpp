@@ -57,12 +57,16 @@ TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::uniqu
   TimerChoice c;
   c.source = "cpu_clock";
   if (!cuda_present) return c;
-  std::string why;
+  // Why CUPTI is not used: a note's code (docs/design.md) and its text.
+  std::string code, why;
   if (other_holder) {
+    code = "cupti-busy";
     why = "CUPTI is held by another client (torch.profiler)";
   } else if (!cupti_set_aside.empty()) {
+    code = "cupti-set-aside";
     why = cupti_set_aside;
   } else if (!cupti) {
+    code = "cupti-unavailable";
     why = "CUPTI is not available (libcupti not found)";
   } else {
     const TimerStart s = cupti->start();
@@ -71,21 +75,23 @@ TimerChoice choose_device_timer(bool cuda_present, bool other_holder, std::uniqu
       c.source = "cupti";
       return c;
     }
+    code = s.status == TimerStart::Status::Busy ? "cupti-busy" : "cupti-start-failed";
     why = s.status == TimerStart::Status::Busy
               ? fmt::format("CUPTI is held by another client ({})", s.detail)
               : fmt::format("CUPTI could not start ({})", s.detail);
   }
+  // The note's code says why; the choice's source says what timed instead (cuda_events, or cpu_clock).
   if (events) {
     const TimerStart s = events->start();
     if (s.status == TimerStart::Status::Ok) {
       c.timer = std::move(events);
       c.source = "cuda_events";
-      c.notes.push_back(why + ": device time measured with CUDA events");
+      c.notes.push_back(Note{code, why + ": device time measured with CUDA events"});
       return c;
     }
     why += fmt::format("; CUDA events could not start either ({})", s.detail);
   }
-  c.notes.push_back(why + ": no device time, CPU clocks only");
+  c.notes.push_back(Note{code, why + ": no device time, CPU clocks only"});
   return c;
 }
 

@@ -19,6 +19,6 @@ std::vector<BaselineBlock> cpu_live_blocks();
 // CUDA: each device's bytes allocated at the trace's start, and the live blocks (the caching allocator's
 // snapshot, in address order within each segment) appended to `blocks`.
 void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,
-                   std::vector<std::string>& notes);
+                   std::vector<Note>& notes);
 
 }  // namespace gpucast::detail

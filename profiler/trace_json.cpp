@@ -16,6 +16,7 @@
 #include "gpucast/error.h"
 #include "gpucast/files.h"
 #include "gpucast/json_input.h"
+#include "gpucast/note_json.h"
 
 namespace gpucast {
 namespace {
@@ -49,75 +50,9 @@ json values_to_json(const std::vector<Value>& values) {
   return a;
 }
 
-// Reading: every access names the path of the field in the document when it fails.
-class Reader {
- public:
-  explicit Reader(std::string_view source) : source_(source) {}
-  const std::string& source() const { return source_; }
+// Reading: through JsonFields (gpucast/json_input.h), every access names the field's path when it fails.
 
-  const json& field(const json& obj, const char* key, const std::string& where) const {
-    if (!obj.is_object()) fail(where, "an object", obj);
-    auto it = obj.find(key);
-    if (it == obj.end()) {
-      GPUCAST_USER_ERROR("{}: missing field '{}{}{}'", source_, where, where.empty() ? "" : ".", key);
-    }
-    return *it;
-  }
-  template <typename T>
-  T get(const json& obj, const char* key, const std::string& where) const {
-    return as<T>(field(obj, key, where), fmt::format("{}{}{}", where, where.empty() ? "" : ".", key));
-  }
-  template <typename T>
-  T get_or(const json& obj, const char* key, const std::string& where, T fallback) const {
-    if (!obj.is_object() || !obj.contains(key)) return fallback;
-    return get<T>(obj, key, where);
-  }
-  // `v` as T, checked: integers in T's range (never a float cast to one), numbers finite, lists element by element.
-  template <typename T>
-  T as(const json& v, const std::string& path) const {
-    if constexpr (std::is_same_v<T, bool>) {
-      if (v.is_boolean()) return v.get<bool>();
-    } else if constexpr (std::is_same_v<T, uint64_t>) {
-      if (v.is_number_unsigned()) return v.get<uint64_t>();
-      if (auto x = json_integer(v, 0, std::numeric_limits<int64_t>::max())) return static_cast<uint64_t>(*x);
-    } else if constexpr (std::is_integral_v<T>) {
-      if (auto x = json_integer(v, std::numeric_limits<T>::min(), std::numeric_limits<T>::max())) {
-        return static_cast<T>(*x);
-      }
-    } else if constexpr (std::is_floating_point_v<T>) {
-      if (auto d = json_finite(v)) return static_cast<T>(*d);
-    } else if constexpr (std::is_same_v<T, std::string>) {
-      if (v.is_string()) return v.get<std::string>();
-    } else {
-      if (v.is_array()) {
-        T out;
-        out.reserve(v.size());
-        for (size_t i = 0; i < v.size(); ++i) {
-          out.push_back(as<typename T::value_type>(v[i], fmt::format("{}[{}]", path, i)));
-        }
-        return out;
-      }
-    }
-    fail(path, expected_name<T>(), v);
-  }
-  [[noreturn]] void fail(const std::string& where, std::string_view expected, const json& got) const {
-    GPUCAST_USER_ERROR("{}: field '{}' should be {}, got {}", source_, where, expected, json_excerpt(got));
-  }
-
- private:
-  template <typename T>
-  static std::string_view expected_name() {
-    if constexpr (std::is_same_v<T, std::string>) return "a string";
-    else if constexpr (std::is_same_v<T, bool>) return "a boolean";
-    else if constexpr (std::is_floating_point_v<T>) return "a finite number";
-    else if constexpr (std::is_integral_v<T>) return "an integer in range";
-    else if constexpr (std::is_same_v<T, std::vector<std::string>>) return "a list of strings";
-    else return "a list of integers";
-  }
-  std::string source_;
-};
-
-TensorMeta tensor_from_json(const Reader& r, const json& j, const std::string& where) {
+TensorMeta tensor_from_json(const JsonFields& r, const json& j, const std::string& where) {
   TensorMeta t;
   t.shape = r.get<std::vector<int64_t>>(j, "shape", where);
   t.strides = r.get_or<std::vector<int64_t>>(j, "strides", where, {});
@@ -129,7 +64,7 @@ TensorMeta tensor_from_json(const Reader& r, const json& j, const std::string& w
 
 // A scalar argument: a number, or the text value_to_json writes for a non-finite one ("inf", "-inf", "nan");
 // null, which files written before that text hold for a non-finite value, reads as NaN.
-double scalar_from_json(const Reader& r, const json& v, const std::string& where) {
+double scalar_from_json(const JsonFields& r, const json& v, const std::string& where) {
   if (v.is_number()) return v.get<double>();
   if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
   if (v.is_string()) {
@@ -141,7 +76,7 @@ double scalar_from_json(const Reader& r, const json& v, const std::string& where
   r.fail(where, "a number, \"inf\", \"-inf\" or \"nan\"", v);
 }
 
-std::vector<Value> values_from_json(const Reader& r, const json& a, const std::string& where) {
+std::vector<Value> values_from_json(const JsonFields& r, const json& a, const std::string& where) {
   std::vector<Value> out;
   if (!a.is_array()) r.fail(where, "a list", a);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -315,7 +250,7 @@ std::string trace_records_json(const Trace& trace, std::string_view kind, size_t
 
 namespace {
 
-OpRecord op_from_json(const Reader& r, const json& o, size_t i) {
+OpRecord op_from_json(const JsonFields& r, const json& o, size_t i) {
   const std::string w = fmt::format("ops[{}]", i);
   OpRecord op;
   op.id = r.get<int64_t>(o, "id", w);
@@ -350,7 +285,7 @@ OpRecord op_from_json(const Reader& r, const json& o, size_t i) {
 
 // A block's bytes (negative for a free where allowed): at most kMaxTraceBlockBytes, so that sums over a trace's
 // events cannot overflow.
-void check_bytes(const Reader& r, int64_t bytes, const std::string& w, const json& got, bool negative) {
+void check_bytes(const JsonFields& r, int64_t bytes, const std::string& w, const json& got, bool negative) {
   if (bytes > kMaxTraceBlockBytes || bytes < (negative ? -kMaxTraceBlockBytes : 0)) {
     r.fail(w, fmt::format("a byte count {}up to {}", negative ? "(negative for a free) " : "of 0 ", kMaxTraceBlockBytes),
            got);
@@ -358,7 +293,7 @@ void check_bytes(const Reader& r, int64_t bytes, const std::string& w, const jso
 }
 
 // A record's "bytes" and "block_bytes" (block_bytes defaulting to bytes), each checked by check_bytes.
-std::pair<int64_t, int64_t> sizes_from_json(const Reader& r, const json& o, const std::string& w, bool negative) {
+std::pair<int64_t, int64_t> sizes_from_json(const JsonFields& r, const json& o, const std::string& w, bool negative) {
   const auto bytes = r.get<int64_t>(o, "bytes", w);
   const auto block = r.get_or<int64_t>(o, "block_bytes", w, bytes);
   check_bytes(r, bytes, w + ".bytes", o["bytes"], negative);
@@ -366,7 +301,7 @@ std::pair<int64_t, int64_t> sizes_from_json(const Reader& r, const json& o, cons
   return {bytes, block};
 }
 
-MemEvent event_from_json(const Reader& r, const json& o, size_t i) {
+MemEvent event_from_json(const JsonFields& r, const json& o, size_t i) {
   const std::string w = fmt::format("events[{}]", i);
   MemEvent e;
   e.seq = r.get<uint64_t>(o, "seq", w);
@@ -385,7 +320,7 @@ MemEvent event_from_json(const Reader& r, const json& o, size_t i) {
   return e;
 }
 
-Allocation allocation_from_json(const Reader& r, const json& o, size_t i) {
+Allocation allocation_from_json(const JsonFields& r, const json& o, size_t i) {
   const std::string w = fmt::format("allocations[{}]", i);
   Allocation a;
   a.ptr = r.get<uint64_t>(o, "ptr", w);
@@ -405,7 +340,7 @@ Allocation allocation_from_json(const Reader& r, const json& o, size_t i) {
 }
 
 // The references between records, checked once all are read: each is -1 or an index into the list it names.
-void check_references(const Reader& r, const Trace& t) {
+void check_references(const JsonFields& r, const Trace& t) {
   const auto n_ops = static_cast<int64_t>(t.ops.size());
   const auto n_events = static_cast<int64_t>(t.events.size());
   const auto n_allocs = static_cast<int64_t>(t.allocations.size());
@@ -429,7 +364,21 @@ void check_references(const Reader& r, const Trace& t) {
   }
 }
 
-void read_header(const Reader& r, const json& j, Trace& t) {
+// The notes: {"code", "text"} objects; version 1 wrote each as its text alone, read with the code "unclassified".
+std::vector<Note> notes_from_json(const JsonFields& r, const json& j, int64_t version) {
+  std::vector<Note> out;
+  if (!j.contains("notes")) return out;
+  const json& a = j["notes"];
+  if (!a.is_array()) r.fail("notes", "a list", a);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const std::string w = fmt::format("notes[{}]", i);
+    if (version == 1) out.push_back(Note{"unclassified", r.as<std::string>(a[i], w)});
+    else out.push_back(Note{r.get<std::string>(a[i], "code", w), r.get<std::string>(a[i], "text", w)});
+  }
+  return out;
+}
+
+void read_header(const JsonFields& r, const json& j, int64_t version, Trace& t) {
   const json& ctx = r.field(j, "context", "");
   t.context.gpucast_version = r.get<std::string>(ctx, "gpucast_version", "context");
   t.context.torch_version = r.get<std::string>(ctx, "torch_version", "context");
@@ -458,7 +407,7 @@ void read_header(const Reader& r, const json& j, Trace& t) {
     k.callback_errors = r.get_or<int64_t>(c, "callback_errors", "counters", 0);
     k.threads = r.get_or<int64_t>(c, "threads", "counters", 0);
   }
-  t.notes = r.get_or<std::vector<std::string>>(j, "notes", "", {});
+  t.notes = notes_from_json(r, j, version);
   t.timing_source = r.get_or<std::string>(j, "timing_source", "", "cpu_clock");
   t.timed_layers = r.get_or<std::vector<std::string>>(j, "timed_layers", "", {});
   for (const char* list : {"ops", "events", "allocations"}) {
@@ -479,7 +428,7 @@ Trace read_trace(std::string_view source, const ParseWith& parse) {
   // the document (nlohmann's parser callback), so reading never holds a second, far larger copy of the trace.
   // Keys come in any order (the writer sorts them: "allocations" before "schema_version"), so a record's error is
   // kept and raised only once the version is known to be this gpucast's.
-  const Reader r(source);
+  const JsonFields r(source);
   Trace t;
   std::string list;  // the top-level key whose value is being read
   size_t index = 0;
@@ -510,14 +459,14 @@ Trace read_trace(std::string_view source, const ParseWith& parse) {
     GPUCAST_USER_ERROR("{}: not a gpucast trace: no 'schema_version' field at the top level", source);
   }
   const int64_t version = r.get<int64_t>(j, "schema_version", "");
-  if (version != kTraceSchemaVersion) {
+  if (version < kOldestTraceSchemaVersion || version > kTraceSchemaVersion) {
     GPUCAST_USER_ERROR(
-        "{}: trace schema_version {} is not supported by this gpucast (reads version {}); record the "
+        "{}: trace schema_version {} is not supported by this gpucast (reads versions {} to {}); record the "
         "trace again with this version",
-        source, version, kTraceSchemaVersion);
+        source, version, kOldestTraceSchemaVersion, kTraceSchemaVersion);
   }
   if (first_error) throw *first_error;
-  read_header(r, j, t);
+  read_header(r, j, version, t);
   check_references(r, t);
   return t;
 }

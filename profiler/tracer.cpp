@@ -209,7 +209,7 @@ struct TracerState {
   int64_t start_ns = 0;
   std::vector<BaselineBlock> baseline_blocks;
   std::map<std::string, DeviceBaseline> baseline;
-  std::vector<std::string> notes;
+  std::vector<Note> notes;
   // Device timer of the running trace; kept after stop until the next start, since RecordFunctions that
   // began before the stop may still end and call it.
   std::unique_ptr<DeviceTimer> timer;
@@ -523,13 +523,13 @@ void start_trace(const TraceOptions& options) {
       for (const BaselineBlock& blk : s.baseline_blocks) b.bytes += blk.block_bytes;
       s.baseline["cpu"] = b;
     } else {
-      s.notes.push_back("CPU allocator hook unavailable: CPU memory events not recorded");
+      s.notes.push_back(Note{"cpu-allocator-hook-unavailable", "CPU allocator hook unavailable: CPU memory events not recorded"});
     }
     std::string why;
     if (install_cuda_allocator_hook(&why)) {
       detail::cuda_baseline(s.baseline, s.baseline_blocks, s.notes);
     } else if (!why.empty()) {
-      s.notes.push_back(why);
+      s.notes.push_back(Note{"cuda-allocator-hook-unavailable", why});
     }
   }
   s.timer.reset();
@@ -539,13 +539,14 @@ void start_trace(const TraceOptions& options) {
   if (options.device_timing && stand_in_timer().load()) {
     s.timer = make_cpu_span_timer();
     s.timing_source = s.timer->name();
-    s.notes.push_back("device timing by the stand-in timer (CPU clock spans through the device-timer interface)");
+    s.notes.push_back(Note{"stand-in-timer",
+                           "device timing by the stand-in timer (CPU clock spans through the device-timer interface)"});
   } else if (options.device_timing && cuda_device_present()) {
     TimerChoice choice = choose_device_timer(true, options.external_profiler, make_cupti_timer(), make_cuda_event_timer(),
                                              cupti_set_aside());
     s.timer = std::move(choice.timer);
     s.timing_source = choice.source;
-    for (std::string& n : choice.notes) s.notes.push_back(std::move(n));
+    for (Note& n : choice.notes) s.notes.push_back(std::move(n));
   }
   s.active_timer.store(s.timer.get(), std::memory_order_release);
   s.generation.fetch_add(1, std::memory_order_acq_rel);
@@ -714,11 +715,12 @@ RecordedTrace stop_recording() {
   if (s.timer) {
     raw.device_ns = device_time_by_op(s.timer->stop());
     raw.per_launch = s.timer->per_launch();
-    if (std::string r = s.timer->report(); !r.empty()) s.notes.push_back(std::move(r));
+    if (std::string r = s.timer->report(); !r.empty()) s.notes.push_back(Note{"device-timer-report", std::move(r)});
     if (s.timer->attributed_none() && cupti_set_aside().empty()) {
       cupti_set_aside() = "CUPTI attributed no device work to ops in an earlier trace of this process";
-      s.notes.push_back("CUPTI recorded device work but attributed none of it to ops: later traces in this process "
-                        "time with CUDA events");
+      s.notes.push_back(Note{"cupti-attributed-none",
+                             "CUPTI recorded device work but attributed none of it to ops: later traces in this "
+                             "process time with CUDA events"});
     }
   }
   raw.in.timing_source = s.timing_source;

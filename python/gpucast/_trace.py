@@ -331,8 +331,10 @@ class Trace:
         return dict(self._head()["counters"])
 
     @property
-    def notes(self) -> list[str]:
-        return list(self._head()["notes"])
+    def notes(self) -> list[dict]:
+        """What the trace noted while recording (backends unavailable, fallbacks taken), each {"code", "text"}
+        (codes: docs/design.md)."""
+        return [dict(n) for n in self._head()["notes"]]
 
     @property
     def context(self) -> dict:

@@ -174,7 +174,7 @@ TEST_F(AssemblyTest, JsonRoundTripIsExact) {
   t.ops[1].inputs.push_back(Value{Value::Kind::Tensor, {TensorMeta{{8, 16}, {16, 1}, "float32", "cpu", 0x1000}}, 0});
   t.ops[1].inputs.push_back(Value{Value::Kind::Scalar, {}, 2.5});
   t.ops[1].outputs.push_back(Value{Value::Kind::TensorList, {TensorMeta{{2}, {1}, "int64", "cpu", 0}}, 0});
-  t.notes.push_back("a note");
+  t.notes.push_back(Note{"a-code", "a note"});
   t.timed_layers = {"Net.fc", "(outside modules)"};
   Trace back = trace_from_json(trace_to_json(t));
   EXPECT_EQ(trace_to_json(back), trace_to_json(t));
@@ -182,6 +182,21 @@ TEST_F(AssemblyTest, JsonRoundTripIsExact) {
   EXPECT_EQ(back.ops[1].inputs, t.ops[1].inputs);
   EXPECT_EQ(back.ops[1].outputs, t.ops[1].outputs);
   EXPECT_EQ(back.context.torch_version, "2.14.1");
+  EXPECT_EQ(back.notes, t.notes);
+}
+
+TEST_F(AssemblyTest, VersionOneNotesReadAsUnclassified) {
+  // Version 1 wrote each note as its text alone.
+  Trace t = assemble_trace(std::move(in));
+  std::string text = trace_to_json(t);
+  const std::string v2 = R"("schema_version":2)";
+  ASSERT_NE(text.find(v2), std::string::npos);
+  text.replace(text.find(v2), v2.size(), R"("schema_version":1)");
+  const std::string notes = R"("notes":[])";
+  ASSERT_NE(text.find(notes), std::string::npos);
+  text.replace(text.find(notes), notes.size(), R"("notes":["CUPTI is not available"])");
+  const Trace back = trace_from_json(text);
+  EXPECT_EQ(back.notes, (std::vector<Note>{{"unclassified", "CUPTI is not available"}}));
 }
 
 TEST_F(AssemblyTest, NonFiniteScalarsSurviveTheRoundTrip) {
@@ -229,7 +244,7 @@ TEST(TraceJson, RejectsOtherSchemaVersionsNamingTheVersion) {
     FAIL();
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(),
-                 "old.json: trace schema_version 7 is not supported by this gpucast (reads version 1); record the "
+                 "old.json: trace schema_version 7 is not supported by this gpucast (reads versions 1 to 2); record the "
                  "trace again with this version");
   }
 }
@@ -279,8 +294,8 @@ TEST(TraceJson, ValidatesIndicesRangesAndDepth) {
   EXPECT_EQ(trace_error(edited(R"("allocation":0)", R"("allocation":3)")),
             "t.json: field 'events[0].allocation' should be -1 or an index below 1, got 3");
   EXPECT_EQ(trace_error(edited(R"("schema_version":1)", R"("schema_version":4294967297)")),
-            "t.json: trace schema_version 4294967297 is not supported by this gpucast (reads version 1); record "
-            "the trace again with this version");
+            "t.json: trace schema_version 4294967297 is not supported by this gpucast (reads versions 1 to 2); "
+            "record the trace again with this version");
   EXPECT_EQ(trace_error(edited(R"("schema_version":1)", R"("schema_version":18446744073709551615)")),
             "t.json: field 'schema_version' should be an integer in range, got 18446744073709551615");
   EXPECT_EQ(trace_error(edited(R"("end_ns":1)", R"("end_ns":1e300)")),
@@ -385,16 +400,15 @@ TEST_F(TimerChoiceTest, AnotherSubscriberMeansCudaEvents) {
       true, false, cupti({TimerStart::Status::Busy, "CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED"}), events());
   EXPECT_EQ(c.source, "cuda_events");
   ASSERT_EQ(c.notes.size(), 1u);
-  EXPECT_EQ(c.notes[0],
-            "CUPTI is held by another client (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED): device time measured "
-            "with CUDA events");
+  EXPECT_EQ(c.notes[0].code, "cupti-busy");
+  EXPECT_NE(c.notes[0].text.find("CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED"), std::string::npos);  // the why
 }
 
 TEST_F(TimerChoiceTest, TorchProfilerRunningLeavesCuptiAlone) {
   TimerChoice c = choose_device_timer(true, /*other_holder=*/true, cupti({}), events());
   EXPECT_EQ(cupti_starts, 0);
   EXPECT_EQ(c.source, "cuda_events");
-  EXPECT_EQ(c.notes[0], "CUPTI is held by another client (torch.profiler): device time measured with CUDA events");
+  EXPECT_EQ(c.notes[0].code, "cupti-busy");
 }
 
 TEST_F(TimerChoiceTest, CuptiSetAsideAfterItAttributedNothingMeansCudaEvents) {
@@ -404,14 +418,13 @@ TEST_F(TimerChoiceTest, CuptiSetAsideAfterItAttributedNothingMeansCudaEvents) {
   EXPECT_EQ(event_starts, 1);
   EXPECT_EQ(c.source, "cuda_events");
   ASSERT_EQ(c.notes.size(), 1u);
-  EXPECT_EQ(c.notes[0], "CUPTI attributed no device work to ops in an earlier trace of this process: device time "
-                        "measured with CUDA events");
+  EXPECT_EQ(c.notes[0].code, "cupti-set-aside");
 }
 
 TEST_F(TimerChoiceTest, UnavailableCuptiFallsBackToEvents) {
   TimerChoice c = choose_device_timer(true, false, nullptr, events());
   EXPECT_EQ(c.source, "cuda_events");
-  EXPECT_EQ(c.notes[0], "CUPTI is not available (libcupti not found): device time measured with CUDA events");
+  EXPECT_EQ(c.notes[0].code, "cupti-unavailable");
 }
 
 TEST_F(TimerChoiceTest, NoCudaMeansCpuClocksWithoutTouchingTimers) {
@@ -425,9 +438,9 @@ TEST_F(TimerChoiceTest, NothingStartsMeansCpuClocksAndSaysWhy) {
   TimerChoice c = choose_device_timer(true, false, cupti({TimerStart::Status::Unavailable, "no driver"}),
                                       events({TimerStart::Status::Unavailable, "no CUDA device"}));
   EXPECT_EQ(c.source, "cpu_clock");
-  EXPECT_EQ(c.notes[0],
-            "CUPTI could not start (no driver); CUDA events could not start either (no CUDA device): no device time, "
-            "CPU clocks only");
+  ASSERT_EQ(c.notes.size(), 1u);
+  EXPECT_EQ(c.notes[0].code, "cupti-start-failed");
+  EXPECT_EQ(c.timer, nullptr);
 }
 
 TEST_F(TimerChoiceTest, SpansAddUpPerOp) {

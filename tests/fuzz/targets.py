@@ -84,16 +84,16 @@ def check_correction(out: dict, what: str) -> None:
     finite(out["step_ms"], f"{what}.step_ms", non_negative=True)
 
 
-def check_version_read(path: str, what: str) -> None:
-    """An input gpucast accepted carries the schema_version it reads (1): a version of 2**32 + 1 read as 1 (a
-    silent truncation) is a wrong answer, not an answer."""
+def check_version_read(path: str, what: str, versions: tuple = (1,)) -> None:
+    """An input gpucast accepted carries a schema_version it reads (`versions`): a version of 2**32 + 1 read as 1
+    (a silent truncation) is a wrong answer, not an answer."""
     try:
         doc = json.loads(Path(path).read_bytes())
     except (ValueError, RecursionError):
         return  # what Python cannot read, gpucast read otherwise: nothing to compare
     v = doc.get("schema_version", 1) if isinstance(doc, dict) else 1
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != 1:
-        raise Garbage(f"{what}: schema_version {v!r} accepted (gpucast reads version 1)")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v not in versions:
+        raise Garbage(f"{what}: schema_version {v!r} accepted (gpucast reads {versions})")
 
 
 def check_job_estimate(e: dict, what: str) -> None:
@@ -189,7 +189,7 @@ def run_trace(path: str) -> None:
     repr(t)
     finite(t.peak_bytes("cpu"), "peak_bytes('cpu')", non_negative=True)
     check_memory_forecast(_auto.forecast_traced_step(t, 2, "cpu"), "forecast")
-    check_version_read(path, "load_trace")
+    check_version_read(path, "load_trace", versions=(1, 2))
 
 
 def run_job(path: str) -> None:

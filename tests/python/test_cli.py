@@ -48,11 +48,11 @@ def test_report_of_a_saved_trace(tmp_path):
 
 
 def test_report_of_a_bad_file_names_it(tmp_path):
-    (tmp_path / "bad.json").write_text('{"schema_version": 2}')
+    (tmp_path / "bad.json").write_text('{"schema_version": 3}')
     out = cli("report", "bad.json", cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("gpucast: [gpucast:trace-file] bad.json: trace schema_version 2 is not supported by this gpucast "
-                                  "(reads version 1); record the trace again with this version")
+    assert out.stderr.strip() == ("gpucast: [gpucast:trace-file] bad.json: trace schema_version 3 is not supported by this gpucast "
+                                  "(reads versions 1 to 2); record the trace again with this version")
 
 
 def test_run_an_unmodified_script_from_another_directory(tmp_path):

@@ -71,3 +71,15 @@ def test_the_check_names_an_upward_and_a_foreign_private_include():
     assert file_violations(at, "predictor", text, headers) == [
         f"predictor/probe.cpp (predictor) includes {plugin_header} of the plugin layer",
         "predictor/probe.cpp includes the private header memory_sink.h of another folder"]
+
+
+RAW_PARSE = re.compile(r"\bjson::parse\s*\(")
+
+
+def test_every_parser_reads_outside_json_through_json_input():
+    # gpucast/json_input.h's parse_json_input checks depth and UTF-8 before parsing and turns every error into a
+    # UserError naming the source; nlohmann's parse called directly does neither.
+    found = [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
+             for layer in LAYERS for path in sources(layer) if path.name != "json_input.cpp"
+             for text in [path.read_text()] for m in RAW_PARSE.finditer(text)]
+    assert found == []

@@ -13,6 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "gpucast/note.h"
+
 namespace gpucast {
 
 // Device activity attributed to the op (key) that launched it.
@@ -53,7 +55,7 @@ class DeviceTimer {
 struct TimerChoice {
   std::unique_ptr<DeviceTimer> timer;  // null: CPU clocks only
   std::string source;                  // "cupti", "cuda_events" or "cpu_clock"
-  std::vector<std::string> notes;      // why a fallback was taken
+  std::vector<Note> notes;             // why a fallback was taken
 };
 
 // cupti / events: the available timers (null when not built or not loadable). other_holder: another CUPTI

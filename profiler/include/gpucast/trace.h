@@ -11,9 +11,13 @@
 #include <string_view>
 #include <vector>
 
+#include "gpucast/note.h"
+
 namespace gpucast {
 
-inline constexpr int kTraceSchemaVersion = 1;
+// 2: notes are {"code", "text"} (version 1 wrote them as text; read as code "unclassified").
+inline constexpr int kTraceSchemaVersion = 2;
+inline constexpr int kOldestTraceSchemaVersion = 1;
 
 enum class Phase : uint8_t { Forward = 0, Backward = 1, Optimizer = 2 };
 enum class Scope : uint8_t { Function = 0, BackwardFunction = 1, UserScope = 2 };
@@ -145,7 +149,7 @@ struct Trace {
   // Sparse timing (timed_layers.h): the layers the trace was asked to time, the only ones whose ops device
   // timers covered (CPU clocks time every op) and whose times the step-time forecast uses; empty: every layer.
   std::vector<std::string> timed_layers;
-  std::vector<std::string> notes;  // backends unavailable, fallbacks taken
+  std::vector<Note> notes;  // backends unavailable, fallbacks taken (codes: docs/design.md)
 };
 
 // A top-level optimizer step: the user scope "Optimizer.step#<class>.step" at depth 0.

@@ -43,7 +43,7 @@ struct AssemblyInput {
   std::map<std::string, DeviceBaseline> baseline;
   TraceContext context;
   TraceCounters counters;  // counters gathered while recording (dropped, callback errors)
-  std::vector<std::string> notes;
+  std::vector<Note> notes;
   std::string timing_source = "cpu_clock";
   std::vector<std::string> timed_layers;
   int64_t start_ns = 0;

@@ -1,5 +1,5 @@
-// note_json.h (predictor, private): a Note as JSON, {"code", "text"} (nlohmann finds it by argument lookup, so a
-// forecast's notes serialise as {"notes", f.notes}).
+// gpucast/note_json.h (common): a Note as JSON, {"code", "text"} (nlohmann finds it by argument lookup, so a
+// forecast's notes serialise as {"notes", f.notes} and a trace's as j["notes"] = trace.notes).
 #pragma once
 
 #include <nlohmann/json.hpp>
