@@ -83,10 +83,13 @@ std::vector<GpuRates> parse_gpu_rates(const std::string& body, const std::string
     r.name = text(g, "name", where);
     const std::string here = fmt::format("{} ('{}')", where, r.name);
     if (find_gpu_rates(out, r.name) != nullptr) GPUCAST_USER_ERROR("{}: GPU '{}' listed twice", here, r.name);
-    r.fp32_flops = number(g, "fp32_tflops", here, 0, -1, true) * 1e12;
-    r.tf32_flops = number(g, "tf32_tflops", here, 0, -1, true) * 1e12;
-    r.half_flops = number(g, "half_tflops", here, 0, -1, true) * 1e12;
-    r.bytes_per_s = number(g, "bandwidth_gbps", here, 0, -1, true) * 1e9;
+    // 1e6 TFLOPS and 1e6 GB/s: chosen bounds, about 500 times the fastest GPU's (B200: 2.25 dense 16-bit PFLOPS,
+    // 8 TB/s), so that a rate times its unit stays finite (1.8e308 TFLOPS read as FLOP/s is infinite).
+    constexpr double kMaxTflops = 1e6, kMaxGbps = 1e6;
+    r.fp32_flops = number(g, "fp32_tflops", here, 0, kMaxTflops, true) * 1e12;
+    r.tf32_flops = number(g, "tf32_tflops", here, 0, kMaxTflops, true) * 1e12;
+    r.half_flops = number(g, "half_tflops", here, 0, kMaxTflops, true) * 1e12;
+    r.bytes_per_s = number(g, "bandwidth_gbps", here, 0, kMaxGbps, true) * 1e9;
     r.fitted_on = text(g, "fitted_on", here);
     if (g.contains("overhead_scale")) r.overhead_scale = number(g, "overhead_scale", here, 0, 10);
     r.host_ns_per_op = host_ns_per_op;

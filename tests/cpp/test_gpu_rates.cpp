@@ -71,6 +71,10 @@ TEST(GpuRates, BadTablesNameTheKeyAndWhatWasGiven) {
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
             "t.json: gpus[0] ('G1'): 'bandwidth_gbps' should be a number, got \"fast\"");
   j = table_json();
+  j["gpus"][0]["fp32_tflops"] = 1.7976931348623157e308;  // finite, but infinite as FLOP/s (found by the fuzzer)
+  EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
+            "t.json: gpus[0] ('G1'): 'fp32_tflops' should be in (0, 1000000], got 1.7976931348623157e+308");
+  j = table_json();
   j["gpus"][0]["overhead_scale"] = 11;
   EXPECT_EQ(err([&] { parse_gpu_rates(j.dump(), "t.json"); }),
             "t.json: gpus[0] ('G1'): 'overhead_scale' should be in [0, 10], got 11");
