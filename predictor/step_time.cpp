@@ -659,17 +659,15 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
   const json j = parse_json_input(text, r.source());
   if (!j.is_object()) r.fail("", "an object (a gpucast iteration timing)", j);
   constexpr int64_t kMaxCount = int64_t{1} << 40;  // ops, batches, bytes per layer: far above any trace's
-  auto count = [&](const json& obj, const char* key, const std::string& where, int64_t lo, int64_t fallback,
-                   bool required = false) {
-    if (!required && !obj.contains(key)) return fallback;
-    const int64_t v = r.get<int64_t>(obj, key, where);
-    if (v < lo || v > kMaxCount) {
-      r.fail(where.empty() ? key : where + "." + key, fmt::format("an integer from {} to 2^40", lo), obj[key]);
-    }
+  // A top-level count in [lo, 2^40]; absent: `fallback`, unless required.
+  auto count = [&](const char* key, int64_t lo, int64_t fallback, bool required = false) {
+    if (!required && !j.contains(key)) return fallback;
+    const int64_t v = r.get<int64_t>(j, key, "");
+    if (v < lo || v > kMaxCount) r.fail(key, fmt::format("an integer from {} to 2^40", lo), j[key]);
     return v;
   };
   IterationTiming t;
-  t.batch = count(j, "batch", "", 1, 0, true);
+  t.batch = count("batch", 1, 0, true);
   t.wall_ns = r.get<double>(j, "wall_ns", "");
   t.optimizer_ns = r.get<double>(j, "optimizer_ns", "");
   t.other_ns = r.get<double>(j, "other_ns", "");
@@ -677,14 +675,14 @@ IterationTiming iteration_timing_from_json(const std::string& text) {
   if (t.clock != "cpu" && t.clock != "device" && t.clock != "gpu-table") {
     r.fail("clock", "one of cpu|device|gpu-table", j["clock"]);
   }
-  t.ops_total = count(j, "ops_total", "", 0, 0);
-  t.optimizer_ops = count(j, "optimizer_ops", "", 0, 0);
-  t.other_ops = count(j, "other_ops", "", 0, 0);
+  t.ops_total = count("ops_total", 0, 0);
+  t.optimizer_ops = count("optimizer_ops", 0, 0);
+  t.other_ops = count("other_ops", 0, 0);
   t.untraced_wall_ns = r.get_or<double>(j, "untraced_wall_ns", "", -1.0);
-  t.im2col_conv_ops = count(j, "im2col_conv_ops", "", 0, 0);
+  t.im2col_conv_ops = count("im2col_conv_ops", 0, 0);
   t.optimizer_bytes = r.get_or<double>(j, "optimizer_bytes", "", 0.0);
-  t.seq = count(j, "seq", "", 0, 0);
-  t.launch_ops = count(j, "launch_ops", "", -1, -1);
+  t.seq = count("seq", 0, 0);
+  t.launch_ops = count("launch_ops", -1, -1);
   const json& layers = r.field(j, "layers", "");
   if (!layers.is_array()) r.fail("layers", "a list of layers", layers);
   t.layers.reserve(layers.size());
