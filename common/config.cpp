@@ -32,6 +32,7 @@ std::string_view form_text(const ConfigKey& k) {
 }
 
 std::string expected_text(const ConfigKey& k) {
+  if (k.form == ConfigKey::Form::Fraction && k.min_fraction > 0) return fmt::format("a number in [{}, 1]", k.min_fraction);
   if (k.form != ConfigKey::Form::Choice) return std::string(form_text(k));
   std::string s = "one of ";
   for (size_t i = 0; i < k.choices.size(); ++i) s += fmt::format("{}{}", i ? "|" : "", k.choices[i]);
@@ -115,7 +116,7 @@ void Config::set(const ConfigKey& k, std::string_view raw) {
     }
     case ConfigKey::Form::Fraction: {
       const std::optional<double> v = parse_number(raw);
-      if (!v || !(*v > 0.0 && *v <= 1.0)) bad();
+      if (!v || !(*v > 0.0 && *v >= k.min_fraction && *v <= 1.0)) bad();
       values_[k.name] = *v;
       break;
     }

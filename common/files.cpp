@@ -2,6 +2,7 @@
 #include "gpucast/files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -59,6 +60,55 @@ void write_file_atomically(const std::string& path, const std::function<void(std
 
 void write_file_atomically(const std::string& path, std::string_view text) {
   write_file_atomically(path, [&](std::ostream& out) { out.write(text.data(), static_cast<std::streamsize>(text.size())); });
+}
+
+namespace {
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+}  // namespace
+
+std::string append_line_problem(const std::string& path) {
+  if (path.empty()) return "the path is empty";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) return "not a regular file (gpucast appends logs to regular files only)";
+    if (::access(path.c_str(), W_OK) != 0) return errno_text(errno);
+    return "";
+  }
+  if (errno != ENOENT) return errno_text(errno);
+  const size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  if (::stat(dir.c_str(), &st) != 0) return fmt::format("its folder '{}': {}", dir, errno_text(errno));
+  if (!S_ISDIR(st.st_mode)) return fmt::format("'{}' is not a folder", dir);
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) return fmt::format("its folder '{}': {}", dir, errno_text(errno));
+  return "";
+}
+
+void append_line(const std::string& path, std::string_view line) {
+  auto fail = [&](const std::string& why) {
+    GPUCAST_USER_ERROR_CODE("file-write", "cannot append to '{}': {}", path, why);
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    fail("not a regular file (gpucast appends logs to regular files only)");
+  }
+  const int fd = ::open(path.c_str(), O_RDWR | O_APPEND | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) fail(errno_text(errno));
+  std::string text;
+  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {  // replaced between the two looks
+    ::close(fd);
+    fail("not a regular file (gpucast appends logs to regular files only)");
+  }
+  char last = '\n';
+  if (st.st_size > 0 && ::pread(fd, &last, 1, st.st_size - 1) == 1 && last != '\n') text.push_back('\n');
+  text.append(line);
+  text.push_back('\n');
+  const ssize_t n = ::write(fd, text.data(), text.size());
+  const int err = errno;
+  ::close(fd);
+  if (n < 0) fail(errno_text(err));
+  if (static_cast<size_t>(n) != text.size()) fail(fmt::format("wrote {} of {} bytes", n, text.size()));
 }
 
 }  // namespace gpucast

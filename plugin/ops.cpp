@@ -10,7 +10,9 @@
 #include <map>
 #include <optional>
 
+#include "auto_mode.h"
 #include "config_keys.h"
+#include "library_init.h"
 #include "translate.h"
 #include "gpucast/config.h"
 #include "gpucast/shipped_data.h"
@@ -250,13 +252,6 @@ c10::intrusive_ptr<TraceHolder> from_json(const std::string& text) {
   return translate("trace-file", [&] { return hold(trace_from_json(text, "<string>")); });
 }
 
-// Install the CPU allocator wrapper when the library loads, so that frees of blocks allocated before a
-// trace are seen with their size. Failing to install only means no CPU memory events.
-const bool g_cpu_hook_installed = [] {
-  std::string why;
-  return install_cpu_allocator_hook(&why);
-}();
-
 // The rates of `gpu` in the table at `path` ("": the default table); a table without it is an error of the table's
 // kind (gpu-rates: the caller may fall back to the shipped one). The table is read once per call: it is small.
 GpuRates gpu_rates_of(const std::string& gpu, const std::string& path_or_default) {
@@ -284,7 +279,8 @@ IterationTiming timing_argument(const std::string& text, const std::string& op, 
 }  // namespace
 }  // namespace gpucast
 
-TORCH_LIBRARY(gpucast, m) {
+// The ops and classes, registered by library_init.cpp when this copy of the library is the process's first.
+void gpucast::register_ops(torch::Library& m) {
   using gpucast::TraceHolder;
   using nlohmann::json;
   m.class_<TraceHolder>("Trace")
@@ -549,14 +545,8 @@ TORCH_LIBRARY(gpucast, m) {
   m.def("load_trace(str path) -> __torch__.torch.classes.gpucast.Trace", &gpucast::load);
   m.def("trace_from_json(str text) -> __torch__.torch.classes.gpucast.Trace", &gpucast::from_json);
   m.def("parse_auto_config(str text) -> str", [](const std::string& text) {
-    return gpucast::translate("auto-config", [&] {
-      gpucast::Config cfg("GPUCAST_CONF", gpucast::auto_config_keys());
-      cfg.parse(text);
-      return json{{"enabled", cfg.get_bool("enabled")}, {"target", cfg.get_string("target")},
-                  {"capacity_mb", cfg.get_int("capacity_mb")}, {"warn_fraction", cfg.get_double("warn_fraction")},
-                  {"on_risk", cfg.get_string("on_risk")}}
-          .dump();
-    });
+    return gpucast::translate("auto-config",
+                              [&] { return gpucast::auto_settings_json(gpucast::read_auto_settings(text)).dump(); });
   });
   m.def("auto_config_help() -> str", [] {
     return gpucast::Config("GPUCAST_CONF", gpucast::auto_config_keys()).describe();
@@ -580,6 +570,53 @@ TORCH_LIBRARY(gpucast, m) {
     }
   });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
+  m.def("library_path() -> str", [] { return gpucast::this_library_path(); });
+  // Auto mode (plugin/auto_mode.h): configured from GPUCAST_CONF's text (python: the Python layer reports what it
+  // polls), polled by the Python layer's hooks, its status.
+  m.def("auto_configure(str text, bool python=False) -> str", [](const std::string& text, bool python) {
+    return gpucast::translate("auto-config", [&] {
+      return gpucast::auto_settings_json(gpucast::auto_mode::configure(text, python)).dump();
+    });
+  });
+  m.def("auto_stop() -> ()", [] { gpucast::auto_mode::stop(); });
+  // A forecast (MemoryForecast's JSON) judged against capacity_mb (0: the forecast's) at warn_fraction:
+  // {"risk", "message"}. The one rule auto mode and the framework callbacks judge by.
+  m.def("judge_memory(str forecast, int capacity_mb, float warn_fraction) -> str",
+        [](const std::string& forecast, int64_t capacity_mb, double warn_fraction) {
+          return gpucast::translate("argument", [&] {
+            gpucast::AutoSettings s;
+            if (capacity_mb < 0 || capacity_mb > (int64_t{1} << 24)) {
+              GPUCAST_USER_ERROR("judge_memory: capacity_mb should be in [0, 2^24], got {}", capacity_mb);
+            }
+            if (!(warn_fraction > 0 && warn_fraction <= 1)) {
+              GPUCAST_USER_ERROR("judge_memory: warn_fraction should be in (0, 1], got {}", warn_fraction);
+            }
+            s.capacity_mb = capacity_mb;
+            s.warn_fraction = warn_fraction;
+            const gpucast::AutoVerdict v =
+                gpucast::judge_forecast(gpucast::memory_forecast_for_judging(forecast), s);
+            return json{{"risk", v.risk}, {"message", v.message}}.dump();
+          });
+        });
+  // "auto": this process's GPU as a device table name (else cpu); any other name as given.
+  m.def("auto_target(str target) -> str", [](const std::string& target) { return gpucast::auto_mode::resolve_target(target); });
+  m.def("auto_poll(bool at_step) -> str", [](bool at_step) { return gpucast::auto_mode::poll(at_step); });
+  m.def("auto_status() -> str", [] { return gpucast::auto_mode::status_json(); });
+  // The forecast auto mode makes from a traced iteration at its batch, with GPUCAST_CONF's settings, and its
+  // verdict: {"risk", "message", "record"} (the record GPUCAST_LOG would get).
+  m.def("auto_forecast(__torch__.torch.classes.gpucast.Trace trace, int batch, str conf) -> str",
+        [](const c10::intrusive_ptr<TraceHolder>& t, int64_t batch, const std::string& conf) {
+          return gpucast::translate("auto-config", [&] {
+            const gpucast::AutoSettings s = gpucast::read_auto_settings(conf);
+            const gpucast::Trace& trace = t->get();
+            const std::string device = gpucast::window_peak_bytes(trace, "cuda:0") > 0 ? "cuda:0" : "cpu";
+            const std::string target = gpucast::auto_mode::resolve_target(s.target);
+            const gpucast::AutoVerdict v = gpucast::forecast_traced_step(
+                trace, batch, target, s, device, gpucast::ForecastEnvironment::from_process());
+            gpucast::AutoRecordContext c;
+            return json{{"risk", v.risk}, {"message", v.message}, {"record", gpucast::auto_record(v, c)}}.dump();
+          });
+        });
   // The context block every JSON gpucast writes carries (CONVENTIONS: google/benchmark's context).
   m.def("context() -> str", [] {
     const auto c = gpucast::current_context();

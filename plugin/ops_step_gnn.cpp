@@ -7,6 +7,7 @@
 
 #include "gpucast/error.h"
 #include "gpucast/step_gnn.h"
+#include "library_init.h"
 #include "translate.h"
 
 namespace gpucast {
@@ -33,7 +34,7 @@ std::string step_correction_json(const std::string& graph_json, const std::strin
 }  // namespace
 }  // namespace gpucast
 
-TORCH_LIBRARY_FRAGMENT(gpucast, m) {
+void gpucast::register_step_gnn_ops(torch::Library& m) {
   m.def("step_correction(str graph_json, str weights='') -> str", &gpucast::step_correction_json);
   m.def("step_gnn_weights_path() -> str", [] { return gpucast::default_step_gnn_weights(); });
 }

@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "auto_mode.h"
 #include "gpucast/error.h"
 
 namespace gpucast {
@@ -15,6 +16,7 @@ namespace gpucast {
 template <typename F>
 auto translate(const char* code, F&& f) -> decltype(f()) {
   try {
+    auto_mode::raise_config_error();  // a GPUCAST_CONF the library could not read when it loaded: once
     return f();
   } catch (const UserError& e) {
     TORCH_CHECK_VALUE(false, valid_utf8(with_code(code, e).what()));

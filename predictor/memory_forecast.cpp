@@ -52,13 +52,23 @@ const std::vector<DeviceSpec>& device_table() {
   return table;
 }
 
-const DeviceSpec& find_device(const std::string& name) {
+const DeviceSpec* lookup_device(const std::string& name) {
   for (const DeviceSpec& d : device_table()) {
-    if (ascii_lower(d.name) == ascii_lower(name)) return d;
+    if (ascii_lower(d.name) == ascii_lower(name)) return &d;
   }
-  std::string known;
-  for (const DeviceSpec& d : device_table()) known += (known.empty() ? "" : ", ") + d.name;
-  GPUCAST_USER_ERROR("unknown target '{}'; known targets: cpu, {} (or give capacity= for another GPU)", name, known);
+  return nullptr;
+}
+
+std::string known_targets() {
+  std::string known = "cpu";
+  for (const DeviceSpec& d : device_table()) known += ", " + d.name;
+  return known;
+}
+
+const DeviceSpec& find_device(const std::string& name) {
+  if (const DeviceSpec* d = lookup_device(name)) return *d;
+  GPUCAST_USER_ERROR("unknown target '{}'; known targets: {} (or give a capacity for another GPU)", name,
+                     known_targets());
 }
 
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& config) {
@@ -627,12 +637,30 @@ class Forecaster {
  public:
   Forecaster(const MemoryForecastInput& in, MemoryForecast& out) : in_(in), out_(out) {}
 
+  // The target's row; a GPU the table lacks, given with its capacity: a CUDA device of that capacity whose context
+  // (outside the allocator) is not known, said in a note.
+  DeviceSpec device_spec() {
+    if (const DeviceSpec* d = lookup_device(in_.target); d != nullptr || in_.capacity_bytes <= 0) {
+      return find_device(in_.target);
+    }
+    out_.notes.push_back(Note{"unknown-device",
+                              fmt::format("'{}' is not in the device table: forecast as a CUDA device of the capacity "
+                                          "given, without its CUDA context (outside the allocator), and with the "
+                                          "cuBLAS workspace PyTorch sizes below Hopper",
+                                          in_.target)});
+    DeviceSpec spec;
+    spec.name = in_.target;
+    spec.capacity_bytes = in_.capacity_bytes;
+    spec.source = "given capacity";
+    return spec;
+  }
+
   void run() {
     validate();
     const bool gpu = in_.target != "cpu";
     out_.capacity_bytes = in_.capacity_bytes;
     if (gpu) {
-      spec_ = find_device(in_.target);
+      spec_ = device_spec();
       out_.capacity_bytes = in_.capacity_bytes > 0 ? in_.capacity_bytes : spec_.capacity_bytes;
       out_.outside_allocator_bytes = spec_.context_bytes;
       const int64_t world = in_.parallel.dp * in_.parallel.tp * in_.parallel.pp;
@@ -1042,14 +1070,16 @@ class Forecaster {
       }
       Entry e = p.entries[i];  // a copy: the push below may move the vector
       if (plan.skipped(e.ref)) continue;
+      const int64_t ref = e.ref;
       if (e.ref >= 0) e.ref += kSecondIterationRef;
       else if (!e.alloc) continue;  // initial blocks freed in iteration 1 are gone
       e.iteration = 2;
       p.entries.push_back(e);
+      // What iteration 1 left behind besides its gradients (the loss, outputs the caller keeps) is replaced by
+      // iteration 2's counterpart: a loop's `loss = ...` frees the old value once the new one is bound, a cache
+      // made once holds one copy. Freed right after the counterpart is allocated.
+      if (e.alloc && plan.left_behind(ref)) p.entries.push_back(freed_in_iteration_2(ref, e.phase));
     }
-    // What iteration 1 left behind besides its gradients (the loss, outputs kept by the caller) is replaced
-    // during iteration 2: conservatively, freed at its end.
-    for (int64_t r : plan.persistent_other) p.entries.push_back(freed_in_iteration_2(r, Phase::Forward));
   }
 
   // What synthesize_steady_iteration() repeats and frees, from the stream's structure alone (the same at every
@@ -1058,8 +1088,12 @@ class Forecaster {
     std::vector<char> skip;  // by allocation position: not allocated again in iteration 2
     std::vector<int64_t> persistent_grads, persistent_other;  // allocations iteration 1 never freed
     size_t entries = 0;      // the entries iteration 2 adds
+    std::vector<char> other;  // by allocation position: in persistent_other
     bool skipped(int64_t ref) const {
       return ref >= 0 && ref < static_cast<int64_t>(skip.size()) && skip[static_cast<size_t>(ref)] != 0;
+    }
+    bool left_behind(int64_t ref) const {
+      return ref >= 0 && ref < static_cast<int64_t>(other.size()) && other[static_cast<size_t>(ref)] != 0;
     }
   };
 
@@ -1080,6 +1114,8 @@ class Forecaster {
       else if (e.category == Category::Gradient) plan.persistent_grads.push_back(e.ref);
       else plan.persistent_other.push_back(e.ref);
     }
+    plan.other.assign(s.ptr_of.size(), 0);
+    for (int64_t r : plan.persistent_other) plan.other[static_cast<size_t>(r)] = 1;
     const bool zero_grad = s.zero_grad_entry != kNone;
     if (!zero_grad) {
       for (int64_t r : plan.persistent_grads) plan.skip[static_cast<size_t>(r)] = 1;  // accumulated into, not allocated again
@@ -1617,7 +1653,9 @@ MemoryForecast forecast_memory(const MemoryForecastInput& input) {
   return out;
 }
 
-std::string memory_forecast_to_json(const MemoryForecast& f) {
+std::string memory_forecast_to_json(const MemoryForecast& f) { return memory_forecast_json(f).dump(); }
+
+nlohmann::json memory_forecast_json(const MemoryForecast& f) {
   nlohmann::json j{{"target", f.target},
                    {"batch_size", f.batch_size},
                    {"per_rank_batch", f.per_rank_batch},
@@ -1646,7 +1684,7 @@ std::string memory_forecast_to_json(const MemoryForecast& f) {
                    {"warnings", f.warnings},
                    {"notes", f.notes},
                    {"forecast_ms", f.forecast_ms}};
-  return j.dump();
+  return j;
 }
 
 }  // namespace gpucast

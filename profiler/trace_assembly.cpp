@@ -113,7 +113,7 @@ void build_allocations(Trace& trace, const std::vector<BaselineBlock>& baseline_
   }
 }
 
-void assign_categories(Trace& trace, const std::vector<Tag>& tags) {
+void assign_categories(Trace& trace, const std::vector<Tag>& tags, bool optimizer_state_from_phase) {
   constexpr uint64_t kOpen = ~uint64_t{0};
   // Per (ptr, device), the allocations in order of their start, to find the one live at a tag's time.
   std::unordered_map<PtrKey, std::vector<int64_t>, PtrKeyHash> by_ptr;
@@ -147,6 +147,12 @@ void assign_categories(Trace& trace, const std::vector<Tag>& tags) {
     a.category = Category::Other;
     if (a.alloc_event < 0) continue;
     const MemEvent& alloc = trace.events[a.alloc_event];
+    if (optimizer_state_from_phase && alloc.phase == Phase::Optimizer && a.free_event < 0) {
+      // What an optimizer step allocated and still holds when the window ends: its state (exp_avg, momentum, the
+      // step counters), as torch.optim's state dict would list it.
+      a.category = Category::OptimizerState;
+      continue;
+    }
     if (a.free_event >= 0) {
       const MemEvent& fr = trace.events[a.free_event];
       if (a.alloc_op >= 0) {
@@ -220,7 +226,7 @@ Trace assemble_trace(AssemblyInput input) {
 
   detail::link_backward(trace);
   detail::build_allocations(trace, input.baseline_blocks);
-  detail::assign_categories(trace, tags);
+  detail::assign_categories(trace, tags, input.optimizer_state_from_phase);
   return trace;
 }
 

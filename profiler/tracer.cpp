@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <mutex>
 #include <string_view>
 #include <thread>
@@ -199,6 +200,12 @@ struct TracerState {
   std::vector<std::string> module_names;
   std::unordered_map<std::string, int32_t> module_ids;
   std::atomic<bool> active{false};
+  // Armed (arm_trace): callbacks installed, recording off until `observer` says so. The observer stays set while
+  // the armed trace records, and is cleared when it stops.
+  std::atomic<bool> armed{false};
+  std::atomic<TraceObserver*> observer{nullptr};
+  // Set in a child after fork: the callbacks (inherited, recording off) are removed at its next op.
+  std::atomic<bool> forked{false};
   std::atomic<uint64_t> generation{0};
   std::atomic<uint64_t> seq{1};
   std::atomic<int64_t> op_count{0}, event_count{0};
@@ -337,22 +344,39 @@ bool starts_with(const char* s, const char* prefix) {
   return s[0] == prefix[0] && std::strncmp(s, prefix, std::strlen(prefix)) == 0;
 }
 
+bool begin_armed_recording();
+void remove_callbacks_after_fork();
+void record_start(TracerState& s, const at::RecordFunction& fn);
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   TracerState& s = state();
-  if (!s.active.load(std::memory_order_acquire)) return nullptr;
+  if (!s.active.load(std::memory_order_acquire)) {
+    if (s.forked.load(std::memory_order_relaxed)) remove_callbacks_after_fork();
+    if (!s.armed.load(std::memory_order_acquire)) return nullptr;
+    TraceObserver* gate = s.observer.load(std::memory_order_acquire);
+    if (gate == nullptr || !gate->begins_at(fn) || !begin_armed_recording()) return nullptr;
+  }
+  record_start(s, fn);
+  if (TraceObserver* obs = s.observer.load(std::memory_order_acquire)) {
+    if (s.active.load(std::memory_order_acquire)) obs->started(fn);
+  }
+  return nullptr;
+}
+
+void record_start(TracerState& s, const at::RecordFunction& fn) {
   try {
     const char* name = fn.name();
-    if (name == nullptr || starts_with(name, "gpucast::")) return nullptr;
+    if (name == nullptr || starts_with(name, "gpucast::")) return;
     ThreadState* ts = thread_state();
     Locked lock(ts);
-    if (!lock) return nullptr;
+    if (!lock) return;
     if (!s.options.nested_ops && !ts->stack.empty() && ts->stack.back().encloses && fn.seqNr() < 0) {
       ++ts->rec.ops[ts->stack.back().index].nested;
-      return nullptr;
+      return;
     }
     if (s.op_count.fetch_add(1, std::memory_order_relaxed) >= s.options.max_ops) {
       s.dropped_ops.fetch_add(1, std::memory_order_relaxed);
-      return nullptr;
+      return;
     }
     RawOp& op = ts->rec.ops.emplace_back();
     const auto index = static_cast<int32_t>(ts->rec.ops.size() - 1);
@@ -400,20 +424,28 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   } catch (...) {
     s.callback_errors.fetch_add(1, std::memory_order_relaxed);
   }
-  return nullptr;
 }
+
+bool record_end(TracerState& s, const at::RecordFunction& fn);
 
 void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
   TracerState& s = state();
   if (!s.active.load(std::memory_order_acquire) || tls_state == nullptr) return;
+  if (!record_end(s, fn)) return;
+  // Outside the thread's buffer lock: the observer may stop or restart the trace.
+  if (TraceObserver* obs = s.observer.load(std::memory_order_acquire)) obs->ended(fn, std::uncaught_exceptions() > 0);
+}
+
+// Records an op's end; false where the op is not in this trace.
+bool record_end(TracerState& s, const at::RecordFunction& fn) {
   try {
     ThreadState* ts = tls_state;
     Locked lock(ts);
-    if (!lock) return;
+    if (!lock) return false;
     auto& stack = ts->stack;
     size_t pos = stack.size();
     while (pos > 0 && stack[pos - 1].handle != fn.handle()) --pos;
-    if (pos == 0) return;  // not ours (counted in an enclosing op, skipped, dropped, or started before this trace)
+    if (pos == 0) return false;  // not ours (counted in an enclosing op, skipped, dropped, or started before this trace)
     const int64_t t = now_ns();
     const uint64_t seq = s.seq.fetch_add(1, std::memory_order_relaxed);
     // Close it and anything left open above it.
@@ -438,8 +470,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* /*ctx*/) {
         }
       }
     }
+    return true;
   } catch (...) {
     s.callback_errors.fetch_add(1, std::memory_order_relaxed);
+    return false;
   }
 }
 
@@ -499,13 +533,11 @@ static std::atomic<bool>& stand_in_timer() {
 
 void use_stand_in_device_timer(bool on) { stand_in_timer().store(on); }
 
-void start_trace(const TraceOptions& options) {
-  TracerState& s = state();
-  std::lock_guard<std::mutex> g(s.mu);
-  if (s.active.load()) {
-    GPUCAST_USER_ERROR("a gpucast trace is already running; stop it before starting another (traces do not nest)");
-  }
-  s.options = options;
+namespace {
+
+// Under s.mu, with s.options set: counters, notes, baselines and the device timer for a recording that begins now.
+void prepare_recording(TracerState& s) {
+  const TraceOptions& options = s.options;
   s.op_count = 0;
   s.event_count = 0;
   s.dropped_ops = 0;
@@ -549,16 +581,108 @@ void start_trace(const TraceOptions& options) {
     for (Note& n : choice.notes) s.notes.push_back(std::move(n));
   }
   s.active_timer.store(s.timer.get(), std::memory_order_release);
-  s.generation.fetch_add(1, std::memory_order_acq_rel);
+  s.generation.fetch_add(1, std::memory_order_acq_rel);  // every thread's buffers are emptied at its next record
   s.start_ns = now_ns();
+}
+
+// Under s.mu.
+void install_callbacks(TracerState& s) {
   s.handle = at::addGlobalCallback(at::RecordFunctionCallback(&on_start, &on_end)
-                                       .needsInputs(options.record_shapes)
-                                       .needsOutputs(options.record_shapes)
+                                       .needsInputs(s.options.record_shapes)
+                                       .needsOutputs(s.options.record_shapes)
                                        .needsIds(true)
                                        .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION,
                                                 at::RecordScope::USER_SCOPE}));
   s.installed.fetch_add(1);
+}
+
+// Under s.mu.
+void remove_callbacks(TracerState& s) {
+  if (s.handle == 0) return;
+  at::removeCallback(s.handle);
+  s.handle = 0;
+  s.installed.fetch_sub(1);
+}
+
+bool begin_armed_recording() {
+  TracerState& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (s.active.load()) return true;  // another thread began it first
+  if (!s.armed.load()) return false;
+  prepare_recording(s);
+  s.armed.store(false, std::memory_order_release);
   s.active.store(true, std::memory_order_release);
+  return true;
+}
+
+void remove_callbacks_after_fork() {
+  TracerState& s = state();
+  // A parent's thread may have held the lock at the fork (it stays locked here): the callbacks then stay, inert.
+  std::unique_lock<std::mutex> g(s.mu, std::try_to_lock);
+  if (!s.forked.exchange(false) || !g.owns_lock()) return;
+  remove_callbacks(s);
+}
+
+}  // namespace
+
+void start_trace(const TraceOptions& options) {
+  TracerState& s = state();
+  TraceObserver* preempted = nullptr;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.active.load()) {
+      GPUCAST_USER_ERROR("a gpucast trace is already running; stop it before starting another (traces do not nest)");
+    }
+    if (s.armed.load()) {  // a trace asked for now takes precedence over one waiting for its first op
+      s.armed.store(false);
+      preempted = s.observer.exchange(nullptr);
+      remove_callbacks(s);
+    }
+    s.options = options;
+    prepare_recording(s);
+    install_callbacks(s);
+    s.active.store(true, std::memory_order_release);
+  }
+  if (preempted != nullptr) preempted->preempted();
+}
+
+void arm_trace(const TraceOptions& options, TraceObserver* observer) {
+  TracerState& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (s.active.load() || s.armed.load()) {
+    GPUCAST_USER_ERROR("a gpucast trace is already running or armed; stop it before arming another");
+  }
+  s.options = options;
+  s.observer.store(observer, std::memory_order_release);
+  install_callbacks(s);
+  s.armed.store(true, std::memory_order_release);
+}
+
+void disarm_trace() {
+  TracerState& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (!s.armed.load() || s.active.load()) return;
+  s.armed.store(false);
+  s.observer.store(nullptr);
+  remove_callbacks(s);
+}
+
+void restart_recording() {
+  TracerState& s = state();
+  std::lock_guard<std::mutex> g(s.mu);
+  if (!s.active.load()) return;
+  prepare_recording(s);
+}
+
+int64_t recorded_ops() { return state().op_count.load(std::memory_order_relaxed); }
+
+void abandon_trace_after_fork() noexcept {
+  TracerState& s = state();
+  s.active.store(false);
+  s.armed.store(false);
+  s.observer.store(nullptr);
+  s.active_timer.store(nullptr);
+  s.forked.store(true);  // the callbacks go at the child's next op (remove_callbacks_after_fork)
 }
 
 namespace {
@@ -703,9 +827,8 @@ RecordedTrace stop_recording() {
   std::unique_lock<std::mutex> g(s.mu);
   if (!s.active.load()) GPUCAST_USER_ERROR("no gpucast trace is running; start one with gpucast.trace()");
   s.active.store(false, std::memory_order_release);
-  at::removeCallback(s.handle);
-  s.handle = 0;
-  s.installed.fetch_sub(1);
+  s.observer.store(nullptr, std::memory_order_release);
+  remove_callbacks(s);
   const int64_t end = now_ns();
   const uint64_t gen = s.generation.load();
 
@@ -724,6 +847,7 @@ RecordedTrace stop_recording() {
     }
   }
   raw.in.timing_source = s.timing_source;
+  raw.in.optimizer_state_from_phase = s.options.optimizer_state_from_phase;
   raw.in.timed_layers = s.timed.layers();
   raw.in.start_ns = s.start_ns;
   raw.in.end_ns = end;

@@ -1,32 +1,28 @@
-"""Auto mode: GPUCAST_CONF="enabled:True,..." in the environment of a training script that imports gpucast.
+"""Auto mode from Python: GPUCAST_CONF="enabled:True,..." in the environment of a training script that imports gpucast.
 
-gpucast traces the first iteration by itself (from the first forward of a module to the end of the first
-optimizer step), forecasts the run, and, before the second iteration commits its memory, warns once when the
-forecast reserved bytes plus what the allocator does not count exceed warn_fraction of the capacity; with
-on_risk:raise it raises OutOfMemoryRisk from the optimizer's step post-hook instead. Where that optimizer does
-not hold every parameter that has a gradient (a step that runs several optimizers, one after the other), the
-iteration ends at the step of the optimizer that completes them, or else at the next forward of a module
-(whose pre-hook then warns or raises, before that forward runs). Each forecast is
-appended as one JSON line to the file named by GPUCAST_LOG. Internal errors become one warning and training
-goes on.
+The plugin runs auto mode itself (plugin/auto_mode.h; the same with torch.ops.load_library alone): it traces the
+first iteration, forecasts the run from it, and appends the forecast to GPUCAST_LOG. What this module adds: the
+verdict reaches the user as gpucast.OutOfMemoryRiskWarning attributed to the user's own line, or with on_risk:raise
+as gpucast.OutOfMemoryRisk raised from the optimizer's step post-hook (where the iteration waits for the next
+forward, from that module's forward pre-hook, before it runs); and the forecast reaches the trackers (gpucast.log_to,
+MLflow and W&B runs). The hooks ask the plugin at those points (torch.ops.gpucast.auto_poll); they never run inside
+an op's callback.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
-import time
 import warnings
 from typing import Any
 
 import torch
 import torch.optim.optimizer as _optimizer_module
 
-from ._forecast import run_forecaster
-from ._jsonl import append_record
-from ._results import SCHEMA_VERSION, MemoryForecast
+from ._results import MemoryForecast
 from ._settings import env_text
-from ._trace import _flatten, compiling, trace
+from ._trace import compiling
 
 _ops = torch.ops.gpucast
 
@@ -42,10 +38,12 @@ class OutOfMemoryRiskWarning(UserWarning):
 _config: dict | None = None
 _session: "_AutoSession | None" = None
 _lock = threading.Lock()
+# Frames in these folders are not the user's: warnings are attributed to the first frame outside them.
+_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def config() -> dict:
-    """GPUCAST_CONF, parsed once (ValueError naming the key, the expected form and the value)."""
+    """GPUCAST_CONF, read and checked by the plugin (ValueError naming the key, what it expects and the value)."""
     global _config
     if _config is None:
         _config = json.loads(_ops.parse_auto_config(env_text("GPUCAST_CONF")))
@@ -53,192 +51,129 @@ def config() -> dict:
 
 
 def _reset() -> None:
-    """For tests: forget the parsed configuration and uninstall auto mode."""
+    """Stop auto mode and forget the configuration (python -m gpucast run reads it again; tests)."""
     global _config, _session
     if _session is not None:
         _session.close()
+    _ops.auto_stop()
     _config, _session = None, None
 
 
 def _resolve_target(name: str) -> str:
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
-        props_name = torch.cuda.get_device_name(0).upper()
-        for key, table_name in (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100", None), ("L4", "L4"),
-                                ("V100", "V100-32GB"), ("4090", "RTX-4090")):
-            if key in props_name:
-                if table_name is None:  # A100 comes in two sizes
-                    total = torch.cuda.get_device_properties(0).total_memory
-                    return "A100-80GB" if total > 60 * 2**30 else "A100-40GB"
-                return table_name
-    return "cpu"
+    """"auto": this process's GPU as a device table name, else "cpu" (the plugin's rule); other names as given."""
+    return _ops.auto_target(name)
 
 
-def _batch_size_of(args: Any) -> int:
-    tensors = _flatten(args, [])
-    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, counted from the caller, that names the first frame outside torch and gpucast."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str, stacklevel: int | None = None) -> bool:
+    """Warn (or raise OutOfMemoryRisk) when the forecast needs more than warn_fraction of the capacity (the plugin's
+    rule, torch.ops.gpucast.judge_memory)."""
+    v = json.loads(_ops.judge_memory(json.dumps(f.__dict__), int(capacity_mb), float(warn_fraction)))
+    if not v["risk"]:
+        return False
+    if on_risk == "raise":
+        raise OutOfMemoryRisk(v["message"])
+    warnings.warn(v["message"], OutOfMemoryRiskWarning, stacklevel=stacklevel or _user_stacklevel())
+    return True
+
+
+def forecast_traced_step(t, batch: int, target: str, capacity_mb: int = 0, safety: float = 0.9) -> MemoryForecast:
+    """The run's forecast from one traced iteration at its real batch size, as auto mode makes it."""
+    conf = f"target:{target},capacity_mb:{int(capacity_mb)},warn_fraction:{float(safety)!r}"
+    return MemoryForecast(**json.loads(_ops.auto_forecast(t.handle, int(batch), conf))["record"]["memory"])
 
 
 class _AutoSession:
+    """The Python hooks of one auto-mode run: they ask the plugin whether the iteration ended, and report."""
+
     def __init__(self, cfg: dict):
         self.cfg = cfg
-        self.target = _resolve_target(cfg["target"])
-        self.trace: trace | None = None
-        self.batch = 1
-        self.done = False
         self.forecast: MemoryForecast | None = None
-        self.root: torch.nn.Module | None = None  # the first module called: the model
-        self.stepped: set[int] = set()  # ids of the parameters the optimizers stepped so far held
-        self.deferred = False  # an optimizer stepped, another may follow: end at the next forward at the latest
+        self.batch = 1
+        self.deferred = False  # the plugin waits for the next forward to end the iteration
+        self.done = False
         m = torch.nn.modules.module
         self.handles = [m.register_module_forward_pre_hook(self._on_forward),
                         _optimizer_module.register_optimizer_step_post_hook(self._on_step_end)]
 
     def close(self) -> None:
-        if self.trace is not None and _ops.is_tracing():
-            self.trace._finish(unhook=False)
-        self._unhook()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
     def _on_forward(self, module, args) -> None:
         if compiling():  # inside a function torch.compile traces: nothing to do there (see _trace.compiling)
             return
         if self.done:
-            self._unhook()  # safe here: PyTorch iterates over a copy of the forward pre-hooks
+            self.close()  # safe here: PyTorch iterates over a copy of the forward pre-hooks
             return
-        if self.deferred:  # the first forward after the optimizers stepped: the iteration has ended
-            try:
-                self._end_iteration()  # may raise OutOfMemoryRisk (on_risk:raise), before this forward runs
-            finally:
-                self._unhook()
-            return
-        if self.trace is not None:
-            return
-        try:
-            self.root = module
-            self.batch = _batch_size_of(args)
-            self.trace = trace()
-            self.trace.__enter__()
-            # The trace's own hooks were installed during this call's hooks: enter this module by hand.
-            self.trace._hooks.pre(module, args)
-        except Exception as e:  # noqa: BLE001 - fail open
-            self._fail(e)
+        if self.deferred:  # may raise OutOfMemoryRisk (on_risk:raise), before this forward runs
+            self._poll(at_step=False)
 
     def _on_step_end(self, optimizer, args, kwargs) -> None:
-        if compiling():  # inside a function torch.compile traces: nothing to do there (see _trace.compiling)
+        if compiling() or self.done:
             return
-        if self.done or self.trace is None:
-            return
+        self._poll(at_step=True)  # may raise OutOfMemoryRisk; hooks are removed at the next forward
+
+    def _poll(self, at_step: bool) -> None:
         try:
-            self.stepped.update(id(p) for g in optimizer.param_groups for p in g["params"])
-            if self.root is not None and any(p.grad is not None and id(p) not in self.stepped
-                                             for p in self.root.parameters()):
-                self.deferred = True  # another optimizer holds the rest: its step ends the iteration
-                return
+            r = json.loads(_ops.auto_poll(at_step))
         except Exception as e:  # noqa: BLE001 - fail open
-            self._fail(e)
+            self.done = True
+            warnings.warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
+                          "training goes on", RuntimeWarning, stacklevel=_user_stacklevel())
             return
-        self._end_iteration()
+        self.deferred = r["state"] == "deferred"
+        self.done = r["state"] in ("done", "off")
+        if r["verdict"] is not None:
+            self._report(r["verdict"])
 
-    def _end_iteration(self) -> None:
-        self.done = True
-        self.deferred = False
+    def _report(self, v: dict) -> None:
         try:
-            # Inside PyTorch's loop over optimizer hooks (or a module's forward pre-hooks): stop recording,
-            # unhook at the next forward.
-            self.trace._finish(unhook=False)
-            self.forecast = self._forecast(self.trace.result)
-            self._log(self.forecast)
-            self._track(self.forecast)
-        except Exception as e:  # noqa: BLE001 - fail open
-            self._fail(e)
-            return
-        self._judge(self.forecast)
+            memory = v["record"]["memory"]
+            self.forecast = MemoryForecast(**memory)
+            self.batch = memory["batch_size"]
+            self._track(self.forecast, v["record"]["context"])
+        except Exception as e:  # noqa: BLE001 - fail open: the verdict still stands
+            warnings.warn(f"gpucast: auto mode could not publish the forecast ({type(e).__name__}: {e})",
+                          RuntimeWarning, stacklevel=_user_stacklevel())
+        for w in v["warnings"]:
+            if w["code"] == "trace-capped":
+                warnings.warn(f"gpucast: the first iteration's trace reached its cap: the forecast is a lower bound "
+                              f"({w['text']})", RuntimeWarning, stacklevel=_user_stacklevel())
+        if v["risk"]:
+            if v["raise"]:
+                raise OutOfMemoryRisk(v["message"])
+            warnings.warn(v["message"], OutOfMemoryRiskWarning, stacklevel=_user_stacklevel())
+        elif self.cfg.get("verbose"):
+            print(v["message"], file=sys.stderr, flush=True)
 
-    def _unhook(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        if self.trace is not None:
-            self.trace._hooks.remove()
-            self.trace = None
-
-    def _forecast(self, t) -> MemoryForecast:
-        return forecast_traced_step(t, self.batch, self.target, self.cfg["capacity_mb"], self.cfg["warn_fraction"])
-
-    def _log(self, f: MemoryForecast) -> None:
-        path = os.environ.get("GPUCAST_LOG")
-        if not path:
-            return
-        record = {"schema_version": SCHEMA_VERSION, "time": time.time(), "mode": "auto",
-                  "context": json.loads(_ops.context()), "memory": dict(f.__dict__)}
-        try:
-            append_record(path, record)  # append: an existing log is never truncated
-        except OSError as e:
-            warnings.warn(f"gpucast: cannot append the forecast to GPUCAST_LOG={path!r}: {e.strerror or e}",
-                          stacklevel=3)
-
-    def _track(self, f: MemoryForecast) -> None:
+    def _track(self, f: MemoryForecast, context: dict) -> None:
         """Loggers from gpucast.log_to(), and trackers with an active run (MLflow, W&B), get the forecast."""
         from . import trackers
         from ._results import Forecast
-        fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context=json.loads(_ops.context()))
+        fc = Forecast(memory=f, probe_batch_sizes=(self.batch,), probe_device="", context=context)
         trackers.publish(fc)
         found = trackers.active_trackers()
         if found:
             trackers.Logger(found).log_forecast(fc)
 
-    def _judge(self, f: MemoryForecast) -> None:
-        capped = [w["text"] for w in f.warnings if w["code"] == "trace-capped"]
-        if capped:
-            warnings.warn(f"gpucast: the first iteration's trace reached its cap: the forecast "
-                          f"({f.peak_reserved_bytes / 2**20:,.0f} MiB reserved) is a lower bound ({capped[0]})",
-                          RuntimeWarning,
-                          stacklevel=4)
-        judge(f, self.cfg["capacity_mb"], self.cfg["warn_fraction"], self.cfg["on_risk"], stacklevel=4)
-
-    def _fail(self, e: Exception) -> None:
-        self.done = True
-        if self.trace is not None and _ops.is_tracing():
-            self.trace._finish(unhook=False)
-        warnings.warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
-                      "training goes on", RuntimeWarning, stacklevel=3)
-
-
-def forecast_traced_step(t, batch: int, target: str, capacity_mb: int = 0, safety: float = 0.9) -> MemoryForecast:
-    """The run's forecast from one traced iteration at the real batch size (model states kept, the rest as traced)."""
-    forecaster = torch.classes.gpucast.MemoryForecaster()
-    forecaster.add_probe(t.handle, batch)
-    # Asked of the C++ trace: no JSON is built on the way from iteration 1 to iteration 2.
-    device = "cuda:0" if t.peak_bytes("cuda:0") > 0 else "cpu"
-    return run_forecaster(forecaster, batch, _resolve_target(target), capacity_mb * 2**20, safety, device, "", [])
-
-
-def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str, stacklevel: int = 2) -> bool:
-    """Warn (or raise OutOfMemoryRisk) when the forecast needs more than warn_fraction of the capacity."""
-    capacity = capacity_mb * 2**20 if capacity_mb else f.capacity_bytes
-    if not capacity:
-        return False
-    need = f.peak_reserved_bytes + f.outside_allocator_bytes
-    if need <= warn_fraction * capacity:
-        return False
-    mib = 2**20
-    fits = f"the largest batch that fits is {f.max_batch_size}" if f.max_batch_size else "no batch size fits"
-    msg = (f"gpucast: out-of-memory risk on {f.target}: the run needs {need / mib:,.0f} MiB "
-           f"(reserved {f.peak_reserved_bytes / mib:,.0f} MiB + {f.outside_allocator_bytes / mib:,.0f} MiB outside the "
-           f"allocator) at batch {f.batch_size}, above {warn_fraction:.0%} of {capacity / mib:,.0f} MiB; {fits}")
-    if on_risk == "raise":
-        raise OutOfMemoryRisk(msg)
-    warnings.warn(msg, OutOfMemoryRiskWarning, stacklevel=stacklevel)
-    return True
-
 
 def maybe_start() -> None:
-    """Called by `import gpucast`: start auto mode if GPUCAST_CONF enables it."""
+    """Called by `import gpucast`: configure the plugin's auto mode from GPUCAST_CONF, and hook in where it enables
+    it (ValueError for a bad configuration)."""
     global _session
     with _lock:
         if _session is not None or not config()["enabled"]:
             return
+        _ops.auto_configure(env_text("GPUCAST_CONF"), True)
         _session = _AutoSession(config())
 
 

@@ -273,7 +273,7 @@ TEST(MemoryForecast, BadInput) {
   } catch (const UserError& e) {
     EXPECT_STREQ(e.what(),
                  "unknown target 'H100'; known targets: cpu, A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4, "
-                 "V100-32GB, RTX-4090 (or give capacity= for another GPU)");
+                 "V100-32GB, RTX-4090 (or give a capacity for another GPU)");
   }
   try {
     ParallelConfig::parse("dp:2,dp_mode:zero3");

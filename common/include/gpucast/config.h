@@ -29,6 +29,8 @@ struct ConfigKey {
   // For the integer forms: the largest value accepted. 2^40 by default: above every count or size gpucast reads
   // (a MiB count times 2^20 stays below 2^63), so no product of one overflows.
   int64_t max_int = kMaxConfigInt;
+  // For Fraction: the smallest value accepted (0: any above 0).
+  double min_fraction = 0.0;
 };
 
 class Config {

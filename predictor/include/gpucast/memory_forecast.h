@@ -17,6 +17,8 @@
 #include "gpucast/allocator_sim.h"
 #include "gpucast/note.h"
 #include "gpucast/parallel.h"
+#include <nlohmann/json.hpp>
+
 #include "gpucast/trace.h"
 
 namespace gpucast {
@@ -36,6 +38,10 @@ struct DeviceSpec {
 const std::vector<DeviceSpec>& device_table();
 // Throws UserError listing the known names for an unknown one. Case-insensitive; "cpu" is not a device here.
 const DeviceSpec& find_device(const std::string& name);
+// The same, nullptr for a name the table does not have.
+const DeviceSpec* lookup_device(const std::string& name);
+// The table's names, comma-separated ("cpu" first): what errors about a target list.
+std::string known_targets();
 // cuBLAS workspace per handle and stream, as PyTorch sizes it (CUBLAS_WORKSPACE_CONFIG ":SIZE_KiB:COUNT..."
 // overrides; empty means unset). Throws UserError for a malformed value.
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& cublas_workspace_config);
@@ -113,5 +119,7 @@ struct MemoryForecast {
 
 MemoryForecast forecast_memory(const MemoryForecastInput& input);
 std::string memory_forecast_to_json(const MemoryForecast& f);
+// The same document as a value (auto mode's log record holds it).
+nlohmann::json memory_forecast_json(const MemoryForecast& f);
 
 }  // namespace gpucast

@@ -48,6 +48,9 @@ struct AssemblyInput {
   std::vector<std::string> timed_layers;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
+  // TraceOptions::optimizer_state_from_phase: untagged blocks an optimizer step allocated and the window never
+  // freed are optimizer state.
+  bool optimizer_state_from_phase = false;
 };
 
 Trace assemble_trace(AssemblyInput input);
@@ -56,7 +59,7 @@ namespace detail {
 // Exposed for tests: the rules that assign categories to untagged allocations.
 void link_backward(Trace& trace);
 void build_allocations(Trace& trace, const std::vector<BaselineBlock>& baseline_blocks);
-void assign_categories(Trace& trace, const std::vector<Tag>& tags);
+void assign_categories(Trace& trace, const std::vector<Tag>& tags, bool optimizer_state_from_phase = false);
 }  // namespace detail
 
 }  // namespace gpucast

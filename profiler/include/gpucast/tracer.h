@@ -13,6 +13,10 @@
 
 #include "gpucast/trace.h"
 
+namespace at {
+class RecordFunction;
+}
+
 namespace gpucast {
 
 struct TraceOptions {
@@ -30,7 +34,28 @@ struct TraceOptions {
   // Sparse device timing (timed_layers.h): device timers only around these layers' ops (module paths, or
   // "(outside modules)"), their backward and the optimizer step; empty: every op. CPU clocks time every op.
   std::vector<std::string> timed_layers;
+  // Untagged blocks an optimizer step allocated and still held at the end are optimizer state (auto mode, which has
+  // no optimizer hooks to tag them; trace_assembly.h).
+  bool optimizer_state_from_phase = false;
 };
+
+// Sees the ops of an armed trace (auto mode): whether recording begins at an op, and each op recorded. Its methods
+// run inside RecordFunction callbacks on the op's thread, outside the tracer's locks: they take no GIL, dispatch
+// nothing, block on nothing a training thread holds, and let no exception escape. ended() may stop the trace
+// (stop_recording) or start it afresh (restart_recording).
+class TraceObserver {
+ public:
+  virtual ~TraceObserver() = default;
+  // Armed, not recording: whether recording begins with this op (which is then recorded).
+  virtual bool begins_at(const at::RecordFunction& fn) noexcept = 0;
+  // Recording: this op's start was recorded.
+  virtual void started(const at::RecordFunction& fn) noexcept = 0;
+  // Recording: this op's end was recorded; `unwinding` when an exception was leaving it.
+  virtual void ended(const at::RecordFunction& fn, bool unwinding) noexcept = 0;
+  // Another trace (start_trace) took the tracer before recording began: the observer is disarmed.
+  virtual void preempted() noexcept = 0;
+};
+
 
 // A stopped trace whose records are not assembled yet: stopping only hands the per-thread buffers over,
 // and the Trace is assembled (ordered, linked, categorized) on first use, outside the training step.
@@ -54,6 +79,19 @@ void start_trace(const TraceOptions& options);
 // Throws UserError if no trace is running.
 RecordedTrace stop_recording();
 bool trace_active();
+// Installs the tracer's callbacks with recording off; recording begins (as start_trace) at the first op for which
+// `observer` says so. Throws UserError if a trace is running or armed. `observer` must outlive the process's ops
+// (auto mode's is never destroyed).
+void arm_trace(const TraceOptions& options, TraceObserver* observer);
+// Removes an armed trace's callbacks where recording has not begun; a no-op otherwise.
+void disarm_trace();
+// Recording: drops what was recorded and starts afresh (baselines taken now), from the next op on.
+void restart_recording();
+// Ops recorded so far in the running trace (dropped ones included).
+int64_t recorded_ops();
+// After fork, in the child: recording and arming end without a lock (another thread of the parent may have held
+// one); the callbacks are removed at the child's next op.
+void abandon_trace_after_fork() noexcept;
 // Tests and rehearsals: later traces with device_timing on use make_cpu_span_timer() (device_timer.h) in place of
 // CUPTI and CUDA events, with or without a GPU, so that the device-timing path runs on any machine.
 void use_stand_in_device_timer(bool on);
@@ -75,6 +113,9 @@ void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Cat
 // `why`) when another allocator with a higher priority holds the CPU slot.
 bool install_cpu_allocator_hook(std::string* why);
 bool cpu_allocator_hook_installed();
+// The next allocation through the CPU allocator wrapper on the calling thread throws a c10::Error with `message`
+// (once): how auto mode stops a job (on_risk:raise) where no Python hook can raise. Cleared by an empty message.
+void refuse_next_cpu_allocation(const std::string& message);
 // CPU bytes held through the wrapper (allocated since gpucast was loaded) and the peak since the last reset.
 std::pair<int64_t, int64_t> cpu_memory_stats(bool reset_peak);
 // Attaches to the CUDA caching allocator when CUDA is compiled in and a device is present.

@@ -1,0 +1,17 @@
+// library_init.h (plugin, private): what happens when the library loads (library_init.cpp), and the registrations
+// it makes.
+#pragma once
+
+#include <string>
+
+#include <torch/library.h>
+
+namespace gpucast {
+
+// The file this copy of the library was loaded from.
+std::string this_library_path();
+// The ops and classes of torch.ops.gpucast / torch.classes.gpucast (ops.cpp, ops_step_gnn.cpp).
+void register_ops(torch::Library& m);
+void register_step_gnn_ops(torch::Library& m);
+
+}  // namespace gpucast
