@@ -28,7 +28,7 @@ opt = torch.optim.AdamW(model.parameters())
 x, y = case.make_batch(8)
 log = os.environ.get("GPUCAST_LOG")
 for i in range(1, 4):
-    lines = len(open(log).read().splitlines()) if log and os.path.exists(log) else 0
+    lines = len(open(log).read().splitlines()) if log and os.path.isfile(log) else 0
     print(f"iteration {{i}} start, log lines {{lines}}", file=sys.stderr, flush=True)
     try:
         opt.zero_grad(set_to_none=True)
@@ -197,3 +197,225 @@ def test_categories_from_autograd_equal_the_python_hooks(tmp_path, case):
         got[route] = json.loads(out.stdout.splitlines()[-1])
     assert got["auto"] == got["trace"]
     assert got["auto"]["optimizer_state"] > 0 and got["auto"]["gradient"] > 0
+
+
+# --- Bad input and faults -----------------------------------------------------------------------------------------
+
+def test_a_fifo_log_never_blocks_training(tmp_path):
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)  # no reader: opening it for writing would block
+    out = train(tmp_path, "enabled:True,target:cpu", fifo)
+    assert out.returncode == 0, out.stderr
+    said = f"gpucast: GPUCAST_LOG='{fifo}' cannot be written (not a regular file (gpucast appends logs to regular files only)): forecasts will not be logged"
+    assert out.stderr.count(said) == 1
+    assert marks(out.stderr)[0] == said  # when the configuration was read, before iteration 1
+    assert "iteration 3 start" in out.stderr and "Warning: gpucast" not in out.stderr
+
+
+def test_a_log_folder_that_does_not_exist_is_said_when_the_configuration_is_read(tmp_path):
+    log = tmp_path / "missing" / "gpucast.jsonl"
+    out = train(tmp_path, "enabled:True,target:cpu", log)
+    assert out.returncode == 0, out.stderr
+    seen = marks(out.stderr)
+    assert seen[0].startswith(f"gpucast: GPUCAST_LOG='{log}' cannot be written (its folder '{log.parent}': No such file")
+    assert sum("GPUCAST_LOG" in ln or "not logged" in ln for ln in out.stderr.splitlines()) == 1
+
+
+LOAD_ONLY = r"""
+import sys
+import torch
+torch.ops.load_library({lib!r})
+for name in sys.argv[1:]:
+    try:
+        getattr(torch.ops.gpucast, name)("")
+        print(f"{{name}}: ok", file=sys.stderr)
+    except ValueError as e:
+        print(f"{{name}}: ValueError: {{e}}", file=sys.stderr)
+print("state " + __import__("json").loads(torch.ops.gpucast.auto_status())["state"], file=sys.stderr)
+"""
+
+
+def load_only(tmp_path, conf, *ops, lib=LIB):
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_ONLY.format(lib=lib))
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
+    env["GPUCAST_CONF"] = conf
+    return subprocess.run([sys.executable, str(script), *ops], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_malformed_configuration_never_fails_the_load(tmp_path):
+    out = load_only(tmp_path, "enabled:True,warn_fraction:2", "check_trace_options", "check_trace_options")
+    assert out.returncode == 0, out.stderr
+    said = "[gpucast:auto-config] GPUCAST_CONF: option 'warn_fraction' expects a number in [0.01, 1], got '2'"
+    assert out.stderr.splitlines() == [f"gpucast: auto mode is off: {said}",
+                                       f"check_trace_options: ValueError: {said}",  # the first op, once
+                                       "check_trace_options: ok", "state off"]
+
+
+@pytest.mark.parametrize("conf,expected", [
+    ("enabled:True,capacity_mb:9223372036854775807", "option 'capacity_mb' expects at most 16777216"),
+    ("enabled:True,warn_fraction:1e-300", "option 'warn_fraction' expects a number in [0.01, 1], got '1e-300'"),
+    ("enabled:True,target:H100", "option 'target' expects auto, cpu or a device table name (cpu, A100-40GB, "
+                                 "A100-80GB, H100-80GB, H200-141GB, L4, V100-32GB, RTX-4090), or any name with "
+                                 "capacity_mb, got 'H100'"),
+    ("enabled:True,max_iteration_s:0", "option 'max_iteration_s' expects a positive integer"),
+])
+def test_configuration_out_of_range_is_refused_when_read(tmp_path, conf, expected):
+    out = load_only(tmp_path, conf)
+    assert expected in out.stderr.splitlines()[0] and out.stderr.splitlines()[-1] == "state off"
+
+
+def test_a_capacity_makes_any_target_name_usable(tmp_path):
+    log = tmp_path / "gpucast.jsonl"
+    out = train(tmp_path, "enabled:True,target:MyAccelerator,capacity_mb:4096", log)
+    assert out.returncode == 0, out.stderr
+    (rec,) = records(log)
+    assert rec["memory"]["target"] == "MyAccelerator" and rec["memory"]["capacity_bytes"] == 4096 * 2**20
+    assert rec["fits"] is True and [n["code"] for n in rec["memory"]["notes"]].count("unknown-device") == 1
+
+
+def test_a_second_copy_of_the_library_is_refused_with_both_paths(tmp_path):
+    copy = tmp_path / "libgpucast-copy.so"
+    shutil.copy(LIB, copy)
+    script = tmp_path / "two.py"
+    script.write_text(f"import torch, sys\ntorch.ops.load_library({LIB!r})\ntorch.ops.load_library({str(copy)!r})\n"
+                      "print(torch.ops.gpucast.library_path(), file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "GPUCAST_CONF"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        f"gpucast: this copy of the library ({copy}) was not loaded: another copy is loaded from "
+        f"{LIB}; the ops are that copy's. Load one copy per process (GPUCAST_LIBRARY names which).", LIB]
+
+
+WORKERS = r"""
+import json, sys
+import torch
+torch.ops.load_library({lib!r})
+from torch.utils.data import DataLoader, Dataset
+
+class Transform(torch.nn.Module):  # a learned transform: it has parameters and runs with grad mode on
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        return self.scale(x)
+
+class Data(Dataset):
+    def __init__(self):
+        self.t = Transform()
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        for _ in range(300):
+            self.t(torch.ones(4))
+        s = json.loads(torch.ops.gpucast.auto_status())
+        return json.dumps({{"state": s["state"], "tracing": torch.ops.gpucast.is_tracing(),
+                            "notes": [n["code"] for n in s["notes"]]}})
+
+if __name__ == "__main__":
+    loader = DataLoader(Data(), batch_size=None, num_workers=1, multiprocessing_context=sys.argv[1])
+    for item in loader:
+        print(item)
+"""
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_data_loading_worker_never_traces_for_long(tmp_path, context):
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS.format(lib=LIB))
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
+    env["GPUCAST_CONF"] = "enabled:True,target:cpu,max_iteration_ops:500"
+    out = subprocess.run([sys.executable, str(script), context], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    items = [json.loads(x) for x in out.stdout.splitlines()]
+    assert len(items) == 4 and not any(i["tracing"] for i in items)
+    if context == "fork":  # a forked child is not the process that trains: off from the fork on
+        assert all(i["state"] == "off" and i["notes"] == [] for i in items)
+    else:  # a spawned worker loads the library afresh: its trace stops itself at the bound, with one note
+        assert all(i["state"] == "done" and i["notes"] == ["no-iteration-end"] for i in items)
+        assert out.stderr.count("gpucast: auto mode: the first iteration did not end within 500 ops") == 1
+
+
+INTERRUPTED = r"""
+import json, sys
+import torch
+torch.ops.load_library({lib!r})
+sys.path[:0] = [{root!r}]
+from examples import zoo
+torch.set_num_threads(1)
+torch.manual_seed(0)
+case = zoo.CASES["gpt"]
+model = case.make_model()
+opt = torch.optim.AdamW(model.parameters())
+x, y = case.make_batch(8)
+bad = torch.ones(3, 5)
+for i in range(4):
+    try:
+        opt.zero_grad(set_to_none=True)
+        h = model.tok_emb(x)
+        if i == 0:
+            h @ bad  # an op that raises in the forward: the loop catches it and goes on
+        loss = case.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+    except RuntimeError:
+        del h
+        torch.ops.gpucast.cpu_memory_stats(True)
+print(json.dumps({{"peak": torch.ops.gpucast.cpu_memory_stats(False)[1], "status": json.loads(torch.ops.gpucast.auto_status())}}))
+"""
+
+
+def test_an_interrupted_first_iteration_is_not_forecast_from(tmp_path):
+    log = tmp_path / "gpucast.jsonl"
+    out = run_script(tmp_path, INTERRUPTED.format(lib=LIB, root=str(ROOT)), "enabled:True,target:cpu", log)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.splitlines()[-1])
+    (rec,) = records(log)
+    assert [n["code"] for n in rec["notes"]] == ["interrupted-iteration"]
+    # The next complete iteration was forecast from: its peak is the run's after the interruption, to the byte.
+    assert rec["memory"]["peak_allocated_bytes"] == r["peak"]
+    assert rec["memory"]["breakdown"].get("gradient", 0) >= 0 and r["status"]["traced"]["allocated_by_category"]["gradient"] > 0
+
+
+THREADS = r"""
+import json, sys, threading
+import torch
+torch.ops.load_library({lib!r})
+sys.path[:0] = [{root!r}]
+from examples import zoo
+torch.set_num_threads(1)
+barrier = threading.Barrier(2)
+
+def train(seed):
+    torch.manual_seed(seed)
+    case = zoo.CASES["mlp"]
+    model = case.make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = case.make_batch(64)
+    for i in range(3):
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            barrier.wait()
+        for _ in range(20):
+            loss = case.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+threads = [threading.Thread(target=train, args=(s,)) for s in (0, 1)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(torch.ops.gpucast.auto_status())
+"""
+
+
+def test_two_models_trained_at_once_are_refused_with_a_note(tmp_path):
+    log = tmp_path / "gpucast.jsonl"
+    out = run_script(tmp_path, THREADS.format(lib=LIB, root=str(ROOT)), "enabled:True,target:cpu", log)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout.splitlines()[-1])
+    assert status["state"] == "done" and [n["code"] for n in status["notes"]] == ["concurrent-iterations"]
+    assert not log.exists() and out.stderr.count("another thread ran a forward pass") == 1
