@@ -13,7 +13,10 @@ alternates fresh worker processes of both kinds. Medians with interquartile rang
 
 Because after_ratio's target (1.01) is below this machine's timing noise, instructions are also
 counted with callgrind over a small iteration (--callgrind, on by default when valgrind is installed):
-the same worker kinds, instrumentation switched on only around the measured iterations.
+the same worker kinds, instrumentation switched on only around the measured iterations. Auto mode through
+torch.ops.load_library alone (GPUCAST_CONF="enabled:True,target:cpu", no `import gpucast`) is counted the same
+way, its first iteration (the traced one, with the forecast made at its end) and later ones against a process that
+never loaded gpucast; "lib" loads the library with auto mode off.
 
 Last line: {"bench": "overhead", "results": [{"model", "gpucast_ratio", "profiler_ratio", "after_ratio", ...}]}
 """
@@ -88,15 +91,19 @@ def in_process(name, iters):
     return times
 
 
-def worker(kind, name, iters, batch=None, wait=False):
-    """Runs in a fresh process: 'plain' never imports gpucast; 'loaded' imports it; 'after' also traces once."""
+def worker(kind, name, iters, batch=None, wait=False, warmup=3):
+    """Runs in a fresh process: 'plain' never imports gpucast; 'loaded' imports it; 'after' also traces once;
+    'lib' and 'auto' load the library with torch.ops.load_library only (auto: GPUCAST_CONF set by the parent)."""
+    if kind in ("lib", "auto"):
+        import torch
+        torch.ops.load_library(str(ROOT / "build" / "lib" / "libgpucast.so"))
     step, b = setup(name, batch)
     if kind in ("loaded", "after"):
         import gpucast
         if kind == "after":
             with gpucast.trace():
                 step(b)
-    for _ in range(3):
+    for _ in range(warmup):
         step(b)
     if wait:  # callgrind: the parent switches instrumentation on, then tells us to go
         print("READY", flush=True)
@@ -124,13 +131,17 @@ def after_ratio(name, rounds, iters):
     return am / pm, aiqr / pm, piqr / pm
 
 
-def callgrind_instructions(kind, name, iters, batch):
-    """Instructions of `iters` iterations in a worker of `kind`, counted by callgrind."""
+def callgrind_instructions(kind, name, iters, batch, warmup=3):
+    """Instructions of `iters` iterations, after `warmup` ones, in a worker of `kind`, counted by callgrind."""
     tmp = tempfile.mkdtemp(prefix="gpucast-callgrind-")
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/cg.out.%p",
            sys.executable, __file__, "--worker", kind, "--model", name, "--iters", str(iters),
-           "--batch", str(batch), "--wait"]
-    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+           "--batch", str(batch), "--wait", "--warmup", str(warmup)]
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
+    if kind == "auto":
+        env["GPUCAST_CONF"] = "enabled:True,target:cpu"
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=env)
     try:
         assert p.stdout.readline().strip() == "READY"
         subprocess.run(["callgrind_control", "-i", "on", str(p.pid)], check=True, capture_output=True)
@@ -161,13 +172,14 @@ def main():
     ap.add_argument("--iters", type=int, default=15, help="interleaved iterations per kind (>= 10)")
     ap.add_argument("--rounds", type=int, default=4, help="worker processes of each kind for after_ratio")
     ap.add_argument("--callgrind", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--worker", choices=["plain", "loaded", "after"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["plain", "loaded", "after", "lib", "auto"], help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--wait", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.iters, args.batch, args.wait)
+        return worker(args.worker, args.model, args.iters, args.batch, args.wait, args.warmup)
     if args.iters < 10:
         ap.error(f"--iters must be at least 10, got {args.iters}")
 
@@ -203,7 +215,23 @@ def main():
               f"imported {counts['loaded']:,} ({cg['loaded_ratio']:.4f}×), "
               f"after a trace {counts['after']:,} ({cg['after_ratio']:.4f}×)")
         summary["callgrind"] = cg
+        summary["auto_load_library"] = auto_rows()
     print(json.dumps(summary))
+
+
+def auto_rows():
+    """Auto mode through torch.ops.load_library: instructions of the first iteration (traced, forecast at its end)
+    and of five later ones, each against a process that never loaded gpucast, all counted in this run."""
+    out = {"model": "mlp", "batch": 8}
+    for label, warmup, iters in (("first_iteration", 0, 1), ("later_iterations", 3, 5)):
+        counts = {k: callgrind_instructions(k, "mlp", iters, 8, warmup=warmup) for k in ("plain", "lib", "auto")}
+        out[label] = {"iterations": iters, "instructions": counts,
+                      "lib_ratio": round(counts["lib"] / counts["plain"], 5),
+                      "auto_ratio": round(counts["auto"] / counts["plain"], 5)}
+        print(f"auto mode via torch.ops.load_library, mlp batch 8, {label.replace('_', ' ')} ({iters}): plain "
+              f"{counts['plain']:,} instr, library loaded {counts['lib']:,} ({out[label]['lib_ratio']:.4f}×), "
+              f"auto mode {counts['auto']:,} ({out[label]['auto_ratio']:.4f}×)")
+    return out
 
 
 if __name__ == "__main__":

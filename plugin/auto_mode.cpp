@@ -235,12 +235,12 @@ class AutoMode final : public TraceObserver {
                           Param{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), false});
         }
       });
-      if (!reads_parameter) return;
-      if (s == State::Deferred) {  // the next forward: the iteration that waited for another optimizer has ended
+      if (reads_parameter && s == State::Deferred) {  // the next forward: the iteration that waited has ended
         finish(/*python_asked=*/false);
         return;
       }
-      if (!forward_seen_) first_forward_op(fn);
+      forward_seen_ = forward_seen_ || reads_parameter;
+      if (forward_seen_ && !inputs_tagged_) inputs_tagged_ = tag_inputs(fn);
     } catch (...) {
       internal_error("an op's start");
     }
@@ -337,26 +337,26 @@ class AutoMode final : public TraceObserver {
   void reset_iteration() {
     params_.clear();
     forward_seen_ = false;
+    inputs_tagged_ = false;
     step_depth_ = 0;
     ops_ = 0;
     batch_ = 1;
   }
 
-  // The first op of the forward pass that read a parameter: the tensors it reads besides parameters are the
-  // iteration's inputs (the batch), and the first of them gives the batch size.
-  void first_forward_op(const at::RecordFunction& fn) {
-    forward_seen_ = true;
+  // The first forward op that reads tensors which are neither parameters nor computed from them (tensors that do
+  // not require grad): those are the iteration's inputs (the batch), and the first gives the batch size. (Python's
+  // F.linear reads the batch in its first op; LibTorch's transposes the weight first.)
+  bool tag_inputs(const at::RecordFunction& fn) {
     std::map<std::string, std::vector<int64_t>> inputs;
-    bool batch_found = false;
+    bool found = false;
     for_each_tensor(fn, [&](const at::Tensor& t) {
-      if (!t.defined() || is_parameter(t)) return;
-      if (!batch_found && t.dim() > 0) {
-        batch_ = std::max<int64_t>(1, t.size(0));
-        batch_found = true;
-      }
+      if (!t.defined() || t.requires_grad()) return;
+      if (!found && t.dim() > 0) batch_ = std::max<int64_t>(1, t.size(0));
+      found = true;
       if (const int64_t b = block_of(t)) inputs[device_of_block(t)].push_back(b);
     });
     for (const auto& [device, blocks] : inputs) tag_blocks(blocks, device, Category::Input);
+    return found;
   }
 
   // Parameters and their gradients, tagged while they are held (at each optimizer step and at the end).
@@ -599,7 +599,8 @@ class AutoMode final : public TraceObserver {
   int restarts_ = 0;
   // The iteration's bookkeeping: training thread only.
   std::unordered_map<const c10::TensorImpl*, Param> params_;
-  bool forward_seen_ = false;
+  bool forward_seen_ = false;   // an op of the forward pass read a parameter
+  bool inputs_tagged_ = false;  // the inputs were found (tag_inputs)
   int step_depth_ = 0;
   int64_t ops_ = 0;
   int64_t batch_ = 1;

@@ -72,3 +72,8 @@ std::string this_library_path() {
 }
 
 }  // namespace gpucast
+
+extern "C" __attribute__((visibility("default"))) const char* gpucast_library_path() {
+  static const std::string* path = new std::string(gpucast::this_library_path());
+  return path->c_str();
+}

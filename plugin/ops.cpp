@@ -193,7 +193,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
 
 c10::intrusive_ptr<TraceHolder> hold(Trace t) { return c10::make_intrusive<TraceHolder>(std::move(t)); }
 
-void start(const std::string& options, const std::vector<std::string>& timed_layers) {
+void start(const std::string& options, const std::optional<std::vector<std::string>>& timed_layers) {
   translate("trace-options", [&] {
     Config cfg("gpucast.trace() options", trace_config_keys());
     cfg.parse(options);
@@ -205,7 +205,7 @@ void start(const std::string& options, const std::vector<std::string>& timed_lay
     o.max_events = cfg.get_int("max_events");
     o.device_timing = cfg.get_bool("device_timing");
     o.external_profiler = cfg.get_bool("external_profiler");
-    o.timed_layers = timed_layers;
+    o.timed_layers = timed_layers.value_or(std::vector<std::string>{});
     start_trace(o);
   });
 }
@@ -523,7 +523,7 @@ void gpucast::register_ops(torch::Library& m) {
     }
     return out.dump();
   });
-  m.def("start_trace(str options, str[] timed_layers) -> ()", &gpucast::start);
+  m.def("start_trace(str options=\"\", str[]? timed_layers=None) -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
   m.def("is_tracing() -> bool", [] { return gpucast::trace_active(); });

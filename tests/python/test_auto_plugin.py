@@ -419,3 +419,41 @@ def test_two_models_trained_at_once_are_refused_with_a_note(tmp_path):
     status = json.loads(out.stdout.splitlines()[-1])
     assert status["state"] == "done" and [n["code"] for n in status["notes"]] == ["concurrent-iterations"]
     assert not log.exists() and out.stderr.count("another thread ran a forward pass") == 1
+
+
+# --- The examples -------------------------------------------------------------------------------------------------
+
+EXAMPLE_CPP = ROOT / "build" / "bin" / "gpucast-example-train"
+
+
+def run_example(tmp_path, command, conf, log):
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
+    env.update(GPUCAST_CONF=conf, GPUCAST_LOG=str(log))
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("example", ["cpp", "python"])
+def test_the_examples_warn_fit_and_raise(tmp_path, example):
+    if example == "cpp" and not EXAMPLE_CPP.is_file():
+        pytest.skip("the C++ example is not built (a build without its target)")
+    command = [str(EXAMPLE_CPP)] if example == "cpp" else [sys.executable, str(ROOT / "examples" / "load_library.py")]
+    log = tmp_path / "warn.jsonl"
+    out = run_example(tmp_path, command, "enabled:True,target:cpu,capacity_mb:2", log)
+    assert out.returncode == 0, out.stderr
+    seen = marks(out.stderr)
+    assert seen[0] == "iteration 1 start" and "Warning: gpucast: out-of-memory risk on cpu" in seen[1]
+    assert seen[2:] == ["iteration 2 start", "iteration 3 start", "done"]
+    assert [r["fits"] for r in records(log)] == [False]
+
+    log = tmp_path / "fits.jsonl"
+    out = run_example(tmp_path, command, "enabled:True,target:H100-80GB,verbose:True", log)
+    assert out.returncode == 0, out.stderr
+    assert marks(out.stderr)[1].startswith("gpucast: fits: peak reserved ")
+    (rec,) = records(log)
+    assert rec["fits"] is True and rec["memory"]["batch_size"] == 64
+
+    log = tmp_path / "raise.jsonl"
+    out = run_example(tmp_path, command, "enabled:True,target:H100-80GB,capacity_mb:600,on_risk:raise", log)
+    assert "iteration 2 start" in out.stderr and "iteration 3 start" not in out.stderr
+    assert "gpucast: out-of-memory risk on H100-80GB" in out.stderr
+    assert out.returncode != 0 and [r["fits"] for r in records(log)] == [False]
