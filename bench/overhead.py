@@ -93,12 +93,13 @@ def in_process(name, iters):
 
 def worker(kind, name, iters, batch=None, wait=False, warmup=3):
     """Runs in a fresh process: 'plain' never imports gpucast; 'loaded' imports it; 'after' also traces once;
-    'lib' and 'auto' load the library with torch.ops.load_library only (auto: GPUCAST_CONF set by the parent)."""
+    'lib' and 'auto' load the library with torch.ops.load_library only (auto: GPUCAST_CONF set by the parent);
+    'py_auto' imports gpucast with GPUCAST_CONF set (auto mode with its Python hooks)."""
     if kind in ("lib", "auto"):
         import torch
         torch.ops.load_library(str(ROOT / "build" / "lib" / "libgpucast.so"))
     step, b = setup(name, batch)
-    if kind in ("loaded", "after"):
+    if kind in ("loaded", "after", "py_auto"):
         import gpucast
         if kind == "after":
             with gpucast.trace():
@@ -138,7 +139,7 @@ def callgrind_instructions(kind, name, iters, batch, warmup=3):
            sys.executable, __file__, "--worker", kind, "--model", name, "--iters", str(iters),
            "--batch", str(batch), "--wait", "--warmup", str(warmup)]
     env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
-    if kind == "auto":
+    if kind in ("auto", "py_auto"):
         env["GPUCAST_CONF"] = "enabled:True,target:cpu"
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env=env)
@@ -172,7 +173,7 @@ def main():
     ap.add_argument("--iters", type=int, default=15, help="interleaved iterations per kind (>= 10)")
     ap.add_argument("--rounds", type=int, default=4, help="worker processes of each kind for after_ratio")
     ap.add_argument("--callgrind", choices=["auto", "on", "off"], default="auto")
-    ap.add_argument("--worker", choices=["plain", "loaded", "after", "lib", "auto"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["plain", "loaded", "after", "lib", "auto", "py_auto"], help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
@@ -221,18 +222,22 @@ def main():
 
 def auto_rows():
     """Auto mode through torch.ops.load_library: instructions of the first iteration (traced, forecast at its end)
-    and of five later ones, each against a process that never loaded gpucast, all counted in this run."""
-    out = {"model": "mlp", "batch": 8}
-    for label, warmup, iters in (("first_iteration", 0, 1), ("later_iterations", 3, 5)):
-        counts = {k: callgrind_instructions(k, "mlp", iters, 8, warmup=warmup) for k in ("plain", "lib", "auto")}
-        out[label] = {"iterations": iters, "instructions": counts,
-                      "lib_ratio": round(counts["lib"] / counts["plain"], 5),
-                      "auto_ratio": round(counts["auto"] / counts["plain"], 5)}
-        print(f"auto mode via torch.ops.load_library, mlp batch 8, {label.replace('_', ' ')} ({iters}): plain "
-              f"{counts['plain']:,} instr, library loaded {counts['lib']:,} ({out[label]['lib_ratio']:.4f}×), "
-              f"auto mode {counts['auto']:,} ({out[label]['auto_ratio']:.4f}×)")
-    return out
-
+    and of later ones, against a process that never loaded gpucast, all counted in this run; with `import gpucast`
+    (py_auto) beside it. The MLP at batch 8 is a small iteration (some 8 million instructions), where the fixed
+    costs at the iteration's end (assembling the trace, the forecast) weigh most; the GPT-style model is larger."""
+    rows = []
+    for model, batch in (("mlp", 8), ("gpt", 8)):
+        row = {"model": model, "batch": batch}
+        for label, warmup, iters in (("first_iteration", 0, 1), ("later_iterations", 3, 3)):
+            kinds = ("plain", "lib", "auto", "py_auto")
+            counts = {k: callgrind_instructions(k, model, iters, batch, warmup=warmup) for k in kinds}
+            row[label] = {"iterations": iters, "instructions": counts,
+                          **{f"{k}_ratio": round(counts[k] / counts["plain"], 5) for k in kinds[1:]}}
+            print(f"auto mode, {model} batch {batch}, {label.replace('_', ' ')} ({iters}): plain {counts['plain']:,} "
+                  f"instr; library loaded {row[label]['lib_ratio']:.4f}×; auto mode via torch.ops.load_library "
+                  f"{row[label]['auto_ratio']:.4f}×; via import gpucast {row[label]['py_auto_ratio']:.4f}×")
+        rows.append(row)
+    return rows
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -579,6 +579,11 @@ void gpucast::register_ops(torch::Library& m) {
     });
   });
   m.def("auto_stop() -> ()", [] { gpucast::auto_mode::stop(); });
+  // `line` appended to the JSON Lines file at `path` (gpucast/files.h: append_line): GPUCAST_LOG's and the
+  // trackers' one way of writing.
+  m.def("append_line(str path, str line) -> ()", [](const std::string& path, const std::string& line) {
+    gpucast::translate("file-write", [&] { gpucast::append_line(path, line); });
+  });
   // A forecast (MemoryForecast's JSON) judged against capacity_mb (0: the forecast's) at warn_fraction:
   // {"risk", "message"}. The one rule auto mode and the framework callbacks judge by.
   m.def("judge_memory(str forecast, int capacity_mb, float warn_fraction) -> str",

@@ -7,29 +7,19 @@ instead of stalling the training thread."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 import warnings
 from typing import Any, Iterator
 
+import torch
+
 
 def append_record(path: str, record: dict) -> None:
-    """Append `record` as one line to `path` (created if missing). OSError names the path and the reason."""
-    line = (json.dumps(record) + "\n").encode("utf-8")
+    """Append `record` as one line to `path` (created if missing), through the plugin's one implementation
+    (common/files.h: append_line). OSError names the path and the reason."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"cannot append to '{path}': not a regular file (gpucast writes logs to regular files only)")
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size > 0 and os.pread(fd, 1, size - 1) != b"\n":
-            line = b"\n" + line  # the last line was torn: start on a new one
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+        torch.ops.gpucast.append_line(str(path), json.dumps(record))
+    except ValueError as e:
+        raise OSError(str(e)) from None
 
 
 def read_records(path: str, opener: Any = open) -> Iterator[dict]:

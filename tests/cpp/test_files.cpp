@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <sys/stat.h>
+
 #include "gpucast/error.h"
 #include "gpucast/files.h"
 #include "gpucast/json_input.h"
@@ -100,4 +102,38 @@ TEST_F(Files, JsonFilesAreCheckedPieceByPiece) {
   }
 }
 
+
+TEST_F(Files, AppendLineAddsOneLineAndMendsATornOne) {
+  const std::string path = (dir_ / "log.jsonl").string();
+  append_line(path, R"({"a": 1})");
+  append_line(path, R"({"b": 2})");
+  EXPECT_EQ(read_text_file(path), "{\"a\": 1}\n{\"b\": 2}\n");
+  {  // a writer killed mid-line
+    std::ofstream out(path, std::ios::app | std::ios::binary);
+    out << "{\"c\": ";
+  }
+  append_line(path, R"({"d": 4})");
+  EXPECT_EQ(read_text_file(path), "{\"a\": 1}\n{\"b\": 2}\n{\"c\": \n{\"d\": 4}\n");
+  EXPECT_EQ(append_line_problem(path), "");
+  EXPECT_EQ(append_line_problem((dir_ / "new.jsonl").string()), "");  // creatable: not created by the check
+  EXPECT_FALSE(fs::exists(dir_ / "new.jsonl"));
+}
+
+TEST_F(Files, AppendLineRefusesWhatIsNotARegularFileWithoutBlocking) {
+  const std::string fifo = (dir_ / "log.fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);  // no reader: a blocking open for writing would wait forever
+  EXPECT_EQ(append_line_problem(fifo), "not a regular file (gpucast appends logs to regular files only)");
+  try {
+    append_line(fifo, "{}");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "[gpucast:file-write] cannot append to '" + fifo +
+                                         "': not a regular file (gpucast appends logs to regular files only)");
+  }
+  const std::string missing = (dir_ / "no" / "log.jsonl").string();
+  EXPECT_EQ(append_line_problem(missing), "its folder '" + (dir_ / "no").string() + "': No such file or directory");
+  EXPECT_THROW(append_line(missing, "{}"), UserError);
+}
+
 }  // namespace
+
