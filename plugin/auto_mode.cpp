@@ -198,6 +198,28 @@ class AutoMode final : public TraceObserver {
     }
   }
 
+  // A zero_grad scope after the forward began, before the iteration ended: the attempt before it was abandoned (an
+  // exception raised in Python between ops, a caught KeyboardInterrupt, then the loop's next step), and the
+  // iteration begins again here.
+  bool restarts_at(const at::RecordFunction& fn) noexcept override {
+    try {
+      if (state_.load(std::memory_order_acquire) != State::Recording || !on_training_thread() || !forward_seen_ ||
+          step_depth_ > 0 || fn.scope() != at::RecordScope::USER_SCOPE || !starts_with(fn.name(), kZeroGradScope)) {
+        return false;
+      }
+      if (++restarts_ == 1) {
+        add_note("interrupted-iteration",
+                 "zero_grad ran again before the first iteration ended (an exception or an interrupt left it): that "
+                 "iteration is not forecast from; the next complete one is");
+      }
+      reset_iteration();
+      start_ns_ = now_ns();
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
   void started(const at::RecordFunction& fn) noexcept override {
     try {
       const State s = state_.load(std::memory_order_acquire);

@@ -355,6 +355,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (!s.armed.load(std::memory_order_acquire)) return nullptr;
     TraceObserver* gate = s.observer.load(std::memory_order_acquire);
     if (gate == nullptr || !gate->begins_at(fn) || !begin_armed_recording()) return nullptr;
+  } else if (TraceObserver* obs = s.observer.load(std::memory_order_acquire); obs != nullptr && obs->restarts_at(fn)) {
+    restart_recording();
   }
   record_start(s, fn);
   if (TraceObserver* obs = s.observer.load(std::memory_order_acquire)) {

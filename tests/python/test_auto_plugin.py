@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LIB = os.environ.get("GPUCAST_LIBRARY") or str(ROOT / "build" / "lib" / "libgpucast.so")
 GOLDEN = json.loads((ROOT / "tests" / "data" / "auto" / "python_auto_golden.json").read_text())["cases"]
 
-TRAIN = r"""
+# A GPT-style model from the zoo, AdamW, batch 8, with the plugin loaded by torch.ops.load_library only.
+GPT_SETUP = r"""
 import json, os, sys
 import torch
 torch.ops.load_library({lib!r})
@@ -26,6 +27,9 @@ case = zoo.CASES["gpt"]
 model = case.make_model()
 opt = torch.optim.AdamW(model.parameters())
 x, y = case.make_batch(8)
+"""
+
+TRAIN = GPT_SETUP + r"""
 log = os.environ.get("GPUCAST_LOG")
 for i in range(1, 4):
     lines = len(open(log).read().splitlines()) if log and os.path.isfile(log) else 0
@@ -338,18 +342,7 @@ def test_a_data_loading_worker_never_traces_for_long(tmp_path, context):
         assert out.stderr.count("gpucast: auto mode: the first iteration did not end within 500 ops") == 1
 
 
-INTERRUPTED = r"""
-import json, sys
-import torch
-torch.ops.load_library({lib!r})
-sys.path[:0] = [{root!r}]
-from examples import zoo
-torch.set_num_threads(1)
-torch.manual_seed(0)
-case = zoo.CASES["gpt"]
-model = case.make_model()
-opt = torch.optim.AdamW(model.parameters())
-x, y = case.make_batch(8)
+INTERRUPTED = GPT_SETUP + r"""
 bad = torch.ones(3, 5)
 for i in range(4):
     try:
@@ -457,3 +450,33 @@ def test_the_examples_warn_fit_and_raise(tmp_path, example):
     assert "iteration 2 start" in out.stderr and "iteration 3 start" not in out.stderr
     assert "gpucast: out-of-memory risk on H100-80GB" in out.stderr
     assert out.returncode != 0 and [r["fits"] for r in records(log)] == [False]
+
+
+SIGINT = GPT_SETUP + r"""
+import signal
+for i in range(4):
+    try:
+        opt.zero_grad(set_to_none=True)
+        h = model.tok_emb(x)
+        if i == 0:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during iteration 1's forward: raised between ops
+            sum(range(10000))
+        loss = case.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+    except KeyboardInterrupt:
+        del h
+        torch.save(model.state_dict(), "checkpoint.pt")  # the loop saves a checkpoint and trains on
+        torch.ops.gpucast.cpu_memory_stats(True)
+print(json.dumps({{"peak": torch.ops.gpucast.cpu_memory_stats(False)[1], "status": json.loads(torch.ops.gpucast.auto_status())}}))
+"""
+
+
+def test_a_caught_interrupt_in_the_first_iteration_is_not_forecast_from(tmp_path):
+    log = tmp_path / "gpucast.jsonl"
+    out = run_script(tmp_path, SIGINT.format(lib=LIB, root=str(ROOT)), "enabled:True,target:cpu", log)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.splitlines()[-1])
+    (rec,) = records(log)
+    assert [n["code"] for n in rec["notes"]] == ["interrupted-iteration"]
+    assert rec["memory"]["peak_allocated_bytes"] == r["peak"]  # the next complete iteration's, to the byte

@@ -48,6 +48,8 @@ class TraceObserver {
   virtual ~TraceObserver() = default;
   // Armed, not recording: whether recording begins with this op (which is then recorded).
   virtual bool begins_at(const at::RecordFunction& fn) noexcept = 0;
+  // Recording, before this op is recorded: whether what was recorded is dropped and recording starts afresh here.
+  virtual bool restarts_at(const at::RecordFunction& fn) noexcept = 0;
   // Recording: this op's start was recorded.
   virtual void started(const at::RecordFunction& fn) noexcept = 0;
   // Recording: this op's end was recorded; `unwinding` when an exception was leaving it.
