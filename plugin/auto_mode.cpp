@@ -498,6 +498,10 @@ class AutoMode final : public TraceObserver {
       const Trace& trace = recorded.trace();
       describe_traced(trace);
       verdict = judge(trace);
+    } catch (const UserError& e) {  // what the forecast reads from the environment (PYTORCH_ALLOC_CONF, ...)
+      discard_trace();
+      TORCH_WARN("gpucast: auto mode stopped, no forecast: ", valid_utf8(e.what()), "; training goes on");
+      return;
     } catch (const std::exception& e) {
       discard_trace();
       TORCH_WARN("gpucast: auto mode stopped after an internal error (", valid_utf8(e.what()),

@@ -480,3 +480,14 @@ def test_a_caught_interrupt_in_the_first_iteration_is_not_forecast_from(tmp_path
     (rec,) = records(log)
     assert [n["code"] for n in rec["notes"]] == ["interrupted-iteration"]
     assert rec["memory"]["peak_allocated_bytes"] == r["peak"]  # the next complete iteration's, to the byte
+
+
+def test_a_forecast_that_cannot_be_made_is_one_warning_and_training_goes_on(tmp_path):
+    log = tmp_path / "gpucast.jsonl"
+    out = train(tmp_path, "enabled:True,target:H100-80GB", log, env={"PYTORCH_ALLOC_CONF": "max_split_size_mb:lots"})
+    assert out.returncode == 0, out.stderr
+    seen = marks(out.stderr)
+    assert seen[0] == "iteration 1 start, log lines 0"
+    assert "Warning: gpucast: auto mode stopped, no forecast: [gpucast:allocator-config]" in seen[1]
+    assert seen[2:] == ["iteration 2 start, log lines 0", "iteration 3 start, log lines 0", "done"]
+    assert not log.exists()
