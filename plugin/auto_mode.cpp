@@ -7,6 +7,8 @@
 // Off -> Armed -> Recording [-> Deferred] -> Done by compare-and-swap, so that one thread ends an iteration.
 #include "auto_mode.h"
 
+#include "library_init.h"
+
 #include <pthread.h>
 #include <unistd.h>
 
@@ -73,13 +75,6 @@ bool starts_with(const char* s, const char* prefix) {
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
-}
-
-// One line on stderr, written whole (fprintf may interleave with the job's output; one write(2) does not).
-void say(const std::string& line) {
-  const std::string text = line + "\n";
-  ssize_t ignored = ::write(2, text.data(), text.size());
-  (void)ignored;
 }
 
 // A leaf tensor that requires grad: a parameter, as autograd sees one (torch.nn.Parameter, or a LibTorch module's
@@ -203,8 +198,9 @@ class AutoMode final : public TraceObserver {
   // iteration begins again here.
   bool restarts_at(const at::RecordFunction& fn) noexcept override {
     try {
-      if (state_.load(std::memory_order_acquire) != State::Recording || !on_training_thread() || !forward_seen_ ||
-          step_depth_ > 0 || fn.scope() != at::RecordScope::USER_SCOPE || !starts_with(fn.name(), kZeroGradScope)) {
+      // Cheapest first: this runs before every recorded op.
+      if (fn.scope() != at::RecordScope::USER_SCOPE || state_.load(std::memory_order_acquire) != State::Recording ||
+          !on_training_thread() || !forward_seen_ || step_depth_ > 0 || !starts_with(fn.name(), kZeroGradScope)) {
         return false;
       }
       if (++restarts_ == 1) {

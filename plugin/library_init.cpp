@@ -17,12 +17,6 @@
 namespace gpucast {
 namespace {
 
-void say(const std::string& line) {
-  const std::string text = line + "\n";
-  ssize_t ignored = ::write(2, text.data(), text.size());
-  (void)ignored;
-}
-
 // The path of the copy that registered torch.ops.gpucast before this one, if one did.
 std::optional<std::string> registered_copy() {
   auto op = c10::Dispatcher::singleton().findSchema({"gpucast::library_path", ""});
@@ -62,6 +56,12 @@ bool load() noexcept {
 const bool g_loaded = load();
 
 }  // namespace
+
+void say(const std::string& line) {
+  const std::string text = line + "\n";
+  ssize_t ignored = ::write(2, text.data(), text.size());
+  (void)ignored;
+}
 
 std::string this_library_path() {
   Dl_info info{};

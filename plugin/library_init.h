@@ -8,6 +8,8 @@
 
 namespace gpucast {
 
+// One line on stderr, written whole in one write(2) (fprintf may interleave with the job's own output).
+void say(const std::string& line);
 // The file this copy of the library was loaded from.
 std::string this_library_path();
 // The ops and classes of torch.ops.gpucast / torch.classes.gpucast (ops.cpp, ops_step_gnn.cpp).

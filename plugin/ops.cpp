@@ -279,6 +279,67 @@ IterationTiming timing_argument(const std::string& text, const std::string& op, 
 }  // namespace
 }  // namespace gpucast
 
+namespace {
+
+// Auto mode's ops (plugin/auto_mode.h), apart from the rest: what the Python layer and tests call.
+void register_auto_mode_ops(torch::Library& m) {
+  using gpucast::TraceHolder;
+  using nlohmann::json;
+  // Auto mode (plugin/auto_mode.h): configured from GPUCAST_CONF's text (python: the Python layer reports what it
+  // polls), polled by the Python layer's hooks, its status.
+  m.def("auto_configure(str text, bool python=False) -> str", [](const std::string& text, bool python) {
+    return gpucast::translate("auto-config", [&] {
+      return gpucast::auto_settings_json(gpucast::auto_mode::configure(text, python)).dump();
+    });
+  });
+  m.def("auto_stop() -> ()", [] { gpucast::auto_mode::stop(); });
+  // `line` appended to the JSON Lines file at `path` (gpucast/files.h: append_line): GPUCAST_LOG's and the
+  // trackers' one way of writing.
+  m.def("append_line(str path, str line) -> ()", [](const std::string& path, const std::string& line) {
+    gpucast::translate("file-write", [&] { gpucast::append_line(path, line); });
+  });
+  // A forecast (MemoryForecast's JSON) judged against capacity_mb (0: the forecast's) at warn_fraction:
+  // {"risk", "message"}. The one rule auto mode and the framework callbacks judge by.
+  m.def("judge_memory(str forecast, int capacity_mb, float warn_fraction) -> str",
+        [](const std::string& forecast, int64_t capacity_mb, double warn_fraction) {
+          return gpucast::translate("argument", [&] {
+            gpucast::AutoSettings s;
+            if (capacity_mb < 0 || capacity_mb > (int64_t{1} << 24)) {
+              GPUCAST_USER_ERROR("judge_memory: capacity_mb should be in [0, 2^24], got {}", capacity_mb);
+            }
+            if (!(warn_fraction > 0 && warn_fraction <= 1)) {
+              GPUCAST_USER_ERROR("judge_memory: warn_fraction should be in (0, 1], got {}", warn_fraction);
+            }
+            s.capacity_mb = capacity_mb;
+            s.warn_fraction = warn_fraction;
+            const gpucast::AutoVerdict v =
+                gpucast::judge_forecast(gpucast::memory_forecast_for_judging(forecast), s);
+            return json{{"risk", v.risk}, {"message", v.message}}.dump();
+          });
+        });
+  // "auto": this process's GPU as a device table name (else cpu); any other name as given.
+  m.def("auto_target(str target) -> str", [](const std::string& target) { return gpucast::auto_mode::resolve_target(target); });
+  m.def("auto_poll(bool at_step) -> str", [](bool at_step) { return gpucast::auto_mode::poll(at_step); });
+  m.def("auto_status() -> str", [] { return gpucast::auto_mode::status_json(); });
+  // The forecast auto mode makes from a traced iteration at its batch, with GPUCAST_CONF's settings, and its
+  // verdict: {"risk", "message", "record"} (the record GPUCAST_LOG would get).
+  m.def("auto_forecast(__torch__.torch.classes.gpucast.Trace trace, int batch, str conf) -> str",
+        [](const c10::intrusive_ptr<TraceHolder>& t, int64_t batch, const std::string& conf) {
+          return gpucast::translate("auto-config", [&] {
+            const gpucast::AutoSettings s = gpucast::read_auto_settings(conf);
+            const gpucast::Trace& trace = t->get();
+            const std::string device = gpucast::window_peak_bytes(trace, "cuda:0") > 0 ? "cuda:0" : "cpu";
+            const std::string target = gpucast::auto_mode::resolve_target(s.target);
+            const gpucast::AutoVerdict v = gpucast::forecast_traced_step(
+                trace, batch, target, s, device, gpucast::ForecastEnvironment::from_process());
+            gpucast::AutoRecordContext c;
+            return json{{"risk", v.risk}, {"message", v.message}, {"record", gpucast::auto_record(v, c)}}.dump();
+          });
+        });
+}
+
+}  // namespace
+
 // The ops and classes, registered by library_init.cpp when this copy of the library is the process's first.
 void gpucast::register_ops(torch::Library& m) {
   using gpucast::TraceHolder;
@@ -571,57 +632,7 @@ void gpucast::register_ops(torch::Library& m) {
   });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
   m.def("library_path() -> str", [] { return gpucast::this_library_path(); });
-  // Auto mode (plugin/auto_mode.h): configured from GPUCAST_CONF's text (python: the Python layer reports what it
-  // polls), polled by the Python layer's hooks, its status.
-  m.def("auto_configure(str text, bool python=False) -> str", [](const std::string& text, bool python) {
-    return gpucast::translate("auto-config", [&] {
-      return gpucast::auto_settings_json(gpucast::auto_mode::configure(text, python)).dump();
-    });
-  });
-  m.def("auto_stop() -> ()", [] { gpucast::auto_mode::stop(); });
-  // `line` appended to the JSON Lines file at `path` (gpucast/files.h: append_line): GPUCAST_LOG's and the
-  // trackers' one way of writing.
-  m.def("append_line(str path, str line) -> ()", [](const std::string& path, const std::string& line) {
-    gpucast::translate("file-write", [&] { gpucast::append_line(path, line); });
-  });
-  // A forecast (MemoryForecast's JSON) judged against capacity_mb (0: the forecast's) at warn_fraction:
-  // {"risk", "message"}. The one rule auto mode and the framework callbacks judge by.
-  m.def("judge_memory(str forecast, int capacity_mb, float warn_fraction) -> str",
-        [](const std::string& forecast, int64_t capacity_mb, double warn_fraction) {
-          return gpucast::translate("argument", [&] {
-            gpucast::AutoSettings s;
-            if (capacity_mb < 0 || capacity_mb > (int64_t{1} << 24)) {
-              GPUCAST_USER_ERROR("judge_memory: capacity_mb should be in [0, 2^24], got {}", capacity_mb);
-            }
-            if (!(warn_fraction > 0 && warn_fraction <= 1)) {
-              GPUCAST_USER_ERROR("judge_memory: warn_fraction should be in (0, 1], got {}", warn_fraction);
-            }
-            s.capacity_mb = capacity_mb;
-            s.warn_fraction = warn_fraction;
-            const gpucast::AutoVerdict v =
-                gpucast::judge_forecast(gpucast::memory_forecast_for_judging(forecast), s);
-            return json{{"risk", v.risk}, {"message", v.message}}.dump();
-          });
-        });
-  // "auto": this process's GPU as a device table name (else cpu); any other name as given.
-  m.def("auto_target(str target) -> str", [](const std::string& target) { return gpucast::auto_mode::resolve_target(target); });
-  m.def("auto_poll(bool at_step) -> str", [](bool at_step) { return gpucast::auto_mode::poll(at_step); });
-  m.def("auto_status() -> str", [] { return gpucast::auto_mode::status_json(); });
-  // The forecast auto mode makes from a traced iteration at its batch, with GPUCAST_CONF's settings, and its
-  // verdict: {"risk", "message", "record"} (the record GPUCAST_LOG would get).
-  m.def("auto_forecast(__torch__.torch.classes.gpucast.Trace trace, int batch, str conf) -> str",
-        [](const c10::intrusive_ptr<TraceHolder>& t, int64_t batch, const std::string& conf) {
-          return gpucast::translate("auto-config", [&] {
-            const gpucast::AutoSettings s = gpucast::read_auto_settings(conf);
-            const gpucast::Trace& trace = t->get();
-            const std::string device = gpucast::window_peak_bytes(trace, "cuda:0") > 0 ? "cuda:0" : "cpu";
-            const std::string target = gpucast::auto_mode::resolve_target(s.target);
-            const gpucast::AutoVerdict v = gpucast::forecast_traced_step(
-                trace, batch, target, s, device, gpucast::ForecastEnvironment::from_process());
-            gpucast::AutoRecordContext c;
-            return json{{"risk", v.risk}, {"message", v.message}, {"record", gpucast::auto_record(v, c)}}.dump();
-          });
-        });
+  register_auto_mode_ops(m);
   // The context block every JSON gpucast writes carries (CONVENTIONS: google/benchmark's context).
   m.def("context() -> str", [] {
     const auto c = gpucast::current_context();
