@@ -647,12 +647,22 @@ std::string resolve_target(const std::string& target) {
 void start_from_environment() noexcept {
   try {
     const char* text = std::getenv("GPUCAST_CONF");
-    if (text == nullptr || *text == '\0') return;
-    try {
-      AutoMode::instance().configure(valid_utf8(text), /*python=*/false);
-    } catch (const UserError& e) {
-      AutoMode::instance().set_config_error(e.what());
-      say(fmt::format("gpucast: auto mode is off: {}", e.what()));
+    bool enabled = false;
+    if (text != nullptr && *text != '\0') {
+      try {
+        enabled = AutoMode::instance().configure(valid_utf8(text), /*python=*/false).enabled;
+      } catch (const UserError& e) {
+        AutoMode::instance().set_config_error(e.what());
+        say(fmt::format("gpucast: auto mode is off: {}", e.what()));
+        return;
+      }
+    }
+    // GPUCAST_LOG receives auto mode's forecasts only: set alone, it would stay empty without a word.
+    const char* log = std::getenv("GPUCAST_LOG");
+    if (!enabled && log != nullptr && *log != '\0') {
+      say(fmt::format("gpucast: GPUCAST_LOG='{}' is set but auto mode is off when the library loads (GPUCAST_CONF "
+                      "has no enabled:True): only auto mode's forecasts are logged there",
+                      valid_utf8(log)));
     }
   } catch (...) {
     say("gpucast: auto mode is off: an internal error while reading GPUCAST_CONF");

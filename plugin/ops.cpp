@@ -584,6 +584,9 @@ void gpucast::register_ops(torch::Library& m) {
     }
     return out.dump();
   });
+  m.def("check_target(str target, int capacity_bytes) -> str", [](const std::string& target, int64_t capacity) {
+    return gpucast::translate("argument", [&] { return gpucast::canonical_target(target, capacity); });
+  });
   m.def("start_trace(str options=\"\", str[]? timed_layers=None) -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);

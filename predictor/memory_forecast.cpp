@@ -65,6 +65,13 @@ std::string known_targets() {
   return known;
 }
 
+std::string canonical_target(const std::string& name, int64_t capacity_bytes) {
+  if (ascii_lower(name) == "cpu") return "cpu";
+  if (const DeviceSpec* d = lookup_device(name)) return d->name;
+  if (capacity_bytes > 0 && !name.empty()) return name;
+  return find_device(name).name;  // throws, listing the known names
+}
+
 const DeviceSpec& find_device(const std::string& name) {
   if (const DeviceSpec* d = lookup_device(name)) return *d;
   GPUCAST_USER_ERROR("unknown target '{}'; known targets: {} (or give a capacity for another GPU)", name,

@@ -11,11 +11,8 @@ an op's callback.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
-import warnings
-from typing import Any
 
 import torch
 import torch.optim.optimizer as _optimizer_module
@@ -23,6 +20,7 @@ import torch.optim.optimizer as _optimizer_module
 from ._results import MemoryForecast
 from ._settings import env_text
 from ._trace import compiling
+from ._warnings import warn
 
 _ops = torch.ops.gpucast
 
@@ -38,8 +36,6 @@ class OutOfMemoryRiskWarning(UserWarning):
 _config: dict | None = None
 _session: "_AutoSession | None" = None
 _lock = threading.Lock()
-# Frames in these folders are not the user's: warnings are attributed to the first frame outside them.
-_NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def config() -> dict:
@@ -64,15 +60,7 @@ def _resolve_target(name: str) -> str:
     return _ops.auto_target(name)
 
 
-def _user_stacklevel() -> int:
-    """warnings.warn's stacklevel, counted from the caller, that names the first frame outside torch and gpucast."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str, stacklevel: int | None = None) -> bool:
+def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: str) -> bool:
     """Warn (or raise OutOfMemoryRisk) when the forecast needs more than warn_fraction of the capacity (the plugin's
     rule, torch.ops.gpucast.judge_memory)."""
     v = json.loads(_ops.judge_memory(json.dumps(f.__dict__), int(capacity_mb), float(warn_fraction)))
@@ -80,7 +68,7 @@ def judge(f: MemoryForecast, capacity_mb: int, warn_fraction: float, on_risk: st
         return False
     if on_risk == "raise":
         raise OutOfMemoryRisk(v["message"])
-    warnings.warn(v["message"], OutOfMemoryRiskWarning, stacklevel=stacklevel or _user_stacklevel())
+    warn(v["message"], OutOfMemoryRiskWarning)
     return True
 
 
@@ -127,8 +115,8 @@ class _AutoSession:
             r = json.loads(_ops.auto_poll(at_step))
         except Exception as e:  # noqa: BLE001 - fail open
             self.done = True
-            warnings.warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
-                          "training goes on", RuntimeWarning, stacklevel=_user_stacklevel())
+            warn(f"gpucast: auto mode stopped after an internal error ({type(e).__name__}: {e}); "
+                          "training goes on", RuntimeWarning)
             return
         self.deferred = r["state"] == "deferred"
         self.done = r["state"] in ("done", "off")
@@ -142,16 +130,16 @@ class _AutoSession:
             self.batch = memory["batch_size"]
             self._track(self.forecast, v["record"]["context"])
         except Exception as e:  # noqa: BLE001 - fail open: the verdict still stands
-            warnings.warn(f"gpucast: auto mode could not publish the forecast ({type(e).__name__}: {e})",
-                          RuntimeWarning, stacklevel=_user_stacklevel())
+            warn(f"gpucast: auto mode could not publish the forecast ({type(e).__name__}: {e})",
+                          RuntimeWarning)
         for w in v["warnings"]:
             if w["code"] == "trace-capped":
-                warnings.warn(f"gpucast: the first iteration's trace reached its cap: the forecast is a lower bound "
-                              f"({w['text']})", RuntimeWarning, stacklevel=_user_stacklevel())
+                warn(f"gpucast: the first iteration's trace reached its cap: the forecast is a lower bound "
+                              f"({w['text']})", RuntimeWarning)
         if v["risk"]:
             if v["raise"]:
                 raise OutOfMemoryRisk(v["message"])
-            warnings.warn(v["message"], OutOfMemoryRiskWarning, stacklevel=_user_stacklevel())
+            warn(v["message"], OutOfMemoryRiskWarning)
         elif self.cfg.get("verbose"):
             print(v["message"], file=sys.stderr, flush=True)
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import error_code
+from ._warnings import warn
 
 
 # Defaults chosen, not tuned on a recorded sweep: sizes 64 KiB to 64 MiB by 4x, timeout 60 s.
@@ -136,8 +137,8 @@ def calibrate(sizes: tuple = tuple(2**k for k in range(16, 27, 2)), repeats: int
         except TimeoutError:
             raise
         except Exception as e:  # FSDP's own failure leaves its keys out, not the link
-            warnings.warn(f"gpucast.calibrate: FSDP's own work could not be measured ({type(e).__name__}: {e}); "
-                          f"the forecast leaves it out of FSDP's steps", stacklevel=2)
+            warn(f"gpucast.calibrate: FSDP's own work could not be measured ({type(e).__name__}: {e}); "
+                          f"the forecast leaves it out of FSDP's steps")
     return out
 
 
@@ -154,9 +155,9 @@ def _fit_link(samples: list, ranks: int) -> tuple:
     n = float(ranks)
     us = [(2.0 * (n - 1.0) / n * s, t) for s, t in samples if s > 0 and t > 0]
     x = sum(u / t for u, t in us) / sum((u / t) ** 2 for u, t in us)
-    warnings.warn(f"gpucast.calibrate: the all-reduce samples do not grow with the size "
+    warn(f"gpucast.calibrate: the all-reduce samples do not grow with the size "
                   f"({', '.join(f'{int(s)} B: {t:.0f} us' for s, t in samples)}; a noisy host?): the link's bandwidth "
-                  f"is fitted with no latency; wider sizes or more repeats give a better fit", stacklevel=3)
+                  f"is fitted with no latency; wider sizes or more repeats give a better fit")
     return 0.0, 1.0 / x
 
 
@@ -385,8 +386,8 @@ def _gathers_and_scatters(sizes, repeats, group, wait, ranks, device) -> dict:
                 else:
                     samples, _ = _after_compute(whole, fulls, repeats, group, wait, ranks, run=run, what=what)
         except (RuntimeError, NotImplementedError) as e:
-            warnings.warn(f"gpucast.calibrate: {what} cannot run on this process group ({e}); FSDP's and ZeRO's "
-                          f"{plural} are priced as half an all-reduce", stacklevel=3)
+            warn(f"gpucast.calibrate: {what} cannot run on this process group ({e}); FSDP's and ZeRO's "
+                          f"{plural} are priced as half an all-reduce")
             continue
         out[key] = [{"bytes": s, "us": u} for s, u in samples]
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -16,11 +15,11 @@ import torch
 
 from ._errors import error_code
 from ._notes import note
+from ._warnings import warn
 from ._probes import (_REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
 from ._results import Forecast, MemoryForecast, TimeForecast
 from ._settings import (env_text, _buffer_bytes, _correction, _default_link, _format_link, _format_parallel, _gpu_pricing,
-                        _module_paths, _note_default_link, _optimizer_list, _optimizer_name, _prior, _time_on_target,
-                        devices)
+                        _module_paths, _note_default_link, _optimizer_list, _optimizer_name, _prior, _time_on_target)
 
 
 def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safety: float, probe_device: str,
@@ -52,7 +51,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     warning says that the probes changed it. A step that runs several optimizers (one for some parameters,
     another for the rest) takes them all as a list: optimizer=[opt_a, opt_b]; steps with no backward pass
     between them are one iteration's optimizer. `target` is "cpu" (this host's CPU allocator bytes) or a
-    GPU from gpucast.devices(); `capacity` overrides its memory in bytes. `parallel` is
+    GPU from gpucast.devices(); `capacity` overrides its memory in bytes, and with it any other name is a GPU of that
+    capacity (an unknown name without it raises ValueError listing the names, before any probe runs). `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=), and for the step time
     gradient_as_bucket_view=, broadcast_buffers=, buffer_bytes=, bucket_cap_mb= (DDP) and fsdp_units= (FSDP's
     units: modules of `model`, module classes or class names, or module paths such as "GPT.blocks.0"; without
@@ -113,12 +113,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if timing_rounds is not None and (isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int)
                                       or timing_rounds < 1):
         raise ValueError(f"forecast: timing_rounds must be an integer of at least 1 (or None), got {timing_rounds!r}")
-    target = str(target)
-    if target != "cpu":
-        known = {d["name"].lower() for d in devices()}
-        if target.lower() not in known:
-            names = ", ".join(d["name"] for d in devices())
-            raise ValueError(f"forecast: unknown target '{target}'; known targets: cpu, {names}")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"forecast: capacity must be a number of bytes of at least 1 (or None), got {capacity!r}")
+    # Before any probe runs: cpu, a device table name, or with a capacity any GPU's name (the plugin's one rule).
+    target = torch.ops.gpucast.check_target(str(target), capacity or 0)
     modules = _module_paths(model)
     parallel_text = _format_parallel(parallel, modules=modules)
     # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
@@ -134,8 +132,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     optimizers = _optimizer_list(optimizer)
     state = _State(model, optimizers)
     if model is None or not optimizers:
-        warnings.warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
-                      "state; pass model= and optimizer= to have them restored", stacklevel=2)
+        warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
+                      "state; pass model= and optimizer= to have them restored")
     run = ProbeRun(step, make_batch, model=model, state=state, design=design, iterations=iterations, target=target,
                    per_rank=per_rank, tp=tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
                    timing_rounds=timing_rounds, conv_workspace=conv_workspace,
@@ -148,7 +146,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                             state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
     _memory_notes(memory, run, optimizers, iterations)
     for w in memory.warnings:
-        warnings.warn(f"gpucast.forecast: {w['text']}", stacklevel=2)
+        warn(f"gpucast.forecast: {w['text']}")
     context = json.loads(torch.ops.gpucast.context())
     buffer_bytes = _buffer_bytes(model)
     time_fc = _forecast_time(timings, batch_size, target, probe_device, parallel or {}, link,
@@ -266,8 +264,8 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         text = run(pricing)
     except (ValueError, RuntimeError) as e:
         if not isinstance(e, ValueError):  # gpucast's own fault, not the input's: the memory forecast stands
-            warnings.warn(f"gpucast.forecast: the step-time forecast failed ({type(e).__name__}: {e}); no step "
-                          f"time, the memory forecast stands", stacklevel=3)
+            warn(f"gpucast.forecast: the step-time forecast failed ({type(e).__name__}: {e}); no step "
+                          f"time, the memory forecast stands")
             return None
         if not pricing or error_code(e) != "gpu-rates":
             raise
@@ -277,21 +275,21 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
         if os.environ.get("GPUCAST_GPU_RATES") and shipped.is_file():
             try:
                 text = run({**pricing, "gpu_rates": str(shipped)})
-                warnings.warn(f"gpucast.forecast: GPUCAST_GPU_RATES could not be used for {target} ({e}); the step "
-                              f"time is priced from the shipped table {shipped}", stacklevel=3)
+                warn(f"gpucast.forecast: GPUCAST_GPU_RATES could not be used for {target} ({e}); the step "
+                              f"time is priced from the shipped table {shipped}")
             except (ValueError, RuntimeError):
                 text = None
         if text is None:
-            warnings.warn(f"gpucast.forecast: no step time for {target}: {e}", stacklevel=3)
+            warn(f"gpucast.forecast: no step time for {target}: {e}")
             return None
     tf = TimeForecast(**json.loads(text))
-    _note_default_link(tf, link, target, stacklevel=4)
+    _note_default_link(tf, link, target)
     if not tf.per_layer:
         msg = ("no layer ran outside the optimizer's step: an optimizer that takes a closure (LBFGS) runs the "
                "forward and backward inside its step, whose time is then the optimizer's, the time of the probe "
                "nearest the batch in size, not scaled to the batch")
         tf.notes.insert(0, note("layers-in-optimizer", msg))
-        warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
+        warn(f"gpucast.forecast: {msg}")
     if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
         # No device timer recorded the probes' kernels (the trace's notes say why): their host clocks measure
         # the launches, which on a GPU neither scale with the batch nor add up to the kernels' time.
@@ -299,5 +297,5 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
                f"kernels; see the trace's notes): the step time measures launches, not the kernels, and does not "
                f"scale with the batch as the GPU's work does")
         tf.notes.insert(0, note("host-clocks-only", msg))
-        warnings.warn(f"gpucast.forecast: {msg}", stacklevel=3)
+        warn(f"gpucast.forecast: {msg}")
     return tf

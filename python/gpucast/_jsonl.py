@@ -7,10 +7,11 @@ instead of stalling the training thread."""
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any, Iterator
 
 import torch
+
+from ._warnings import warn
 
 
 def append_record(path: str, record: dict) -> None:
@@ -41,5 +42,5 @@ def read_records(path: str, opener: Any = open) -> Iterator[dict]:
             else:
                 torn.append(number)
     if torn:
-        warnings.warn(f"{path}: skipped {len(torn)} line(s) that are not complete JSON records (torn writes): "
-                      f"line {', '.join(map(str, torn[:10]))}{' ...' if len(torn) > 10 else ''}", stacklevel=2)
+        warn(f"{path}: skipped {len(torn)} line(s) that are not complete JSON records (torn writes): "
+                      f"line {', '.join(map(str, torn[:10]))}{' ...' if len(torn) > 10 else ''}")

@@ -11,7 +11,8 @@ import torch
 from ._settings import (_correction, _default_link, _format_link, _format_parallel, _gpu_pricing, _note_default_link,
                         _prior)
 
-SCHEMA_VERSION = 1
+# to_dict()'s layout. 2: what does not apply to the target is null, not 0 or -1 (see _memory_dict).
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -49,6 +50,20 @@ class MemoryForecast:
     conv_workspace_headroom_allocated_bytes: int = -1
     conv_workspace_headroom_reserved_bytes: int = -1
     conv_calls_measured: int = 0
+
+
+def _memory_dict(m: MemoryForecast) -> dict:
+    """The memory forecast's fields, with null for what does not apply: a target without a capacity (cpu) has no
+    capacity_bytes and no max_batch_size (0 would read as "nothing fits"); a cuDNN workspace gpucast neither
+    modelled nor bounded (-1 in the dataclass) is null."""
+    d = dict(m.__dict__)
+    if m.capacity_bytes == 0:
+        d["capacity_bytes"] = d["max_batch_size"] = None
+    for k in ("conv_workspace_bytes", "conv_workspace_headroom_allocated_bytes",
+              "conv_workspace_headroom_reserved_bytes"):
+        if d[k] == -1:
+            d[k] = None
+    return d
 
 
 @dataclass
@@ -143,9 +158,10 @@ class Forecast:
         return tf
 
     def to_dict(self) -> dict:
+        """Everything, JSON-ready; null where a field does not apply (see _memory_dict)."""
         return {"schema_version": SCHEMA_VERSION, "context": self.context,
                 "probe_batch_sizes": list(self.probe_batch_sizes), "probe_device": self.probe_device,
-                "memory": dict(self.memory.__dict__),
+                "memory": _memory_dict(self.memory),
                 # The timeline's compute spans (layers x micro-batches of them) stay out: save_timeline draws them.
                 "time": None if self.time is None else {k: v for k, v in self.time.__dict__.items() if k != "compute"}}
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
 from ._notes import note
+from ._warnings import warn
 
 if TYPE_CHECKING:
     from ._results import TimeForecast
@@ -66,17 +66,16 @@ def _default_link(link: dict | str | None, target: str) -> dict | str | None:
     return None
 
 
-def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str, stacklevel: int = 3) -> None:
+def _note_default_link(tf: "TimeForecast", link: dict | str | None, target: str) -> None:
     used = _default_link(link, target)
     if link is None and used and tf.dp * tf.tp * tf.pp > 1:
         tf.notes.insert(0, note("default-link", f"link: {target}'s usual node assumed ({used}, the device table's "
                                                 f"default); pass link= (gpucast.calibrate() on the job's process "
                                                 f"group, or a topology) for another"))
     if not used and tf.dp * tf.tp * tf.pp > 1:
-        warnings.warn(f"gpucast.forecast: no link is known for target '{target}', so the step's collectives "
+        warn(f"gpucast.forecast: no link is known for target '{target}', so the step's collectives "
                       f"(dp={tf.dp}, tp={tf.tp}, pp={tf.pp}) are left out of it; pass link=gpucast.calibrate() "
-                      f"(run on the job's process group) or a topology such as 'intra:nvlink4,gpus_per_node:8'",
-                      stacklevel=stacklevel)
+                      f"(run on the job's process group) or a topology such as 'intra:nvlink4,gpus_per_node:8'")
 
 
 def _format_link(link: dict | str | None) -> str:

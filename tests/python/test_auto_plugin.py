@@ -225,6 +225,24 @@ def test_a_log_folder_that_does_not_exist_is_said_when_the_configuration_is_read
     assert sum("GPUCAST_LOG" in ln or "not logged" in ln for ln in out.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("conf", [None, "enabled:False,target:cpu"])
+def test_a_log_without_auto_mode_is_said_once(tmp_path, conf):
+    """GPUCAST_LOG receives auto mode's forecasts only: set without it, one line says so, before training."""
+    log = tmp_path / "gpucast.jsonl"
+    out = train(tmp_path, conf, log)
+    assert out.returncode == 0, out.stderr
+    said = [ln for ln in out.stderr.splitlines() if "GPUCAST_LOG" in ln]
+    assert said == [f"gpucast: GPUCAST_LOG='{log}' is set but auto mode is off when the library loads (GPUCAST_CONF "
+                    "has no enabled:True): only auto mode's forecasts are logged there"]
+    assert marks(out.stderr)[0] == said[0] and not log.exists()
+
+
+def test_a_log_with_auto_mode_says_nothing_of_it(tmp_path):
+    out = train(tmp_path, "enabled:True,target:cpu", tmp_path / "gpucast.jsonl")
+    assert out.returncode == 0, out.stderr
+    assert "GPUCAST_LOG" not in out.stderr
+
+
 LOAD_ONLY = r"""
 import sys
 import torch

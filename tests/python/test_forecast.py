@@ -177,7 +177,9 @@ def test_gpu_target_reports_reserved_capacity_and_largest_batch():
                              capacity=m.peak_reserved_bytes + m.outside_allocator_bytes)
     assert small.memory.max_batch_size < 32  # 90 % of exactly what batch 32 needs is not enough
     d = fc.to_dict()
-    assert d["schema_version"] == 1 and d["context"]["torch_version"] and d["memory"]["target"] == "H100-80GB"
+    assert d["schema_version"] == 2 and d["context"]["torch_version"] and d["memory"]["target"] == "H100-80GB"
+    assert d["memory"]["capacity_bytes"] == 81559 * 2**20 and d["memory"]["max_batch_size"] == m.max_batch_size
+    json.dumps(d, allow_nan=False)
     assert [n["code"] for n in m.notes].count("cublas-workspace") == 1
 
 
@@ -208,6 +210,42 @@ def test_bad_input():
                          parallel=dict(dp=2, dp_mode="zero3"))
     with pytest.raises(ValueError, match=r"parallel: option 'dp' expects a positive integer, got '0'"):
         gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="H100-80GB", parallel=dict(dp=0))
+
+
+def test_target_is_checked_before_any_probe_runs():
+    """An unknown name is refused before the step runs once; with a capacity any name is a GPU of that size."""
+    case, model, opt, step = fresh("mlp")
+    calls = []
+
+    def counted(batch):
+        calls.append(1)
+        return step(batch)
+    with pytest.raises(ValueError, match=r"\[gpucast:argument\] unknown target 'B200'; known targets: cpu, A100-40GB"):
+        gpucast.forecast(counted, case.make_batch, 8, model=model, optimizer=opt, target="B200")
+    assert calls == []
+    with pytest.raises(ValueError, match=r"capacity must be a number of bytes of at least 1 \(or None\), got 0"):
+        gpucast.forecast(counted, case.make_batch, 8, model=model, optimizer=opt, target="B200", capacity=0)
+    assert calls == []
+    fc = gpucast.forecast(counted, case.make_batch, 8, model=model, optimizer=opt, target="B200",
+                          capacity=192 << 30, probe_batch_sizes=(2, 4), timing_rounds=1)
+    assert calls and fc.memory.target == "B200" and fc.memory.capacity_bytes == 192 << 30
+    assert "unknown-device" in [n["code"] for n in fc.memory.notes]
+    h100 = gpucast.forecast(step, case.make_batch, 8, model=model, optimizer=opt, target="h100-80gb",
+                            probe_batch_sizes=(2, 4), timing_rounds=1)
+    assert h100.memory.target == "H100-80GB"
+
+
+def test_to_dict_is_null_where_a_field_does_not_apply():
+    """The cpu target has no capacity: no capacity and no largest batch (0 read as "nothing fits"), no cuDNN."""
+    case, model, opt, step = fresh("mlp")
+    fc = gpucast.forecast(step, case.make_batch, 16, model=model, optimizer=opt, target="cpu",
+                          probe_batch_sizes=(2, 4), timing_rounds=1)
+    assert fc.memory.capacity_bytes == 0 and fc.memory.max_batch_size == 0  # the dataclass keeps its integers
+    m = json.loads(json.dumps(fc.to_dict(), allow_nan=False))["memory"]
+    assert m["capacity_bytes"] is None and m["max_batch_size"] is None
+    assert m["conv_workspace_bytes"] is None and m["conv_workspace_headroom_allocated_bytes"] is None
+    assert m["conv_workspace_headroom_reserved_bytes"] is None
+    assert m["peak_allocated_bytes"] == fc.memory.peak_allocated_bytes > 0 and m["conv_calls"] == 0
 
 
 def test_bad_allocator_configuration_names_the_key(monkeypatch):

@@ -42,6 +42,10 @@ const DeviceSpec& find_device(const std::string& name);
 const DeviceSpec* lookup_device(const std::string& name);
 // The table's names, comma-separated ("cpu" first): what errors about a target list.
 std::string known_targets();
+// The one rule for a forecast's target name: "cpu", a device table name (returned as the table spells it), or, with
+// a capacity (capacity_bytes > 0), any other name, returned as given (a GPU the table lacks). Case-insensitive.
+// Throws UserError naming the known targets otherwise, before any probe runs.
+std::string canonical_target(const std::string& name, int64_t capacity_bytes);
 // cuBLAS workspace per handle and stream, as PyTorch sizes it (CUBLAS_WORKSPACE_CONFIG ":SIZE_KiB:COUNT..."
 // overrides; empty means unset). Throws UserError for a malformed value.
 int64_t cublas_workspace_bytes(int compute_capability, const std::string& cublas_workspace_config);

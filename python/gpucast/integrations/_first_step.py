@@ -84,7 +84,7 @@ class FirstStep:
         self.logger.log_forecast(fc)
         if step > 0:
             self.logger.log_measured(step)
-        judge(fc.memory, self.capacity_mb, self.warn_fraction, self.on_risk, stacklevel=5)
+        judge(fc.memory, self.capacity_mb, self.warn_fraction, self.on_risk)
 
     def begin(self, batch_size: int) -> None:
         if self.trace is not None or self.forecast is not None:
