@@ -160,12 +160,39 @@ def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) 
 _CPU_TIMING_ROUNDS = 3
 
 
+PROGRESS_DELAY_S = 2.0
+
+
+class Progress:
+    """One line of progress on a terminal, rewritten in place ("gpucast: probe 2 of 3 (batch 4)"), shown only once
+    the forecast has run `delay_s` (PROGRESS_DELAY_S by default: a quick forecast prints nothing) and never when the stream is not a terminal (a
+    log file, a pipe, a notebook's captured stderr). done() clears what was shown."""
+
+    def __init__(self, stream=None, delay_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.stream = sys.stderr if stream is None else stream
+        self.on = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.delay_s = PROGRESS_DELAY_S if delay_s is None else delay_s
+        self.clock, self.start, self.width = clock, clock(), 0
+
+    def show(self, text: str) -> None:
+        if not self.on or self.clock() - self.start < self.delay_s:
+            return
+        line = f"gpucast: {text}"
+        self.stream.write("\r" + line.ljust(self.width))
+        self.stream.flush()
+        self.width = max(self.width, len(line))
+
+    def done(self) -> None:
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+
 def _retimed(step: Callable[[Any], Any], make_batch: Callable[..., Any], b: int, length: int | None, structure: str,
-             timed_layers: list | None, model: torch.nn.Module | None, state: "_State", show: bool) -> str:
+             timed_layers: list | None, model: torch.nn.Module | None, state: "_State") -> str:
     """A probe's steady timing again, in a later round (no memory trace: its structure is the first round's). Two
     untraced warm-ups: the state restored after the last probe has no optimizer state yet."""
-    if show:
-        print(f"\rgpucast: timing again (batch {b})   ", end="", file=sys.stderr, flush=True)
     gc.collect()
     batch = make_batch(b) if length is None else make_batch(b, length)
     try:
@@ -266,7 +293,7 @@ class ProbeRun:
         self.rounds: list = []  # each timing round's timings (timing_rounds > 1)
         self.conv_skipped: list = []
         self.op_skipped: list = []
-        self.show = sys.stderr.isatty()  # progress on a terminal, quiet otherwise
+        self.progress = Progress()  # on a terminal, once the forecast takes more than 2 s
 
     def run(self) -> "ProbeRun":
         try:
@@ -286,8 +313,7 @@ class ProbeRun:
             self._workspaces()
         finally:
             self.state.restore()
-            if self.show:
-                print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+            self.progress.done()
         return self
 
     def _warm_up(self) -> None:
@@ -308,9 +334,8 @@ class ProbeRun:
 
     def _probe(self, i: int, b: int, length: int | None) -> None:
         """The i-th probe of the design: its memory trace, then (on the target) its steady timing."""
-        if self.show:
-            what = f"batch {b}" + (f", length {length}" if length is not None else "")
-            print(f"\rgpucast: probe {i}/{len(self.design)} ({what})   ", end="", file=sys.stderr, flush=True)
+        what = f"batch {b}" + (f", length {length}" if length is not None else "")
+        self.progress.show(f"probe {i} of {len(self.design)} ({what})")
         gc.collect()  # garbage freed during a probe would change what it records
         batch = self.make_batch(b) if length is None else self.make_batch(b, length)
         self.probe_device = _device_of(batch)
@@ -343,8 +368,7 @@ class ProbeRun:
 
     def _timing_probe(self, b: int) -> None:
         """A timing-only probe at batch b (its trace gives the first steps and the structure, as for the others)."""
-        if self.show:
-            print(f"\rgpucast: timing probe (batch {b})   ", end="", file=sys.stderr, flush=True)
+        self.progress.show(f"timing probe (batch {b})")
         gc.collect()
         batch = self.make_batch(b)
         with trace(model=self.model) as t:
@@ -382,10 +406,13 @@ class ProbeRun:
                     else _CPU_TIMING_ROUNDS if self.probe_device == "cpu" else 1)
         if len(self.retime) == len(self.timings) and n_rounds > 1:
             self.rounds = [list(self.timings)]
-            for _ in range(n_rounds - 1):
-                self.rounds.append([_retimed(self.step, self.make_batch, b, length, structure, self.timed_layers,
-                                             self.model, self.state, self.show)
-                                    for b, length, structure in self.retime])
+            for r in range(2, n_rounds + 1):
+                timings = []
+                for k, (b, length, structure) in enumerate(self.retime, 1):
+                    self.progress.show(f"timing round {r} of {n_rounds}, probe {k} of {len(self.retime)} (batch {b})")
+                    timings.append(_retimed(self.step, self.make_batch, b, length, structure, self.timed_layers,
+                                            self.model, self.state))
+                self.rounds.append(timings)
             self.timings = _round_median(self.rounds)
 
     def _workspaces(self) -> None:
