@@ -234,3 +234,43 @@ def test_step_time_forecast_beside_measured(tmp_path):
         assert x["gpucast/forecast_step_ms"] == pytest.approx(fc.time.step_ms)
         assert x["gpucast/forecast_exposed_comm_ms"] == 0.0
         assert x["gpucast/measured_step_ms"] > 0
+
+
+def csv_rows(path):
+    import csv
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_lightning_logs_through_any_logger(tmp_path):
+    """CSVLogger (no SummaryWriter underneath) and TensorBoardLogger at once: both get the forecast, its
+    parameters and the measured peaks, through Lightning's own logger API."""
+    import pytorch_lightning as pl
+    import yaml
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from gpucast.integrations.lightning import GpucastCallback
+    x, y = zoo.CASES["mlp"].make_batch(128)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    cb = GpucastCallback(target="cpu")
+    csv_logger, tb_logger = CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=[csv_logger, tb_logger], accelerator="cpu", devices=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        trainer.fit(LitMLP(), loader)
+    assert not [str(x.message) for x in w if "gpucast: not logging" in str(x.message)]
+    m = cb.forecast.memory
+    rows = csv_rows(Path(csv_logger.log_dir) / "metrics.csv")
+    forecast = [r for r in rows if r.get("gpucast/forecast_peak_reserved_mib")]
+    assert forecast[0]["step"] == "0"
+    assert float(forecast[0]["gpucast/forecast_peak_reserved_mib"]) == pytest.approx(m.peak_reserved_bytes / MIB)
+    assert float(forecast[0]["gpucast/forecast_peak_allocated_mib"]) == pytest.approx(m.peak_allocated_bytes / MIB)
+    assert [int(r["step"]) for r in rows if r.get("gpucast/measured_peak_allocated_mib")] == [1, 2, 3, 4]
+    hparams = yaml.safe_load((Path(csv_logger.log_dir) / "hparams.yaml").read_text())
+    assert hparams["gpucast_target"] == "cpu" and str(hparams["gpucast_batch_size"]) == "32"
+    acc = EventAccumulator(tb_logger.log_dir)
+    acc.Reload()
+    assert acc.Scalars("gpucast/forecast_peak_reserved_mib")[0].value == pytest.approx(m.peak_reserved_bytes / MIB)
+    assert [e.step for e in acc.Scalars("gpucast/measured_peak_allocated_mib")] == [1, 2, 3, 4]
+

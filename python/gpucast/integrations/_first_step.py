@@ -57,6 +57,8 @@ class FirstStep:
         self.forecast: Forecast | None = None
         self.logger: trackers.Logger | None = None
         self.measured: list[dict] = []
+        # Names of trackers (trackers.active_trackers) the framework already logs to: not logged to twice.
+        self.skip_active: set[str] = set()
 
     def at_train_start(self, step, first_batch: Any, model, optimizer, framework_trackers: list[Any]) -> None:
         """Probe on slices of the first batch and forecast before any full step; on failure, trace the first step."""
@@ -76,10 +78,10 @@ class FirstStep:
         adapters = []
         for t in framework_trackers + self.extra_targets:
             try:
-                adapters.append(trackers._adapter(t))
+                adapters.append(t if isinstance(t, trackers._Adapter) else trackers._adapter(t))
             except (TypeError, ImportError, LookupError) as e:
                 warnings.warn(f"gpucast: not logging to {type(t).__name__}: {e}; gpucast goes on", stacklevel=4)
-        adapters += trackers.active_trackers()
+        adapters += [a for a in trackers.active_trackers() if a.name not in self.skip_active]
         self.logger = trackers.Logger(adapters, steps=0)  # measured values are logged by end()
         self.logger.log_forecast(fc)
         if step > 0:
