@@ -274,3 +274,45 @@ def test_lightning_logs_through_any_logger(tmp_path):
     assert acc.Scalars("gpucast/forecast_peak_reserved_mib")[0].value == pytest.approx(m.peak_reserved_bytes / MIB)
     assert [e.step for e in acc.Scalars("gpucast/measured_peak_allocated_mib")] == [1, 2, 3, 4]
 
+
+class LogsRecorder(__import__("transformers").TrainerCallback):
+    """Stands for any reporter: what on_log hands it, at which step."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append((state.global_step, dict(logs)))
+
+
+def tiny_gpt2_trainer(tmp_path, callbacks, report_to):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                       use_cache=False))
+    ids = torch.randint(0, 1000, (32, 32), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=3,
+                             report_to=report_to, logging_dir=str(tmp_path / "tb"), use_cpu=True, logging_steps=100,
+                             save_strategy="no", disable_tqdm=True)
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                   callbacks=callbacks)
+
+
+def test_transformers_values_reach_every_reporter(tmp_path):
+    """report_to=["tensorboard"] and a reporter placed before gpucast's callback: both get the forecast and the
+    measured peaks of the first steps (logging_steps=100: the Trainer itself logs nothing in 3 steps)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from gpucast.integrations.transformers import GpucastCallback
+    recorder, cb = LogsRecorder(), GpucastCallback(target="H100-80GB")
+    trainer = tiny_gpt2_trainer(tmp_path, [recorder, cb], ["tensorboard"])
+    trainer.train()
+    m = cb.forecast.memory
+    forecast = [(s, x) for s, x in recorder.logs if "gpucast/forecast_peak_reserved_mib" in x]
+    assert forecast[0][1]["gpucast/forecast_peak_reserved_mib"] == pytest.approx(m.peak_reserved_bytes / MIB)
+    assert forecast[0][1]["gpucast/forecast_peak_allocated_mib"] == pytest.approx(m.peak_allocated_bytes / MIB)
+    assert [s for s, x in recorder.logs if "gpucast/measured_peak_allocated_mib" in x] == [1, 2, 3]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tb = acc.Scalars("train/gpucast/forecast_peak_reserved_mib")
+    assert tb[0].value == pytest.approx(m.peak_reserved_bytes / MIB)
+    assert [e.step for e in acc.Scalars("train/gpucast/measured_peak_allocated_mib")] == [1, 2, 3]
