@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import gpucast
 from conftest import build
 from examples import zoo
@@ -85,3 +87,64 @@ def test_predict_job(tmp_path):
     bad = cli("predict-job", str(path))
     assert bad.returncode == 2
     assert "field 'layers' is empty" in bad.stderr
+
+
+def test_run_refuses_an_unknown_target_before_the_script_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran')\n")
+    out = cli("run", "--target", "B200", "--", str(script), cwd=tmp_path)
+    assert out.returncode == 2 and "the script ran" not in out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "gpucast: [gpucast:auto-config] GPUCAST_CONF: option 'target' expects auto, cpu or a device table name (cpu, "
+        "A100-40GB, A100-80GB, H100-80GB, H200-141GB, L4, V100-32GB, RTX-4090), or any name with capacity_mb, got 'B200'"]
+    fine = cli("run", "--target", "B200", "--", str(script), cwd=tmp_path, env_extra={"GPUCAST_CONF": "capacity_mb:196608"})
+    assert fine.returncode == 0 and "the script ran" in fine.stdout, fine.stderr
+
+
+def test_report_draws_forecast_and_capacity_lines(tmp_path):
+    model, opt, step, batch = build(zoo.CASES["mlp"], "adamw")
+    with gpucast.trace() as t:
+        step(batch)
+    t.save(str(tmp_path / "trace.json"))
+    out = cli("report", "trace.json", "--forecast", "1234MiB", "--capacity", "H100-80GB", "--html", "r.html",
+              "--png", "r.png", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    h100 = next(d for d in gpucast.devices() if d["name"] == "H100-80GB")["capacity_bytes"]
+    text = (tmp_path / "r.html").read_text()
+    assert "forecast peak 1,234.0 MiB" in text and f"capacity {h100 / 2**20:,.1f} MiB" in text
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    bad = cli("report", "trace.json", "--forecast", "12 parsecs", "--png", "r.png", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "argument --forecast: '12 parsecs' is not a size: give bytes (1234567), or a number with a unit: " \
+           "KiB, MiB, GiB, TiB (powers of 1024) or kB, MB, GB, TB (powers of 1000)" in bad.stderr
+
+
+def test_sizes_on_the_command_line():
+    from gpucast.__main__ import parse_size
+    assert parse_size("1234MiB") == 1234 * 2**20
+    assert parse_size("2GiB") == parse_size("2 gib") == 2 * 2**30
+    assert parse_size("1.5GiB") == 3 * 2**29
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("123456") == parse_size("123456B") == 123456
+    assert parse_size("H100-80GB", devices=True) == next(
+        d["capacity_bytes"] for d in gpucast.devices() if d["name"] == "H100-80GB")
+    for bad in ("", "-1GiB", "1.5", "GiB", "12 parsecs", "H100-80GB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_report_pictures_without_matplotlib(tmp_path):
+    """One line naming the package and the pip command, exit code 2, before the summary."""
+    model, opt, step, batch = build(zoo.CASES["mlp"], "adamw")
+    with gpucast.trace() as t:
+        step(batch)
+    t.save(str(tmp_path / "trace.json"))
+    for option in ("--png", "--html"):
+        code = ("import sys; sys.modules['matplotlib'] = None; from gpucast.__main__ import main; "
+                f"sys.exit(main(['report', 'trace.json', '{option}', 'out']))")
+        env = dict(os.environ, PYTHONPATH=f"{ROOT / 'python'}{os.pathsep}{ROOT}")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                             timeout=300)
+        assert out.returncode == 2
+        assert out.stderr == f"gpucast report {option} needs matplotlib: pip install matplotlib\n"
+        assert out.stdout == "" and not (tmp_path / "out").exists()
