@@ -2,6 +2,7 @@
 
   python -m gpucast run [--target T] [--log FILE] -- train.py args...   run a script with auto mode on
   python -m gpucast report trace.json [--html out.html] [--png out.png] [--snapshot out.pickle]
+                           [--forecast SIZE] [--capacity SIZE_OR_DEVICE]
   python -m gpucast devices                                             the device and GPU rates tables
   python -m gpucast predict-job job.json                                the job-level memory estimate
 """
@@ -9,8 +10,44 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+SIZES = ("give bytes (1234567), or a number with a unit: KiB, MiB, GiB, TiB (powers of 1024) or kB, MB, GB, TB "
+         "(powers of 1000)")
+
+
+# Packages only some subcommands need (ImportError with their name: "... needs matplotlib: pip install matplotlib").
+OPTIONAL_PACKAGES = ("matplotlib",)
+
+
+def parse_size(text: str, devices: bool = False) -> int:
+    """Bytes from "1234567", "1234MiB", "2GiB", "1.5 GiB", "80GB"; with devices, also a device table name (its
+    capacity). ValueError saying what is accepted."""
+    if devices:
+        import gpucast
+        for d in gpucast.devices():
+            if d["name"] == text:
+                return int(d["capacity_bytes"])
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m and _UNITS.get(m.group(2).lower())
+    value = float(m.group(1)) * unit if unit else 0
+    if not unit or (not m.group(2) and "." in m.group(1)) or value <= 0:
+        also = " or a device table name (python -m gpucast devices)" if devices else ""
+        raise ValueError(f"'{text}' is not a size: {SIZES}{also}")
+    return int(value)
+
+
+def _size(devices: bool):
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, devices)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
 
 
 def _devices(args) -> int:
@@ -31,13 +68,18 @@ def _devices(args) -> int:
 
 def _report(args) -> int:
     import gpucast
+    from ._pictures import require_matplotlib
+    for option, path in (("--png", args.png), ("--html", args.html)):
+        if path:
+            require_matplotlib(f"gpucast report {option}")  # before any output: one line, exit code 2
     t = gpucast.load_trace(args.trace)
     print(t.summary(), end="")
+    lines = {"forecast_peak": args.forecast, "capacity": args.capacity}
     if args.html:
-        t.save_html(args.html, device=args.device)
+        t.save_html(args.html, device=args.device, **lines)
         print(f"wrote {args.html}")
     if args.png:
-        t.save_memory_png(args.png, device=args.device)
+        t.save_memory_png(args.png, device=args.device, **lines)
         print(f"wrote {args.png}")
     if args.snapshot:
         t.save_memory_snapshot(args.snapshot)
@@ -100,10 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")
     rep = sub.add_parser("report", help="summary of a saved trace; --html / --png / --snapshot write pictures")
     rep.add_argument("trace")
-    rep.add_argument("--device", default="cpu")
-    rep.add_argument("--html")
-    rep.add_argument("--png")
+    rep.add_argument("--device", default="cpu", help="whose memory the pictures show (default cpu; cuda:0, ...)")
+    rep.add_argument("--html", metavar="PATH", help="a self-contained HTML page: the summary and the memory timeline "
+                                                    "(needs matplotlib)")
+    rep.add_argument("--png", metavar="PATH", help="the memory timeline by category, with the phases, the peak, and "
+                                                   "the --forecast and --capacity lines (needs matplotlib)")
     rep.add_argument("--snapshot", help="PyTorch memory-snapshot pickle for torch.cuda._memory_viz / memory_viz")
+    rep.add_argument("--forecast", type=_size(False), metavar="SIZE",
+                     help="draw a forecast peak line at SIZE on the pictures: bytes (1234567) or a number with a unit, "
+                          "KiB/MiB/GiB/TiB (powers of 1024) or kB/MB/GB/TB (powers of 1000), e.g. 1234MiB, 2GiB")
+    rep.add_argument("--capacity", type=_size(True), metavar="SIZE_OR_DEVICE",
+                     help="draw a capacity line: a SIZE as for --forecast, or a device table name (H100-80GB: its "
+                          "capacity; python -m gpucast devices)")
     sub.add_parser("devices", help="the device table")
     pj = sub.add_parser("predict-job", help="memory of a job from its description (gpucast.describe writes one)")
     pj.add_argument("job")
@@ -116,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         return {"run": _run, "report": _report, "devices": _devices, "predict-job": _predict_job}[args.cmd](args)
     except (ValueError, OSError) as e:
         print(f"gpucast: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # an optional package that is not installed: one line naming it and its pip command
+        if e.name not in OPTIONAL_PACKAGES:
+            raise
+        print(e, file=sys.stderr)
         return 2
 
 
