@@ -1,6 +1,7 @@
 """Trackers and framework callbacks, with the real libraries, read back with their own readers."""
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_mlflow_file_store(tmp_path, monkeypatch):
     assert sorted(m.step for m in measured) == [1, 2, 3]
     doc = mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/gpucast_forecast.json")
     assert doc["memory"]["peak_allocated_bytes"] == fc.memory.peak_allocated_bytes
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2  # to_dict()'s schema (b29aa05: null for what does not apply)
 
 
 def wandb_log_records(path):
@@ -316,3 +317,14 @@ def test_transformers_values_reach_every_reporter(tmp_path):
     tb = acc.Scalars("train/gpucast/forecast_peak_reserved_mib")
     assert tb[0].value == pytest.approx(m.peak_reserved_bytes / MIB)
     assert [e.step for e in acc.Scalars("train/gpucast/measured_peak_allocated_mib")] == [1, 2, 3]
+
+
+def test_a_tracker_whose_package_is_missing(monkeypatch):
+    """One warning line naming the package and its pip command; gpucast goes on."""
+    run = type("ActiveRun", (), {"__module__": "mlflow.tracking.fluent"})()  # an MLflow run, as gpucast sees one
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if mlflow were not installed
+    with pytest.warns(UserWarning) as w:
+        logger = gpucast.log_to(run)
+    assert [str(x.message) for x in w] == ["gpucast.log_to: not logging to ActiveRun: logging to MLflow needs mlflow: "
+                                           "pip install mlflow; gpucast goes on"]
+    assert logger.adapters == []
