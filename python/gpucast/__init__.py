@@ -18,6 +18,12 @@ from .trackers import log_to  # noqa: E402
 from ._job import describe, predict_job  # noqa: E402
 from ._calibrate import calibrate  # noqa: E402
 
+# The public classes are gpucast's: tracebacks, reprs and pickles name gpucast.OutOfMemoryRisk, not the private
+# module that defines it.
+for _cls in (Trace, trace, Forecast, MemoryForecast, OutOfMemoryRisk, OutOfMemoryRiskWarning):
+    _cls.__module__ = __name__
+del _cls
+
 _auto.maybe_start()
 
 __version__ = __import__("torch").ops.gpucast.version()
