@@ -13,6 +13,7 @@ constexpr std::array<std::string_view, 3> kScopeNames = {"function", "backward_f
 constexpr std::array<std::string_view, kNumCategories> kCategoryNames = {
     "parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "other"};
 constexpr std::array<std::string_view, 5> kKindNames = {"none", "tensor", "tensor_list", "scalar", "other"};
+constexpr std::array<std::string_view, 4> kScalarTypeNames = {"float", "int", "bool", "complex"};
 
 template <typename Enum, size_t N>
 Enum parse_enum(const std::array<std::string_view, N>& names, std::string_view s, std::string_view what) {
@@ -38,6 +39,37 @@ Category category_from_string(std::string_view s) {
 }
 Value::Kind value_kind_from_string(std::string_view s) {
   return parse_enum<Value::Kind>(kKindNames, s, "value kind");
+}
+std::string_view to_string(Value::ScalarType t) { return kScalarTypeNames.at(static_cast<size_t>(t)); }
+Value::ScalarType scalar_type_from_string(std::string_view s) {
+  return parse_enum<Value::ScalarType>(kScalarTypeNames, s, "scalar type");
+}
+
+Value float_scalar(double x) {
+  Value v;
+  v.kind = Value::Kind::Scalar;
+  v.scalar = x;
+  return v;
+}
+
+Value int_scalar(int64_t x) {
+  Value v = float_scalar(static_cast<double>(x));
+  v.scalar_type = Value::ScalarType::Int;
+  v.integer = x;
+  return v;
+}
+
+Value bool_scalar(bool x) {
+  Value v = int_scalar(x ? 1 : 0);
+  v.scalar_type = Value::ScalarType::Bool;
+  return v;
+}
+
+Value complex_scalar(double re, double im) {
+  Value v = float_scalar(re);
+  v.scalar_type = Value::ScalarType::Complex;
+  v.imag = im;
+  return v;
 }
 
 bool is_optimizer_step(const OpRecord& op) {

@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gpucast/error.h"
+
 namespace gpucast {
 namespace {
 
@@ -15,7 +17,9 @@ json frames_of(const Trace& t, int64_t op) {
   json frames = json::array();
   if (op < 0) return frames;
   const OpRecord& o = t.ops[op];
-  frames.push_back({{"filename", o.module.empty() ? "<no module>" : o.module}, {"line", 0}, {"name", o.name}});
+  // Shown in PyTorch's memory viewer: bytes that are not UTF-8 as \xNN (valid_utf8), so that dump() never throws.
+  frames.push_back({{"filename", o.module.empty() ? "<no module>" : valid_utf8(o.module)}, {"line", 0},
+                    {"name", valid_utf8(o.name)}});
   return frames;
 }
 

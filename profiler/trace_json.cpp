@@ -16,18 +16,97 @@
 #include "gpucast/error.h"
 #include "gpucast/files.h"
 #include "gpucast/json_input.h"
-#include "gpucast/note_json.h"
 
 namespace gpucast {
 namespace {
 
 using nlohmann::json;
 
-json tensor_to_json(const TensorMeta& t) {
-  return json{{"shape", t.shape}, {"strides", t.strides}, {"dtype", t.dtype}, {"device", t.device},
-              {"storage", t.storage}};
+// Strings. A trace's strings are bytes: a user scope's name (RECORD_USER_SCOPE), a module path or a note from C++
+// may hold any, and the file must be UTF-8 (nlohmann's dump() throws on anything else; its error handlers replace
+// or drop bytes, which cannot be undone). So, from schema version 3:
+// - a string that is valid UTF-8 is a JSON string holding it, as before;
+// - any other is {"escaped": text}: its valid UTF-8 sequences as they are, each backslash as \\ and each byte that
+//   starts no valid sequence as \xNN (two upper-case hex digits). The text is UTF-8 and decodes to exactly the bytes.
+// - object keys (the baseline's devices) cannot be objects: each is always that escaped text (a device name such as
+//   "cuda:0" holds no backslash and reads the same).
+// Every string the writers below put in a document goes through text_to_json or escape_bytes, so that their dump()
+// never meets bytes that are not UTF-8 (the round-trip tests build traces with such bytes in every string field).
+std::string escape_bytes(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  while (!s.empty()) {
+    const size_t bad = std::min(invalid_utf8_at(s), s.size());
+    for (char c : s.substr(0, bad)) {
+      if (c == '\\') out += '\\';
+      out += c;
+    }
+    if (bad == s.size()) break;
+    out += fmt::format("\\x{:02X}", static_cast<unsigned char>(s[bad]));
+    s.remove_prefix(bad + 1);
+  }
+  return out;
 }
 
+// The bytes escape_bytes wrote, or nothing where a backslash starts neither \\ nor \xNN.
+std::optional<std::string> unescape_bytes(std::string_view s) {
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '\\') {
+      out += s[i];
+    } else if (i + 1 < s.size() && s[i + 1] == '\\') {
+      out += '\\';
+      i += 1;
+    } else if (i + 3 < s.size() && s[i + 1] == 'x' && hex(s[i + 2]) >= 0 && hex(s[i + 3]) >= 0) {
+      out += static_cast<char>(hex(s[i + 2]) * 16 + hex(s[i + 3]));
+      i += 3;
+    } else {
+      return std::nullopt;
+    }
+  }
+  return out;
+}
+
+json text_to_json(const std::string& s) {
+  if (invalid_utf8_at(s) == std::string_view::npos) return s;
+  return json{{"escaped", escape_bytes(s)}};
+}
+
+json texts_to_json(const std::vector<std::string>& list) {
+  json a = json::array();
+  for (const auto& s : list) a.push_back(text_to_json(s));
+  return a;
+}
+
+json notes_to_json(const std::vector<Note>& notes) {
+  json a = json::array();
+  for (const Note& n : notes) a.push_back({{"code", text_to_json(n.code)}, {"text", text_to_json(n.text)}});
+  return a;
+}
+
+json tensor_to_json(const TensorMeta& t) {
+  return json{{"shape", t.shape}, {"strides", t.strides}, {"dtype", text_to_json(t.dtype)},
+              {"device", text_to_json(t.device)}, {"storage", t.storage}};
+}
+
+// A double as JSON: a number (nlohmann writes the shortest text that reads back as the same double, -0.0 and
+// denormals included), or the text "nan", "inf", "-inf", since JSON has no infinities or NaN (a mask's -inf fill
+// value, a loss scale's inf).
+json double_to_json(double x) {
+  if (std::isfinite(x)) return x;
+  return std::isnan(x) ? "nan" : (x > 0 ? "inf" : "-inf");
+}
+
+// Scalars (schema version 3): {"type", "value"} with value, by type, "float": double_to_json; "int": a JSON integer,
+// every digit of the int64_t; "bool": true or false; "complex": [real, imaginary], each as double_to_json.
+// Versions 1 and 2 wrote no type and the value as a double (an int above 2^53 rounded, a complex as "other").
 json value_to_json(const Value& v) {
   json j{{"kind", to_string(v.kind)}};
   if (v.kind == Value::Kind::Tensor && !v.tensors.empty()) {
@@ -37,9 +116,15 @@ json value_to_json(const Value& v) {
     for (const auto& t : v.tensors) list.push_back(tensor_to_json(t));
     j["tensors"] = std::move(list);
   } else if (v.kind == Value::Kind::Scalar) {
-    // JSON has no infinities or NaN (a mask's -inf fill value, a loss scale's inf): those are written as text.
-    if (std::isfinite(v.scalar)) j["value"] = v.scalar;
-    else j["value"] = std::isnan(v.scalar) ? "nan" : (v.scalar > 0 ? "inf" : "-inf");
+    j["type"] = to_string(v.scalar_type);
+    switch (v.scalar_type) {
+      case Value::ScalarType::Float: j["value"] = double_to_json(v.scalar); break;
+      case Value::ScalarType::Int: j["value"] = v.integer; break;
+      case Value::ScalarType::Bool: j["value"] = v.integer != 0; break;
+      case Value::ScalarType::Complex:
+        j["value"] = json::array({double_to_json(v.scalar), double_to_json(v.imag)});
+        break;
+    }
   }
   return j;
 }
@@ -52,28 +137,83 @@ json values_to_json(const std::vector<Value>& values) {
 
 // Reading: through JsonFields (gpucast/json_input.h), every access names the field's path when it fails.
 
+constexpr std::string_view kEscapedText =
+    R"(text with each backslash written \\ and each byte that is not UTF-8 written \xNN (two hex digits))";
+
+// A string as text_to_json writes it: a JSON string, or {"escaped": text} (read in files of any version: the
+// records are read before the version is known, and no earlier writer wrote an object there).
+std::string text_from_json(const JsonFields& r, const json& v, const std::string& path) {
+  if (v.is_string()) return v.get<std::string>();
+  if (!v.is_object() || v.size() != 1 || !v.contains("escaped") || !v["escaped"].is_string()) {
+    r.fail(path, R"(a string, or {"escaped": text})", v);
+  }
+  std::optional<std::string> bytes = unescape_bytes(v["escaped"].get_ref<const std::string&>());
+  if (!bytes) r.fail(path + ".escaped", kEscapedText, v["escaped"]);
+  return *std::move(bytes);
+}
+
+std::string get_text(const JsonFields& r, const json& obj, const char* key, const std::string& where) {
+  return text_from_json(r, r.field(obj, key, where), where.empty() ? key : where + "." + key);
+}
+
+std::string get_text_or(const JsonFields& r, const json& obj, const char* key, const std::string& where,
+                        const std::string& fallback) {
+  if (!obj.is_object() || !obj.contains(key)) return fallback;
+  return get_text(r, obj, key, where);
+}
+
+std::vector<std::string> texts_from_json(const JsonFields& r, const json& a, const std::string& path) {
+  if (!a.is_array()) r.fail(path, "a list of strings", a);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < a.size(); ++i) out.push_back(text_from_json(r, a[i], fmt::format("{}[{}]", path, i)));
+  return out;
+}
+
 TensorMeta tensor_from_json(const JsonFields& r, const json& j, const std::string& where) {
   TensorMeta t;
   t.shape = r.get<std::vector<int64_t>>(j, "shape", where);
   t.strides = r.get_or<std::vector<int64_t>>(j, "strides", where, {});
-  t.dtype = r.get<std::string>(j, "dtype", where);
-  t.device = r.get<std::string>(j, "device", where);
+  t.dtype = get_text(r, j, "dtype", where);
+  t.device = get_text(r, j, "device", where);
   t.storage = r.get_or<uint64_t>(j, "storage", where, 0);
   return t;
 }
 
-// A scalar argument: a number, or the text value_to_json writes for a non-finite one ("inf", "-inf", "nan");
-// null, which files written before that text hold for a non-finite value, reads as NaN.
-double scalar_from_json(const JsonFields& r, const json& v, const std::string& where) {
+// A double as double_to_json writes it: a number, or "inf", "-inf", "nan"; null, which version 1 wrote for a
+// value that was not finite, reads as NaN where `null_is_nan` (a scalar without a type).
+double double_from_json(const JsonFields& r, const json& v, const std::string& path, bool null_is_nan) {
   if (v.is_number()) return v.get<double>();
-  if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+  if (v.is_null() && null_is_nan) return std::numeric_limits<double>::quiet_NaN();
   if (v.is_string()) {
     const std::string& s = v.get_ref<const std::string&>();
     if (s == "inf") return std::numeric_limits<double>::infinity();
     if (s == "-inf") return -std::numeric_limits<double>::infinity();
     if (s == "nan") return std::numeric_limits<double>::quiet_NaN();
   }
-  r.fail(where, "a number, \"inf\", \"-inf\" or \"nan\"", v);
+  r.fail(path, R"(a number, "inf", "-inf" or "nan")", v);
+}
+
+// A scalar argument as value_to_json writes it. One without a "type" is as versions 1 and 2 wrote it: a float.
+Value scalar_from_json(const JsonFields& r, const json& o, const std::string& where) {
+  const json& v = r.field(o, "value", where);
+  const std::string path = where + ".value";
+  if (!o.contains("type")) return float_scalar(double_from_json(r, v, path, /*null_is_nan=*/true));
+  Value::ScalarType type;
+  try {
+    type = scalar_type_from_string(r.get<std::string>(o, "type", where));
+  } catch (const UserError&) {
+    r.fail(where + ".type", "one of float, int, bool, complex", o["type"]);
+  }
+  switch (type) {
+    case Value::ScalarType::Int: return int_scalar(r.as<int64_t>(v, path));
+    case Value::ScalarType::Bool: return bool_scalar(r.as<bool>(v, path));
+    case Value::ScalarType::Complex:
+      if (!v.is_array() || v.size() != 2) r.fail(path, "[real, imaginary]", v);
+      return complex_scalar(double_from_json(r, v[0], path + "[0]", false),
+                            double_from_json(r, v[1], path + "[1]", false));
+    case Value::ScalarType::Float: break;
+  }
+  return float_scalar(double_from_json(r, v, path, false));
 }
 
 std::vector<Value> values_from_json(const JsonFields& r, const json& a, const std::string& where) {
@@ -96,7 +236,7 @@ std::vector<Value> values_from_json(const JsonFields& r, const json& a, const st
         v.tensors.push_back(tensor_from_json(r, list[k], fmt::format("{}.tensors[{}]", w, k)));
       }
     } else if (v.kind == Value::Kind::Scalar) {
-      v.scalar = scalar_from_json(r, r.field(a[i], "value", w), w + ".value");
+      v = scalar_from_json(r, a[i], w);
     }
     out.push_back(std::move(v));
   }
@@ -113,11 +253,11 @@ std::string ops_to_json(const Trace& trace, const std::vector<std::string>& name
     if (wanted.count(op.name) == 0) continue;
     const bool has_parent = op.parent >= 0 && op.parent < n;
     ops.push_back({{"id", op.id},
-                   {"name", op.name},
+                   {"name", text_to_json(op.name)},
                    {"phase", to_string(op.phase)},
                    {"parent", op.parent},
-                   {"parent_name", has_parent ? trace.ops[static_cast<size_t>(op.parent)].name : std::string()},
-                   {"module", op.module},
+                   {"parent_name", text_to_json(has_parent ? trace.ops[static_cast<size_t>(op.parent)].name : "")},
+                   {"module", text_to_json(op.module)},
                    {"inputs", values_to_json(op.inputs)}});
   }
   json j;
@@ -129,8 +269,8 @@ namespace {
 
 json op_to_json(const OpRecord& op) {
   return {{"id", op.id},
-          {"name", op.name},
-          {"overload", op.overload},
+          {"name", text_to_json(op.name)},
+          {"overload", text_to_json(op.overload)},
           {"scope", to_string(op.scope)},
           {"phase", to_string(op.phase)},
           {"thread", op.thread},
@@ -144,7 +284,7 @@ json op_to_json(const OpRecord& op) {
           {"start_seq", op.start_seq},
           {"end_seq", op.end_seq},
           {"complete", op.complete},
-          {"module", op.module},
+          {"module", text_to_json(op.module)},
           {"fwd_op", op.fwd_op},
           {"bwd_node", op.bwd_node},
           {"device_ns", op.device_ns},
@@ -154,7 +294,7 @@ json op_to_json(const OpRecord& op) {
 
 json event_to_json(const MemEvent& e) {
   return {{"seq", e.seq},           {"ptr", e.ptr},   {"bytes", e.bytes},
-          {"block_bytes", e.block_bytes}, {"device", e.device}, {"thread", e.thread},
+          {"block_bytes", e.block_bytes}, {"device", text_to_json(e.device)}, {"thread", e.thread},
           {"op", e.op},             {"phase", to_string(e.phase)}, {"time_ns", e.time_ns},
           {"allocation", e.allocation}};
 }
@@ -163,7 +303,7 @@ json allocation_to_json(const Allocation& a) {
   return {{"ptr", a.ptr},
           {"bytes", a.bytes},
           {"block_bytes", a.block_bytes},
-          {"device", a.device},
+          {"device", text_to_json(a.device)},
           {"baseline", a.baseline},
           {"alloc_event", a.alloc_event},
           {"free_event", a.free_event},
@@ -188,24 +328,24 @@ void write_records(std::ostream& out, const std::vector<T>& list, size_t first, 
 json header_value(const Trace& trace) {
   json j;
   j["schema_version"] = trace.schema_version;
-  j["context"] = {{"gpucast_version", trace.context.gpucast_version},
-                  {"torch_version", trace.context.torch_version},
-                  {"device", trace.context.device},
-                  {"build_type", trace.context.build_type},
+  j["context"] = {{"gpucast_version", text_to_json(trace.context.gpucast_version)},
+                  {"torch_version", text_to_json(trace.context.torch_version)},
+                  {"device", text_to_json(trace.context.device)},
+                  {"build_type", text_to_json(trace.context.build_type)},
                   {"cuda_build", trace.context.cuda_build}};
   j["start_ns"] = trace.start_ns;
   j["end_ns"] = trace.end_ns;
   json baseline = json::object();
-  for (const auto& [dev, b] : trace.baseline) baseline[dev] = {{"bytes", b.bytes}, {"known", b.known}};
+  for (const auto& [dev, b] : trace.baseline) baseline[escape_bytes(dev)] = {{"bytes", b.bytes}, {"known", b.known}};
   j["baseline"] = std::move(baseline);
   const TraceCounters& c = trace.counters;
   j["counters"] = {{"dropped_ops", c.dropped_ops},           {"dropped_events", c.dropped_events},
                    {"unlinked_backward", c.unlinked_backward}, {"linked_backward", c.linked_backward},
                    {"unmatched_frees", c.unmatched_frees},     {"callback_errors", c.callback_errors},
                    {"threads", c.threads}};
-  j["notes"] = trace.notes;
-  j["timing_source"] = trace.timing_source;
-  if (!trace.timed_layers.empty()) j["timed_layers"] = trace.timed_layers;
+  j["notes"] = notes_to_json(trace.notes);
+  j["timing_source"] = text_to_json(trace.timing_source);
+  if (!trace.timed_layers.empty()) j["timed_layers"] = texts_to_json(trace.timed_layers);
   return j;
 }
 
@@ -255,8 +395,8 @@ OpRecord op_from_json(const JsonFields& r, const json& o, size_t i) {
   OpRecord op;
   op.id = r.get<int64_t>(o, "id", w);
   if (op.id != static_cast<int64_t>(i)) r.fail(w + ".id", fmt::format("{}", i), o["id"]);
-  op.name = r.get<std::string>(o, "name", w);
-  op.overload = r.get_or<std::string>(o, "overload", w, "");
+  op.name = get_text(r, o, "name", w);
+  op.overload = get_text_or(r, o, "overload", w, "");
   try {
     op.scope = scope_from_string(r.get<std::string>(o, "scope", w));
     op.phase = phase_from_string(r.get<std::string>(o, "phase", w));
@@ -274,7 +414,7 @@ OpRecord op_from_json(const JsonFields& r, const json& o, size_t i) {
   op.start_seq = r.get_or<uint64_t>(o, "start_seq", w, 0);
   op.end_seq = r.get_or<uint64_t>(o, "end_seq", w, 0);
   op.complete = r.get_or<bool>(o, "complete", w, true);
-  op.module = r.get_or<std::string>(o, "module", w, "");
+  op.module = get_text_or(r, o, "module", w, "");
   op.fwd_op = r.get_or<int64_t>(o, "fwd_op", w, -1);
   op.bwd_node = r.get_or<int64_t>(o, "bwd_node", w, -1);
   op.device_ns = r.get_or<int64_t>(o, "device_ns", w, -1);
@@ -307,7 +447,7 @@ MemEvent event_from_json(const JsonFields& r, const json& o, size_t i) {
   e.seq = r.get<uint64_t>(o, "seq", w);
   e.ptr = r.get<uint64_t>(o, "ptr", w);
   std::tie(e.bytes, e.block_bytes) = sizes_from_json(r, o, w, true);
-  e.device = r.get<std::string>(o, "device", w);
+  e.device = get_text(r, o, "device", w);
   e.thread = r.get_or<uint64_t>(o, "thread", w, 0);
   e.op = r.get_or<int64_t>(o, "op", w, -1);
   try {
@@ -325,7 +465,7 @@ Allocation allocation_from_json(const JsonFields& r, const json& o, size_t i) {
   Allocation a;
   a.ptr = r.get<uint64_t>(o, "ptr", w);
   std::tie(a.bytes, a.block_bytes) = sizes_from_json(r, o, w, false);
-  a.device = r.get<std::string>(o, "device", w);
+  a.device = get_text(r, o, "device", w);
   a.baseline = r.get_or<bool>(o, "baseline", w, false);
   a.alloc_event = r.get_or<int64_t>(o, "alloc_event", w, -1);
   a.free_event = r.get_or<int64_t>(o, "free_event", w, -1);
@@ -373,17 +513,17 @@ std::vector<Note> notes_from_json(const JsonFields& r, const json& j, int64_t ve
   for (size_t i = 0; i < a.size(); ++i) {
     const std::string w = fmt::format("notes[{}]", i);
     if (version == 1) out.push_back(Note{"unclassified", r.as<std::string>(a[i], w)});
-    else out.push_back(Note{r.get<std::string>(a[i], "code", w), r.get<std::string>(a[i], "text", w)});
+    else out.push_back(Note{get_text(r, a[i], "code", w), get_text(r, a[i], "text", w)});
   }
   return out;
 }
 
 void read_header(const JsonFields& r, const json& j, int64_t version, Trace& t) {
   const json& ctx = r.field(j, "context", "");
-  t.context.gpucast_version = r.get<std::string>(ctx, "gpucast_version", "context");
-  t.context.torch_version = r.get<std::string>(ctx, "torch_version", "context");
-  t.context.device = r.get<std::string>(ctx, "device", "context");
-  t.context.build_type = r.get_or<std::string>(ctx, "build_type", "context", "");
+  t.context.gpucast_version = get_text(r, ctx, "gpucast_version", "context");
+  t.context.torch_version = get_text(r, ctx, "torch_version", "context");
+  t.context.device = get_text(r, ctx, "device", "context");
+  t.context.build_type = get_text_or(r, ctx, "build_type", "context", "");
   t.context.cuda_build = r.get_or<bool>(ctx, "cuda_build", "context", false);
   t.start_ns = r.get_or<int64_t>(j, "start_ns", "", 0);
   t.end_ns = r.get_or<int64_t>(j, "end_ns", "", 0);
@@ -392,7 +532,10 @@ void read_header(const JsonFields& r, const json& j, int64_t version, Trace& t) 
     if (!b.is_object()) r.fail("baseline", "an object", b);
     for (auto it = b.begin(); it != b.end(); ++it) {
       const std::string w = "baseline." + it.key();
-      t.baseline[it.key()] = DeviceBaseline{r.get<int64_t>(it.value(), "bytes", w), r.get<bool>(it.value(), "known", w)};
+      // Keys are escaped text from version 3 (escape_bytes); as they are before.
+      std::optional<std::string> device = version >= 3 ? unescape_bytes(it.key()) : it.key();
+      if (!device) r.fail("baseline", fmt::format("device names as {}", kEscapedText), json(it.key()));
+      t.baseline[*device] = DeviceBaseline{r.get<int64_t>(it.value(), "bytes", w), r.get<bool>(it.value(), "known", w)};
     }
   }
   if (j.contains("counters")) {
@@ -408,8 +551,8 @@ void read_header(const JsonFields& r, const json& j, int64_t version, Trace& t) 
     k.threads = r.get_or<int64_t>(c, "threads", "counters", 0);
   }
   t.notes = notes_from_json(r, j, version);
-  t.timing_source = r.get_or<std::string>(j, "timing_source", "", "cpu_clock");
-  t.timed_layers = r.get_or<std::vector<std::string>>(j, "timed_layers", "", {});
+  t.timing_source = get_text_or(r, j, "timing_source", "", "cpu_clock");
+  if (j.contains("timed_layers")) t.timed_layers = texts_from_json(r, j["timed_layers"], "timed_layers");
   for (const char* list : {"ops", "events", "allocations"}) {
     const json& v = r.field(j, list, "");
     if (!v.is_array()) r.fail(list, "a list", v);
@@ -478,12 +621,13 @@ Trace trace_from_json(std::string_view text, std::string_view source) {
 }
 
 std::string trace_to_chrome_json(const Trace& trace) {
+  // A viewer's file, never read back: strings that are not UTF-8 are shown with their bytes as \xNN (valid_utf8).
   json events = json::array();
   const int64_t t0 = trace.start_ns;
   auto us = [t0](int64_t ns) { return static_cast<double>(ns - t0) / 1000.0; };
   for (const OpRecord& op : trace.ops) {
     json args{{"id", op.id}, {"phase", to_string(op.phase)}, {"scope", to_string(op.scope)}};
-    if (!op.module.empty()) args["module"] = op.module;
+    if (!op.module.empty()) args["module"] = valid_utf8(op.module);
     if (op.seq_nr >= 0) args["seq_nr"] = op.seq_nr;
     if (op.fwd_op >= 0) args["fwd_op"] = op.fwd_op;
     if (op.device_ns >= 0) args["device_us"] = static_cast<double>(op.device_ns) / 1000.0;
@@ -493,7 +637,7 @@ std::string trace_to_chrome_json(const Trace& trace) {
       else shapes.push_back(json::array());
     }
     args["input_shapes"] = std::move(shapes);
-    events.push_back({{"name", op.name},
+    events.push_back({{"name", valid_utf8(op.name)},
                       {"cat", to_string(op.phase)},
                       {"ph", "X"},
                       {"ts", us(op.start_ns)},
@@ -506,16 +650,16 @@ std::string trace_to_chrome_json(const Trace& trace) {
   for (const MemEvent& e : trace.events) {
     int64_t& h = held[e.device];
     h += e.block_bytes;
-    events.push_back({{"name", "bytes held (window) " + e.device},
+    events.push_back({{"name", "bytes held (window) " + valid_utf8(e.device)},
                       {"ph", "C"},
                       {"ts", us(e.time_ns)},
                       {"pid", 0},
                       {"args", {{"bytes", h}}}});
   }
   json meta{{"schema_version", trace.schema_version},
-            {"gpucast_version", trace.context.gpucast_version},
-            {"torch_version", trace.context.torch_version},
-            {"device", trace.context.device}};
+            {"gpucast_version", valid_utf8(trace.context.gpucast_version)},
+            {"torch_version", valid_utf8(trace.context.torch_version)},
+            {"device", valid_utf8(trace.context.device)}};
   json doc{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}, {"otherData", std::move(meta)}};
   return doc.dump();
 }

@@ -39,11 +39,20 @@ struct RawValue {
   c10::DeviceIndex device_index = -1;
   uint8_t ndim = 0;
   bool strided = false;   // strides follow the sizes in the arena
+  Value::ScalarType scalar_type = Value::ScalarType::Float;  // Scalar: which members of the unions below it set
   uint32_t dims = 0;      // offset of sizes (then strides) in ThreadState::dims
   uint32_t count = 0;     // tensor list: number of elements that follow
-  uint64_t storage = 0;
-  double scalar = 0.0;
+  // A tensor's storage and a scalar's value share the space: kind (and scalar_type) say which member was set.
+  union {
+    uint64_t storage = 0;  // Tensor
+    double imag;           // Scalar, Complex: the imaginary part
+  };
+  union {
+    double real = 0.0;  // Scalar, Float or Complex: the value (the real part)
+    int64_t integer;    // Scalar, Int or Bool: the exact value (Bool: 0 or 1)
+  };
 };
+static_assert(sizeof(RawValue) == 32, "one RawValue is kept per recorded argument: keep it 32 bytes");
 struct RawOp {
   int32_t name = -1;  // interned in ThreadState::names
   int32_t overload = -1;
@@ -313,13 +322,21 @@ void fill_value(ThreadState& ts, const c10::IValue& iv) {
     }
   } else if (iv.isDouble()) {
     v.kind = Value::Kind::Scalar;
-    v.scalar = iv.toDouble();
-  } else if (iv.isInt()) {
+    v.real = iv.toDouble();
+  } else if (iv.isInt()) {  // exact: a seed or a fill value above 2^53 keeps every digit
     v.kind = Value::Kind::Scalar;
-    v.scalar = static_cast<double>(iv.toInt());
+    v.scalar_type = Value::ScalarType::Int;
+    v.integer = iv.toInt();
   } else if (iv.isBool()) {
     v.kind = Value::Kind::Scalar;
-    v.scalar = iv.toBool() ? 1.0 : 0.0;
+    v.scalar_type = Value::ScalarType::Bool;
+    v.integer = iv.toBool() ? 1 : 0;
+  } else if (iv.isComplexDouble()) {
+    v.kind = Value::Kind::Scalar;
+    v.scalar_type = Value::ScalarType::Complex;
+    const c10::complex<double> c = iv.toComplexDouble();
+    v.real = c.real();
+    v.imag = c.imag();
   } else if (iv.isNone()) {
     v.kind = Value::Kind::None;
   } else {
@@ -729,15 +746,24 @@ TensorMeta convert_tensor(const RawThreadRecords& ts, const RawValue& r) {
   return m;
 }
 
+Value convert_scalar(const RawValue& r) {
+  switch (r.scalar_type) {
+    case Value::ScalarType::Int: return int_scalar(r.integer);
+    case Value::ScalarType::Bool: return bool_scalar(r.integer != 0);
+    case Value::ScalarType::Complex: return complex_scalar(r.real, r.imag);
+    case Value::ScalarType::Float: break;
+  }
+  return float_scalar(r.real);
+}
+
 std::vector<Value> convert_values(const RawThreadRecords& ts, uint32_t first, uint32_t n) {
   std::vector<Value> out;
   out.reserve(n);
   size_t i = first;
   for (uint32_t k = 0; k < n && i < ts.rec.values.size(); ++k) {
     const RawValue& r = ts.rec.values[i++];
-    Value v;
+    Value v = r.kind == Value::Kind::Scalar ? convert_scalar(r) : Value{};
     v.kind = r.kind;
-    v.scalar = r.scalar;
     if (r.kind == Value::Kind::Tensor) v.tensors.push_back(convert_tensor(ts, r));
     if (r.kind == Value::Kind::TensorList) {
       for (uint32_t e = 0; e < r.count && i < ts.rec.values.size(); ++e) v.tensors.push_back(convert_tensor(ts, ts.rec.values[i++]));

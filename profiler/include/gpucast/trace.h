@@ -16,7 +16,10 @@
 namespace gpucast {
 
 // 2: notes are {"code", "text"} (version 1 wrote them as text; read as code "unclassified").
-inline constexpr int kTraceSchemaVersion = 2;
+// 3: scalars are {"type", "value"}, ints exact and complex values [real, imaginary] (version 2 wrote a double, and
+//    complex values as "other"); strings that are not UTF-8 are {"escaped": text}, baseline keys escaped text
+//    (trace_json.cpp says how).
+inline constexpr int kTraceSchemaVersion = 3;
 inline constexpr int kOldestTraceSchemaVersion = 1;
 
 enum class Phase : uint8_t { Forward = 0, Backward = 1, Optimizer = 2 };
@@ -52,13 +55,27 @@ struct TensorMeta {
 // One argument or result of an op.
 struct Value {
   enum class Kind : uint8_t { None = 0, Tensor = 1, TensorList = 2, Scalar = 3, Other = 4 };
+  // A scalar argument's type, as c10::IValue held it.
+  enum class ScalarType : uint8_t { Float = 0, Int = 1, Bool = 2, Complex = 3 };
   Kind kind = Kind::None;
   std::vector<TensorMeta> tensors;  // one for Tensor, n for TensorList (undefined: empty shape, dtype "")
-  double scalar = 0.0;              // for Scalar (int, float, bool)
+  // Scalar: its value as a double, whatever its type (Int: the nearest double, inexact above 2^53; Bool: 0 or 1;
+  // Complex: the real part), which is what consumers comparing or summing values read.
+  double scalar = 0.0;
+  ScalarType scalar_type = ScalarType::Float;
+  int64_t integer = 0;  // Int: the exact value; Bool: 0 or 1; otherwise 0
+  double imag = 0.0;    // Complex: the imaginary part; otherwise 0
   bool operator==(const Value&) const = default;
 };
 std::string_view to_string(Value::Kind k);
 Value::Kind value_kind_from_string(std::string_view s);
+std::string_view to_string(Value::ScalarType t);
+Value::ScalarType scalar_type_from_string(std::string_view s);
+// Scalar values with their fields consistent (the invariants above).
+Value float_scalar(double x);
+Value int_scalar(int64_t x);
+Value bool_scalar(bool x);
+Value complex_scalar(double re, double im);
 
 struct OpRecord {
   int64_t id = -1;        // index in Trace::ops (ordered by start)
