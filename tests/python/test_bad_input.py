@@ -39,7 +39,7 @@ def test_bad_trace_files(tmp_path):
         gpucast.load_trace(str(bad))
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"schema_version": 99}))
-    with pytest.raises(ValueError, match=r"trace schema_version 99 is not supported by this gpucast \(reads versions 1 to 2\)"):
+    with pytest.raises(ValueError, match=r"trace schema_version 99 is not supported by this gpucast \(reads versions 1 to 3\)"):
         gpucast.load_trace(str(old))
 
 

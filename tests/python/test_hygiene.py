@@ -122,7 +122,7 @@ def test_save_and_load_round_trip(tmp_path):
     path = tmp_path / "trace.json"
     t.save(str(path))
     doc = json.loads(path.read_text())
-    assert doc["schema_version"] == 2 and all(set(n) == {"code", "text"} for n in doc["notes"])
+    assert doc["schema_version"] == 3 and all(set(n) == {"code", "text"} for n in doc["notes"])
     assert doc["context"]["torch_version"] == torch.__version__.split("+")[0]
     assert doc["context"]["gpucast_version"] == gpucast.__version__
     back = gpucast.load_trace(str(path))
