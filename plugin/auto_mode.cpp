@@ -33,6 +33,7 @@
 #include "gpucast/files.h"
 #include "gpucast/memory_timeline.h"
 #include "gpucast/note_json.h"
+#include "gpucast/trace_json.h"
 #include "gpucast/tracer.h"
 
 #ifdef GPUCAST_WITH_CUDA
@@ -493,6 +494,7 @@ class AutoMode final : public TraceObserver {
       RecordedTrace recorded = stop_recording();
       const Trace& trace = recorded.trace();
       describe_traced(trace);
+      save_traced(trace);
       verdict = judge(trace);
     } catch (const UserError& e) {  // what the forecast reads from the environment (PYTORCH_ALLOC_CONF, ...)
       discard_trace();
@@ -522,6 +524,19 @@ class AutoMode final : public TraceObserver {
     std::lock_guard<std::mutex> g(mu_);
     traced_ = json{{"ops", trace.ops.size()}, {"events", trace.events.size()}, {"batch", batch_},
                    {"allocated_by_category", by_category}};
+  }
+
+  // GPUCAST_TRACE (python -m gpucast run --save-trace): the traced iteration, as the forecast read it, written
+  // atomically for `python -m gpucast report` before the forecast is judged (so a run that then stops keeps it). A
+  // path that cannot be written is one warning; training goes on.
+  void save_traced(const Trace& trace) {
+    const char* path = std::getenv("GPUCAST_TRACE");
+    if (path == nullptr || *path == '\0') return;
+    try {
+      write_file_atomically(path, [&](std::ostream& out) { write_trace_json(trace, out); });
+    } catch (const std::exception& e) {
+      TORCH_WARN("gpucast: the traced iteration was not saved to GPUCAST_TRACE: ", valid_utf8(e.what()));
+    }
   }
 
   // Forecast, log record, and the verdict {"risk", "raise", "message", "warnings", "record"}.

@@ -99,19 +99,25 @@ def _predict_job(args) -> int:
     return 0
 
 
+def _run_conf(conf: str, target: str | None) -> str:
+    """GPUCAST_CONF for `run`: auto mode on, the user's other keys kept, and --target, when given, over theirs."""
+    def key(item: str) -> str:
+        return item.split(":", 1)[0].strip()
+    drop = {"enabled"} | ({"target"} if target else set())
+    kept = [x for x in conf.split(",") if x.strip() and key(x) not in drop]
+    return ",".join(["enabled:True", *kept, *([f"target:{target}"] if target else [])])
+
+
 def _run(args) -> int:
     if not args.command:
         print("python -m gpucast run: give the script after --, e.g. python -m gpucast run -- train.py --lr 0.1",
               file=sys.stderr)
         return 2
-    conf = os.environ.get("GPUCAST_CONF", "")
-    if "enabled:" not in conf:
-        conf = ",".join(x for x in ("enabled:True", conf) if x)
-    if args.target and "target:" not in conf:
-        conf += f",target:{args.target}"
-    os.environ["GPUCAST_CONF"] = conf
+    os.environ["GPUCAST_CONF"] = _run_conf(os.environ.get("GPUCAST_CONF", ""), args.target)
     if args.log:
         os.environ["GPUCAST_LOG"] = args.log
+    if args.save_trace:
+        os.environ["GPUCAST_TRACE"] = args.save_trace
     import gpucast
     # `python -m gpucast` imported the package before this function set GPUCAST_CONF: read it again.
     gpucast._auto._reset()
@@ -136,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpucast", description="gpucast: forecast GPU memory from one iteration")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a training script with auto mode on (GPUCAST_CONF enabled)")
-    r.add_argument("--target", help="device table name or cpu (default: GPUCAST_CONF's, else auto)")
+    r.add_argument("--target", help="device table name or cpu, over GPUCAST_CONF's target (default: GPUCAST_CONF's, "
+                                    "else auto); another name needs capacity_mb in GPUCAST_CONF")
     r.add_argument("--log", help="append forecasts to this JSON Lines file (GPUCAST_LOG)")
+    r.add_argument("--save-trace", metavar="PATH", help="save the traced first iteration, as the forecast read it, to "
+                                                        "PATH for `python -m gpucast report` (GPUCAST_TRACE)")
     r.add_argument("--quiet", action="store_true", help="do not print the forecast when the script ends")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py args...")
     rep = sub.add_parser("report", help="summary of a saved trace; --html / --png / --snapshot write pictures")

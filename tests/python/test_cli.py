@@ -50,11 +50,11 @@ def test_report_of_a_saved_trace(tmp_path):
 
 
 def test_report_of_a_bad_file_names_it(tmp_path):
-    (tmp_path / "bad.json").write_text('{"schema_version": 3}')
+    (tmp_path / "bad.json").write_text('{"schema_version": 99}')
     out = cli("report", "bad.json", cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("gpucast: [gpucast:trace-file] bad.json: trace schema_version 3 is not supported by this gpucast "
-                                  "(reads versions 1 to 2); record the trace again with this version")
+    assert out.stderr.strip() == ("gpucast: [gpucast:trace-file] bad.json: trace schema_version 99 is not supported by this gpucast "
+                                  "(reads versions 1 to 3); record the trace again with this version")
 
 
 def test_run_an_unmodified_script_from_another_directory(tmp_path):
@@ -148,3 +148,46 @@ def test_report_pictures_without_matplotlib(tmp_path):
         assert out.returncode == 2
         assert out.stderr == f"gpucast report {option} needs matplotlib: pip install matplotlib\n"
         assert out.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_run_conf_turns_auto_mode_on_and_target_wins():
+    from gpucast.__main__ import _run_conf
+    assert _run_conf("", None) == "enabled:True"
+    assert _run_conf("enabled:False,target:L4,verbose:True", None) == "enabled:True,target:L4,verbose:True"
+    assert _run_conf("target:L4,capacity_mb:100", "H100-80GB") == "enabled:True,capacity_mb:100,target:H100-80GB"
+
+
+TINY_TRAIN = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(3):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.randn(16, 32)), torch.randint(0, 10, (16,))).backward()
+    opt.step()
+"""
+
+
+def test_run_saves_the_traced_iteration_for_report(tmp_path):
+    (tmp_path / "train.py").write_text(TINY_TRAIN)
+    out = cli("run", "--target", "cpu", "--save-trace", "first.json", "--log", "f.jsonl", "--", "train.py",
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    t = gpucast.load_trace(str(tmp_path / "first.json"))
+    phases = {op.phase for op in t.ops}
+    assert phases == {"forward", "backward", "optimizer"}
+    params = sum(a.block_bytes for a in t.allocations if a.category == "parameter")
+    assert params >= (32 * 64 + 64 + 64 * 10 + 10) * 4  # the model's weights, told apart as auto mode tells them
+    rec = json.loads((tmp_path / "f.jsonl").read_text().splitlines()[0])
+    assert rec["memory"]["peak_allocated_bytes"] > 0
+    report = cli("report", "first.json", cwd=tmp_path)
+    assert report.returncode == 0 and report.stdout.startswith("gpucast trace: "), report.stderr
+
+
+def test_run_says_once_when_the_trace_cannot_be_saved(tmp_path):
+    (tmp_path / "train.py").write_text(TINY_TRAIN)
+    out = cli("run", "--target", "cpu", "--save-trace", str(tmp_path / "missing" / "t.json"), "--", "train.py",
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("gpucast: the traced iteration was not saved to GPUCAST_TRACE: ") == 1
+    assert "gpucast forecast for cpu" in out.stderr
