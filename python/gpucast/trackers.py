@@ -18,13 +18,13 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.optim.optimizer as _optimizer_module
 
 from ._jsonl import append_record
+from ._warnings import warn
 
 MIB = 2**20
 
@@ -227,8 +227,8 @@ class Logger:
             try:
                 fn(a)
             except Exception as e:  # noqa: BLE001 - a tracker failing must not stop training
-                warnings.warn(f"gpucast: logging to {a.name} failed ({type(e).__name__}: {e}); gpucast goes on",
-                              RuntimeWarning, stacklevel=3)
+                warn(f"gpucast: logging to {a.name} failed ({type(e).__name__}: {e}); gpucast goes on",
+                     RuntimeWarning)
                 self.adapters.remove(a)
 
 
@@ -242,7 +242,7 @@ def log_to(*targets: Any, steps: int = 5) -> Logger:
         try:
             adapters.append(_adapter(t))
         except (ImportError, LookupError) as e:
-            warnings.warn(f"gpucast.log_to: not logging to {type(t).__name__}: {e}; gpucast goes on", stacklevel=2)
+            warn(f"gpucast.log_to: not logging to {type(t).__name__}: {e}; gpucast goes on")
     logger = Logger(adapters, steps)
     _loggers.append(logger)
     return logger

@@ -4,7 +4,6 @@ the measured peaks of the first steps. Where probing cannot run, they trace the 
 before the second."""
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from .. import trackers
@@ -12,6 +11,7 @@ from .._auto import forecast_traced_step, judge
 from .._forecast import forecast
 from .._results import Forecast
 from .._trace import _flatten, trace
+from .._warnings import warn
 
 
 def slice_batch(batch: Any, n: int) -> Any:
@@ -68,8 +68,8 @@ class FirstStep:
                           target=_auto_target(self.target), capacity=self.capacity_mb * 2**20 or None,
                           safety_fraction=self.warn_fraction, probe_batch_sizes=probe_sizes(full))
         except Exception as e:  # noqa: BLE001 - the job's own step failing here must not stop training
-            warnings.warn(f"gpucast: probing the training step failed ({type(e).__name__}: {e}); forecasting from "
-                          "the first step instead", RuntimeWarning, stacklevel=3)
+            warn(f"gpucast: probing the training step failed ({type(e).__name__}: {e}); forecasting from "
+                 "the first step instead", RuntimeWarning)
             return
         self._publish(fc, framework_trackers, step=0)
 
@@ -80,7 +80,7 @@ class FirstStep:
             try:
                 adapters.append(t if isinstance(t, trackers._Adapter) else trackers._adapter(t))
             except (TypeError, ImportError, LookupError) as e:
-                warnings.warn(f"gpucast: not logging to {type(t).__name__}: {e}; gpucast goes on", stacklevel=4)
+                warn(f"gpucast: not logging to {type(t).__name__}: {e}; gpucast goes on")
         adapters += [a for a in trackers.active_trackers() if a.name not in self.skip_active]
         self.logger = trackers.Logger(adapters, steps=0)  # measured values are logged by end()
         self.logger.log_forecast(fc)

@@ -23,13 +23,13 @@ printers (ProgressCallback, PrinterCallback, NotebookProgressCallback) are left 
 from __future__ import annotations
 
 import sys
-import warnings
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from .. import trackers
 from ._first_step import CallbackBase
+from .._warnings import warn
 
 _PRINTERS = {"ProgressCallback", "PrinterCallback", "NotebookProgressCallback"}
 # Reporters whose runs gpucast would otherwise also find by itself (trackers.active_trackers): logged once.
@@ -67,8 +67,8 @@ class Reporters(trackers._Adapter):
                           eval_dataloader=h.eval_dataloader, logs=dict(values))
             except Exception as e:  # noqa: BLE001 - a reporter failing must not stop training
                 self.failed.add(id(cb))
-                warnings.warn(f"gpucast: logging to {type(cb).__name__} failed ({type(e).__name__}: {e}); gpucast "
-                              "goes on", RuntimeWarning, stacklevel=2)
+                warn(f"gpucast: logging to {type(cb).__name__} failed ({type(e).__name__}: {e}); gpucast goes on",
+                     RuntimeWarning)
 
 
 def _calling_handler(owner) -> CallbackHandler | None:
@@ -93,9 +93,8 @@ class GpucastCallback(CallbackBase, TrainerCallback):
         if self._reporters is None:
             handler = _calling_handler(self)
             if handler is None:
-                warnings.warn("gpucast: GpucastCallback is not called by a transformers CallbackHandler: the "
-                              "Trainer's reporters do not get gpucast's values; gpucast goes on", RuntimeWarning,
-                              stacklevel=3)
+                warn("gpucast: GpucastCallback is not called by a transformers CallbackHandler: the "
+                     "Trainer's reporters do not get gpucast's values; gpucast goes on", RuntimeWarning)
             else:
                 self.state.skip_active = {_RUNS[n] for cb in handler.callbacks for n in _names(cb) if n in _RUNS}
             self._reporters = Reporters(handler, self)
