@@ -124,7 +124,7 @@ def bracketed(build, make_batch, batch, iterations, forecast):
     (its result, the model, the measured median ms, its interquartile range, the forecast's seconds)."""
     import torch
     # The C allocator as forecast() leaves it (and as a training run soon has it): the steps measured before the
-    # forecast run in the same state as those after it (README: where the CPU runs' spread comes from).
+    # forecast run in the same state as those after it (bench/results/findings.md: where the CPU runs' spread comes from).
     torch.ops.gpucast.settle_c_allocator()
     # The measured iterations bracket the forecast (half before it, on the same model built again, half after):
     # the machine's speed drifts over minutes, and the reference is then centred on the probes' time.
@@ -329,7 +329,7 @@ def main():
     args = ap.parse_args()
     if args.ddp_worker:
         return ddp_worker(args)
-    # The C allocator's settings move the CPU steps (README: where the CPU runs' spread comes from): say them.
+    # The C allocator's settings move the CPU steps (bench/results/findings.md: where the CPU runs' spread comes from): say them.
     malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if malloc_env:
         print("malloc settings: " + ", ".join(f"{k}={v}" for k, v in sorted(malloc_env.items())))
