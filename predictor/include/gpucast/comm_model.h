@@ -72,7 +72,7 @@ double broadcast_us(double bytes, int64_t ranks, const Link& link);
 // messages count alike). Throws UserError for fewer than two samples or a non-positive fit.
 Link fit_ring_allreduce(const std::vector<CollectiveSample>& samples, int64_t ranks);
 
-// A row of the documented interconnect table (README: "Interconnect table"): nominal nccl-tests bus bandwidth
+// A row of the documented interconnect table (docs/user-guide.md: "Devices and GPU rates", interconnects): nominal nccl-tests bus bandwidth
 // of a ring all-reduce and a per-step latency.
 struct Interconnect {
   std::string name;             // "nvlink4"

@@ -1,7 +1,7 @@
 // gpucast/job.h: a training job described without its code (what a scheduler sees), and the job-level
 // memory estimate from that description.
 //
-// The description is JSON (schema in README, "Job description"); gpucast.describe(model, make_batch) writes
+// The description is JSON (schema in docs/user-guide.md, "gpucast.describe and gpucast.predict_job"); gpucast.describe(model, make_batch) writes
 // it from a model and one small probe. The analytical estimate counts, from the description alone:
 // parameters, gradients, optimizer state (per optimizer), the input batch, and activations per layer
 // (bytes per sample saved for backward, as the probe measured them; from layer dimensions where it did not).

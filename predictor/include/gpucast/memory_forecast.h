@@ -23,7 +23,7 @@
 
 namespace gpucast {
 
-// A row of the documented device table (README: "Device table").
+// A row of the documented device table (docs/user-guide.md: "Devices and GPU rates").
 struct DeviceSpec {
   std::string name;              // "H100-80GB"
   int64_t capacity_bytes = 0;    // total device memory (cudaMemGetInfo total)
