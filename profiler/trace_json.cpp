@@ -624,7 +624,8 @@ std::string trace_to_chrome_json(const Trace& trace) {
   // A viewer's file, never read back: strings that are not UTF-8 are shown with their bytes as \xNN (valid_utf8).
   json events = json::array();
   const int64_t t0 = trace.start_ns;
-  auto us = [t0](int64_t ns) { return static_cast<double>(ns - t0) / 1000.0; };
+  // In double: a loaded file's clocks may lie anywhere in int64_t, where their difference would overflow.
+  auto us = [t0](int64_t ns) { return (static_cast<double>(ns) - static_cast<double>(t0)) / 1000.0; };
   for (const OpRecord& op : trace.ops) {
     json args{{"id", op.id}, {"phase", to_string(op.phase)}, {"scope", to_string(op.scope)}};
     if (!op.module.empty()) args["module"] = valid_utf8(op.module);
@@ -641,7 +642,7 @@ std::string trace_to_chrome_json(const Trace& trace) {
                       {"cat", to_string(op.phase)},
                       {"ph", "X"},
                       {"ts", us(op.start_ns)},
-                      {"dur", static_cast<double>(std::max<int64_t>(op.end_ns - op.start_ns, 0)) / 1000.0},
+                      {"dur", std::max(us(op.end_ns) - us(op.start_ns), 0.0)},
                       {"pid", 0},
                       {"tid", op.thread},
                       {"args", std::move(args)}});

@@ -465,7 +465,9 @@ for i in range(4):
         opt.zero_grad(set_to_none=True)
         h = model.tok_emb(x)
         if i == 0:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during iteration 1's forward: raised between ops
+            # Ctrl-C during iteration 1's forward, raised between ops. raise_signal delivers it to this thread before
+            # it returns; os.kill let the kernel pick any thread, and on a busy host the handler ran an iteration late.
+            signal.raise_signal(signal.SIGINT)
             sum(range(10000))
         loss = case.loss_fn(model(x), y)
         loss.backward()

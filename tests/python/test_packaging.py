@@ -84,8 +84,9 @@ def test_the_readme_install_then_use_from_another_directory(tmp_path):
                              capture_output=True, text=True, timeout=1800)
         assert out.returncode == 0, f"{words}: {out.stdout[-2000:]}{out.stderr[-3000:]}"
         if "--no-build-isolation" in words:  # -v shows the build's progress, step by step (and each compile, if any)
-            assert re.findall(r"\*\*\* (Configuring CMake|Building project|Making wheel)", out.stdout) == [
-                "Configuring CMake", "Building project", "Making wheel"], out.stdout[-2000:]
+            said = out.stdout + out.stderr  # pip relays the backend's output on either stream
+            assert re.findall(r"\*\*\* (Configuring CMake|Building project|Making wheel)", said) == [
+                "Configuring CMake", "Building project", "Making wheel"], said[-3000:]
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     assert (site / "gpucast" / "lib" / "libgpucast.so").is_file()
