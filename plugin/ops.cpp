@@ -338,12 +338,9 @@ void register_auto_mode_ops(torch::Library& m) {
         });
 }
 
-}  // namespace
-
-// The ops and classes, registered by library_init.cpp when this copy of the library is the process's first.
-void gpucast::register_ops(torch::Library& m) {
+// The custom classes: a recorded trace, and the memory forecaster over probe traces.
+void register_classes(torch::Library& m) {
   using gpucast::TraceHolder;
-  using nlohmann::json;
   m.class_<TraceHolder>("Trace")
       .def("summary", &TraceHolder::summary)
       .def("to_json", &TraceHolder::to_json)
@@ -379,15 +376,11 @@ void gpucast::register_ops(torch::Library& m) {
             torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
             torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,
             torch::arg("cudnn_conv_wscap") = ""});
-  // source: what errors name the description by (its file's path, or "job").
-  m.def("predict_job(str job_json, str? weights=None, str source=\"job\") -> str",
-        [](const std::string& text, std::optional<std::string> weights, const std::string& source) {
-          return gpucast::translate("job-file", [&] {
-            const gpucast::JobDescription job = gpucast::job_from_json(text, source);
-            return gpucast::job_estimate_to_json(
-                gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
-          });
-        });
+}
+
+// The step-time forecast and what it is made of: timings, layer choice and fits, GPU rates.
+void register_step_time_ops(torch::Library& m) {
+  using nlohmann::json;
   // The step time from the probes' timings; with correct, the graph network's correction applied (gnn: a weights
   // file, "" the shipped one, None disabled; target, optimizer, threads and this CPU's rates: what it reads).
   // output "graph": instead of the forecast, the graph the network reads for it (the step-time dataset's records).
@@ -527,6 +520,20 @@ void gpucast::register_ops(torch::Library& m) {
       return out.dump();
     });
   });
+}
+
+// Job descriptions, the device and interconnect tables, and the checks of targets and parallel settings.
+void register_table_ops(torch::Library& m) {
+  using nlohmann::json;
+  // source: what errors name the description by (its file's path, or "job").
+  m.def("predict_job(str job_json, str? weights=None, str source=\"job\") -> str",
+        [](const std::string& text, std::optional<std::string> weights, const std::string& source) {
+          return gpucast::translate("job-file", [&] {
+            const gpucast::JobDescription job = gpucast::job_from_json(text, source);
+            return gpucast::job_estimate_to_json(
+                gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
+          });
+        });
   m.def("link_keys() -> str[]", [] {
     std::vector<std::string> names;
     for (const gpucast::ConfigKey& k : gpucast::link_config_keys()) names.push_back(k.name);
@@ -587,6 +594,11 @@ void gpucast::register_ops(torch::Library& m) {
   m.def("check_target(str target, int capacity_bytes) -> str", [](const std::string& target, int64_t capacity) {
     return gpucast::translate("argument", [&] { return gpucast::canonical_target(target, capacity); });
   });
+}
+
+// Tracing, module scopes and tags, trace files, settings' help, and the library's identity.
+void register_trace_ops(torch::Library& m) {
+  using nlohmann::json;
   m.def("start_trace(str options=\"\", str[]? timed_layers=None) -> ()", &gpucast::start);
   m.def("check_trace_options(str options) -> ()", &gpucast::check_options);
   m.def("stop_trace() -> __torch__.torch.classes.gpucast.Trace", &gpucast::stop);
@@ -635,7 +647,6 @@ void gpucast::register_ops(torch::Library& m) {
   });
   m.def("version() -> str", [] { return gpucast::current_context().gpucast_version; });
   m.def("library_path() -> str", [] { return gpucast::this_library_path(); });
-  register_auto_mode_ops(m);
   // The context block every JSON gpucast writes carries (CONVENTIONS: google/benchmark's context).
   m.def("context() -> str", [] {
     const auto c = gpucast::current_context();
@@ -643,6 +654,17 @@ void gpucast::register_ops(torch::Library& m) {
                 {"build_type", c.build_type}}
         .dump();
   });
+}
+
+}  // namespace
+
+// The ops and classes, registered by library_init.cpp when this copy of the library is the process's first.
+void gpucast::register_ops(torch::Library& m) {
+  register_classes(m);
+  register_step_time_ops(m);
+  register_table_ops(m);
+  register_trace_ops(m);
+  register_auto_mode_ops(m);
 }
 
 // C entry points for the Python module hooks, which run around every module call of a traced step: a ctypes call
