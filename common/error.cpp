@@ -30,11 +30,12 @@ size_t utf8_sequence(std::string_view s, size_t i) {
 
 }  // namespace
 
-std::string valid_utf8(std::string_view s) {
+std::string valid_utf8(std::string_view s, bool reversible) {
   std::string out;
   out.reserve(s.size());
   for (size_t i = 0; i < s.size();) {
     if (const size_t n = utf8_sequence(s, i); n > 0) {
+      if (reversible && s[i] == '\\') out += '\\';
       out.append(s.substr(i, n));
       i += n;
     } else {

@@ -30,25 +30,10 @@ using nlohmann::json;
 //   starts no valid sequence as \xNN (two upper-case hex digits). The text is UTF-8 and decodes to exactly the bytes.
 // - object keys (the baseline's devices) cannot be objects: each is always that escaped text (a device name such as
 //   "cuda:0" holds no backslash and reads the same).
-// Every string the writers below put in a document goes through text_to_json or escape_bytes, so that their dump()
+// Every string the writers below put in a document goes through text_to_json or valid_utf8, so that their dump()
 // never meets bytes that are not UTF-8 (the round-trip tests build traces with such bytes in every string field).
-std::string escape_bytes(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  while (!s.empty()) {
-    const size_t bad = std::min(invalid_utf8_at(s), s.size());
-    for (char c : s.substr(0, bad)) {
-      if (c == '\\') out += '\\';
-      out += c;
-    }
-    if (bad == s.size()) break;
-    out += fmt::format("\\x{:02X}", static_cast<unsigned char>(s[bad]));
-    s.remove_prefix(bad + 1);
-  }
-  return out;
-}
 
-// The bytes escape_bytes wrote, or nothing where a backslash starts neither \\ nor \xNN.
+// The bytes valid_utf8(s, /*reversible=*/true) wrote, or nothing where a backslash starts neither \\ nor \xNN.
 std::optional<std::string> unescape_bytes(std::string_view s) {
   auto hex = [](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
@@ -76,7 +61,7 @@ std::optional<std::string> unescape_bytes(std::string_view s) {
 
 json text_to_json(const std::string& s) {
   if (invalid_utf8_at(s) == std::string_view::npos) return s;
-  return json{{"escaped", escape_bytes(s)}};
+  return json{{"escaped", valid_utf8(s, /*reversible=*/true)}};
 }
 
 json texts_to_json(const std::vector<std::string>& list) {
@@ -336,7 +321,7 @@ json header_value(const Trace& trace) {
   j["start_ns"] = trace.start_ns;
   j["end_ns"] = trace.end_ns;
   json baseline = json::object();
-  for (const auto& [dev, b] : trace.baseline) baseline[escape_bytes(dev)] = {{"bytes", b.bytes}, {"known", b.known}};
+  for (const auto& [dev, b] : trace.baseline) baseline[valid_utf8(dev, /*reversible=*/true)] = {{"bytes", b.bytes}, {"known", b.known}};
   j["baseline"] = std::move(baseline);
   const TraceCounters& c = trace.counters;
   j["counters"] = {{"dropped_ops", c.dropped_ops},           {"dropped_events", c.dropped_events},
@@ -532,7 +517,7 @@ void read_header(const JsonFields& r, const json& j, int64_t version, Trace& t) 
     if (!b.is_object()) r.fail("baseline", "an object", b);
     for (auto it = b.begin(); it != b.end(); ++it) {
       const std::string w = "baseline." + it.key();
-      // Keys are escaped text from version 3 (escape_bytes); as they are before.
+      // Keys are escaped text from version 3 (valid_utf8, reversible); as they are before.
       std::optional<std::string> device = version >= 3 ? unescape_bytes(it.key()) : it.key();
       if (!device) r.fail("baseline", fmt::format("device names as {}", kEscapedText), json(it.key()));
       t.baseline[*device] = DeviceBaseline{r.get<int64_t>(it.value(), "bytes", w), r.get<bool>(it.value(), "known", w)};

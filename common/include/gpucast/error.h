@@ -19,8 +19,9 @@ class UserError : public std::invalid_argument {
 };
 
 // `s` with every byte that is not part of well-formed UTF-8 written as \xNN: messages quote what they were given,
-// and Python decodes every message as UTF-8.
-std::string valid_utf8(std::string_view s);
+// and Python decodes every message as UTF-8. With `reversible`, each backslash is written \\ too, so that the bytes
+// can be read back exactly (trace files: trace_json.cpp).
+std::string valid_utf8(std::string_view s, bool reversible = false);
 // The offset of the first byte of `s` that is not part of well-formed UTF-8, or npos.
 size_t invalid_utf8_at(std::string_view s);
 
