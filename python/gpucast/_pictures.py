@@ -9,6 +9,8 @@ import json
 import pickle
 from typing import Any
 
+from ._errors import optional_import
+
 COLORS = {"parameter": "#4C72B0", "gradient": "#DD8452", "optimizer_state": "#55A868", "activation": "#C44E52",
           "temporary": "#8172B3", "input": "#937860", "other": "#8C8C8C"}
 MIB = 2**20
@@ -21,14 +23,9 @@ def memory_series(trace: Any, device: str = "cpu") -> dict:
 
 
 def require_matplotlib(what: str):
-    """matplotlib's Figure; where matplotlib is not installed, ImportError in one line naming `what` needs it."""
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "matplotlib":
-            raise
-        raise ImportError(f"{what} needs matplotlib: pip install matplotlib", name="matplotlib") from None
-    return Figure
+    """matplotlib's Figure (no pyplot: no global state, no display needed); where matplotlib is not installed,
+    ImportError in one line naming `what` needs it."""
+    return optional_import("matplotlib.figure", what).Figure
 
 
 def phase_starts(trace: Any) -> list[tuple[str, int]]:

@@ -13,7 +13,6 @@ A tracker that is not installed or has no active run gives one clear message and
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optimizer_module
 
+from ._errors import optional_import
 from ._jsonl import append_record
 from ._warnings import warn
 
@@ -59,16 +59,6 @@ def measured_peak(reset: bool = True) -> dict[str, float]:
     return {"gpucast/measured_peak_allocated_mib": peak / MIB}
 
 
-def _needs(package: str, tracker: str):
-    """The tracker's package; where it is not installed, ImportError in one line naming it and its pip command."""
-    try:
-        return importlib.import_module(package)
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != package:
-            raise
-        raise ImportError(f"logging to {tracker} needs {package}: pip install {package}", name=package) from None
-
-
 class _Adapter:
     name = "tracker"
 
@@ -100,7 +90,7 @@ class MLflow(_Adapter):
     name = "MLflow"
 
     def __init__(self, target):
-        mlflow = self.mlflow = _needs("mlflow", "MLflow")
+        mlflow = self.mlflow = optional_import("mlflow", "logging to MLflow")
         self.run_id = target.info.run_id if hasattr(target, "info") else None
         if self.run_id is None:
             run = mlflow.active_run()
