@@ -49,11 +49,13 @@ AutoSettings read_auto_settings(std::string_view text) {
     s.iteration_scope = cfg.get_string("iteration_scope");
     s.max_iteration_ops = cfg.get_int("max_iteration_ops");
     s.max_iteration_s = cfg.get_int("max_iteration_s");
-    if (ascii_lower(s.target) == "auto" || ascii_lower(s.target) == "cpu") {
-      s.target = ascii_lower(s.target);
-    } else if (const DeviceSpec* d = lookup_device(s.target)) {
-      s.target = d->name;
-    } else if (s.capacity_mb == 0) {
+    if (ascii_lower(s.target) == "auto") {
+      s.target = "auto";
+      return s;
+    }
+    try {  // the one rule for a target's name (memory_forecast.h), said in GPUCAST_CONF's words
+      s.target = canonical_target(s.target, s.capacity_mb << 20);
+    } catch (const UserError&) {
       GPUCAST_USER_ERROR("GPUCAST_CONF: option 'target' expects auto, cpu or a device table name ({}), or any name "
                          "with capacity_mb, got '{}'",
                          known_targets(), s.target);

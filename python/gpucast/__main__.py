@@ -28,9 +28,15 @@ def parse_size(text: str, devices: bool = False) -> int:
     """Bytes from "1234567", "1234MiB", "2GiB", "1.5 GiB", "80GB"; with devices, also a device table name (its
     capacity). ValueError saying what is accepted."""
     if devices:
+        import torch
+
         import gpucast
+        try:  # a device table name, as every target is named (the plugin's rule: case-insensitive)
+            name = torch.ops.gpucast.check_target(text.strip(), 0)
+        except ValueError:
+            name = ""
         for d in gpucast.devices():
-            if d["name"] == text:
+            if d["name"] == name:
                 return int(d["capacity_bytes"])
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
     unit = m and _UNITS.get(m.group(2).lower())
