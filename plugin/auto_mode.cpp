@@ -579,7 +579,7 @@ class AutoMode final : public TraceObserver {
     const std::string message = verdict["message"].get<std::string>();
     if (verdict["risk"].get<bool>()) {
       if (settings_.raise) {
-        refuse_next_cpu_allocation(message);
+        refuse_next_allocation(message);
       } else {
         TORCH_WARN(message);
       }

@@ -6,6 +6,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -15,6 +16,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/flat_hash_map.h>
 
+#include "gpucast/allocation_refusal.h"
 #include "gpucast/tracer.h"
 #include "memory_sink.h"
 
@@ -40,7 +42,7 @@ class CpuAllocatorHook final : public c10::Allocator {
   explicit CpuAllocatorHook(c10::Allocator* wrapped) : wrapped_(wrapped) {}
 
   c10::DataPtr allocate(size_t n) override {
-    if (refusal_pending_.load(std::memory_order_relaxed)) refuse_if_asked();
+    if (AllocationRefusal::instance().pending()) refuse_if_asked();
     c10::DataPtr original = wrapped_->allocate(n);
     void* data = original.get();
     if (data == nullptr) return original;  // zero-byte allocations hold nothing
@@ -83,25 +85,13 @@ class CpuAllocatorHook final : public c10::Allocator {
     // `block.original` goes out of scope here and frees through the wrapped allocator.
   }
 
-  // refuse_next_cpu_allocation: the thread whose next allocation throws, and the message.
-  static void set_refusal(std::thread::id thread, std::string message) {
-    std::lock_guard<std::mutex> g(refusal_mu());
-    refusal_thread() = thread;
-    refusal_message() = std::move(message);
-    refusal_pending_.store(!refusal_message().empty(), std::memory_order_relaxed);
-  }
-
+  // The refusal armed by refuse_next_allocation for this thread, before anything is allocated: the op that asked
+  // fails as on any allocation error, and nothing leaks. Not a c10::OutOfMemoryError: helpers that catch
+  // out-of-memory errors and retry must not retry this one.
   static void refuse_if_asked() {
-    std::string message;
-    {
-      std::lock_guard<std::mutex> g(refusal_mu());
-      if (refusal_message().empty() || refusal_thread() != std::this_thread::get_id()) return;
-      message.swap(refusal_message());
-      refusal_pending_.store(false, std::memory_order_relaxed);
+    if (std::optional<std::string> message = AllocationRefusal::instance().take(std::this_thread::get_id())) {
+      TORCH_CHECK(false, *message);
     }
-    // Before anything is allocated: the op that asked fails as on any allocation error, and nothing leaks. Not a
-    // c10::OutOfMemoryError: helpers that catch out-of-memory errors and retry must not retry this one.
-    TORCH_CHECK(false, message);
   }
 
   static std::vector<BaselineBlock> live_blocks() {
@@ -129,19 +119,6 @@ class CpuAllocatorHook final : public c10::Allocator {
 
   c10::Allocator* wrapped_;
   static inline std::atomic<uint64_t> next_order_{0};
-  static inline std::atomic<bool> refusal_pending_{false};
-  static std::mutex& refusal_mu() {
-    static auto* m = new std::mutex();
-    return *m;
-  }
-  static std::thread::id& refusal_thread() {
-    static auto* t = new std::thread::id();
-    return *t;
-  }
-  static std::string& refusal_message() {
-    static auto* m = new std::string();
-    return *m;
-  }
 
  public:
   // Bytes held through the wrapper now, and the most held since the last reset (like max_memory_allocated).
@@ -180,8 +157,8 @@ namespace detail {
 std::vector<BaselineBlock> cpu_live_blocks() { return CpuAllocatorHook::live_blocks(); }
 }  // namespace detail
 
-void refuse_next_cpu_allocation(const std::string& message) {
-  CpuAllocatorHook::set_refusal(std::this_thread::get_id(), message);
+void refuse_next_allocation(const std::string& message) {
+  AllocationRefusal::instance().arm(std::this_thread::get_id(), message);
 }
 
 std::pair<int64_t, int64_t> cpu_memory_stats(bool reset_peak) {

@@ -1,11 +1,14 @@
 // CUDA memory events from the caching allocator's trace tracker (compiled when torch has CUDA).
-// The tracker cannot be detached; outside a trace it returns after one atomic load.
+// The tracker cannot be detached; outside a trace, with no refusal pending, it returns after two atomic loads.
 #include <mutex>
+#include <thread>
 
 #include <ATen/Context.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
 #include <c10/cuda/CUDAFunctions.h>
 
+#include "gpucast/allocation_refusal.h"
 #include "gpucast/cuda_block.h"
 #include "gpucast/tracer.h"
 #include "memory_sink.h"
@@ -26,16 +29,23 @@ bool install_cuda_allocator_hook(std::string* why) {
     if (why) *why = "CUDA caching allocator not initialized (another backend?): CUDA memory events not recorded";
     return false;
   }
+  // A refusal (allocation_refusal.h) is thrown from here, for an "alloc" only: the allocator calls its trackers
+  // under its lock, released as the exception leaves (std::unique_lock), after the block is taken; a free is never
+  // refused (it runs in destructors).
   cca::attachAllocatorTraceTracker([](const cca::TraceEntry& te) {
-    if (!detail::memory_recording()) return;
     const char* action = te.action_ == cca::TraceEntry::ALLOC            ? "alloc"
                          : te.action_ == cca::TraceEntry::FREE_REQUESTED ? "free_requested"
                                                                           : nullptr;
     if (action == nullptr) return;
-    const auto delta = cuda_trace_delta(action, static_cast<int64_t>(te.size_));
-    if (!delta) return;
-    detail::record_memory_event(reinterpret_cast<const void*>(te.addr_), delta->bytes, delta->block_bytes,
-                                c10::Device(c10::kCUDA, te.device_));
+    const bool recording = detail::memory_recording();
+    if (!recording && !AllocationRefusal::instance().pending()) return;
+    const CudaEntryOutcome out = cuda_trace_entry_outcome(action, static_cast<int64_t>(te.size_), recording,
+                                                          AllocationRefusal::instance(), std::this_thread::get_id());
+    if (out.delta) {
+      detail::record_memory_event(reinterpret_cast<const void*>(te.addr_), out.delta->bytes,
+                                  out.delta->block_bytes, c10::Device(c10::kCUDA, te.device_));
+    }
+    TORCH_CHECK(!out.refusal, out.refusal.value_or(""));
   });
   g_attached = true;
   return true;

@@ -7,8 +7,10 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <thread>
 #include <tuple>
 
+#include "gpucast/allocation_refusal.h"
 #include "gpucast/cuda_block.h"
 #include "gpucast/device_timer.h"
 #include "gpucast/error.h"
@@ -751,6 +753,78 @@ TEST(CudaBlock, RoundsLikeTheCachingAllocator) {
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->block_bytes, -1024);
   EXPECT_FALSE(cuda_trace_delta("segment_alloc", 2097152).has_value());
+}
+
+// A fake of the CUDA caching allocator's order of work around its trace trackers (c10/cuda/CUDACachingAllocator.cpp:
+// the block is taken, the trackers are called, then the block is returned; a tracker's exception leaves malloc) with
+// gpucast's tracker body: what on_risk:raise does to a CUDA job, without a GPU.
+class FakeCachingAllocator {
+ public:
+  explicit FakeCachingAllocator(AllocationRefusal& refusal) : refusal_(refusal) {}
+  // The block's address, or throws the refusal as the hook does (a c10::Error there, a UserError here).
+  int64_t malloc(int64_t size) {
+    taken_ += cuda_block_bytes(size);
+    track("alloc", size);
+    return ++next_;
+  }
+  void free(int64_t size) {
+    taken_ -= cuda_block_bytes(size);
+    track("free_requested", size);
+  }
+  bool recording = false;
+  int64_t taken_ = 0;
+  int64_t recorded_block_bytes = 0;
+
+ private:
+  void track(const std::string& action, int64_t size) {
+    const CudaEntryOutcome out =
+        cuda_trace_entry_outcome(action, size, recording, refusal_, std::this_thread::get_id());
+    if (out.delta) recorded_block_bytes += out.delta->block_bytes;
+    if (out.refusal) GPUCAST_USER_ERROR("{}", *out.refusal);
+  }
+  AllocationRefusal& refusal_;
+  int64_t next_ = 0;
+};
+
+TEST(AllocationRefusal, TheTrainingThreadsNextCudaAllocationFailsOnce) {
+  AllocationRefusal refusal;
+  FakeCachingAllocator cuda(refusal);
+  EXPECT_EQ(cuda.malloc(700), 1);  // nothing armed: allocations pass, and nothing is recorded outside a trace
+  EXPECT_EQ(cuda.recorded_block_bytes, 0);
+  refusal.arm(std::this_thread::get_id(), "gpucast: out-of-memory risk on H100");
+  EXPECT_TRUE(refusal.pending());
+  // Another thread (autograd's device threads, a data loader's pin-memory thread) allocates freely.
+  int64_t other = 0;
+  std::thread([&] { other = cuda.malloc(4096); }).join();
+  EXPECT_EQ(other, 2);
+  cuda.free(700);  // a free is never refused
+  EXPECT_TRUE(refusal.pending());
+  try {
+    cuda.malloc(1 << 20);
+    ADD_FAILURE() << "the training thread's allocation was not refused";
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "gpucast: out-of-memory risk on H100");
+  }
+  // The refused request's block stays taken (the real allocator took it before calling its trackers).
+  EXPECT_EQ(cuda.taken_, 4096 + (1 << 20));
+  EXPECT_FALSE(refusal.pending());
+  EXPECT_EQ(cuda.malloc(512), 3);  // once: the next one passes
+}
+
+TEST(AllocationRefusal, TheFirstAllocatorToAllocateTakesItAndAnEmptyMessageClears) {
+  AllocationRefusal refusal;
+  FakeCachingAllocator cuda(refusal);
+  cuda.recording = true;
+  refusal.arm(std::this_thread::get_id(), "stop");
+  // The CPU wrapper allocates first on this thread (a batch built on the CPU): it takes the refusal.
+  EXPECT_EQ(refusal.take(std::this_thread::get_id()), std::optional<std::string>("stop"));
+  EXPECT_EQ(cuda.malloc(700), 1);
+  EXPECT_EQ(cuda.recorded_block_bytes, 1024);  // recorded while a trace records
+  refusal.arm(std::this_thread::get_id(), "stop");
+  refusal.arm(std::this_thread::get_id(), "");
+  EXPECT_FALSE(refusal.pending());
+  EXPECT_EQ(cuda.malloc(700), 2);
+  EXPECT_EQ(refusal.take(std::this_thread::get_id()), std::nullopt);
 }
 
 }  // namespace

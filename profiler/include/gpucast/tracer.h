@@ -115,9 +115,10 @@ void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Cat
 // `why`) when another allocator with a higher priority holds the CPU slot.
 bool install_cpu_allocator_hook(std::string* why);
 bool cpu_allocator_hook_installed();
-// The next allocation through the CPU allocator wrapper on the calling thread throws a c10::Error with `message`
-// (once): how auto mode stops a job (on_risk:raise) where no Python hook can raise. Cleared by an empty message.
-void refuse_next_cpu_allocation(const std::string& message);
+// The calling thread's next allocation, through the CPU allocator wrapper or on the CUDA caching allocator, throws
+// a c10::Error with `message` (once): how auto mode stops a job (on_risk:raise) where no Python hook can raise
+// (gpucast/allocation_refusal.h). Cleared by an empty message.
+void refuse_next_allocation(const std::string& message);
 // CPU bytes held through the wrapper (allocated since gpucast was loaded) and the peak since the last reset.
 std::pair<int64_t, int64_t> cpu_memory_stats(bool reset_peak);
 // Attaches to the CUDA caching allocator when CUDA is compiled in and a device is present.
