@@ -7,6 +7,8 @@
 // Off -> Armed -> Recording [-> Deferred] -> Done by compare-and-swap, so that one thread ends an iteration.
 #include "auto_mode.h"
 
+#include "autograd_tags.h"
+
 #include "library_init.h"
 
 #include <pthread.h>
@@ -24,7 +26,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -78,28 +79,6 @@ int64_t now_ns() {
       .count();
 }
 
-// A leaf tensor that requires grad: a parameter, as autograd sees one (torch.nn.Parameter, or a LibTorch module's
-// registered parameter).
-bool is_parameter(const at::Tensor& t) { return t.defined() && t.requires_grad() && t.is_leaf(); }
-
-template <typename F>
-void for_each_tensor(const at::RecordFunction& fn, F&& f) {
-  for (const c10::IValue& v : fn.inputs()) {
-    if (v.isTensor()) {
-      f(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
-    }
-  }
-}
-
-std::string device_of_block(const at::Tensor& t) { return t.device().str(); }
-
-int64_t block_of(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return 0;
-  return reinterpret_cast<int64_t>(t.storage().data_ptr().get());
-}
-
 class AutoMode final : public TraceObserver {
  public:
   // --- configuration (under mu_) ------------------------------------------------------------------
@@ -130,7 +109,7 @@ class AutoMode final : public TraceObserver {
     const State s = state_.load();
     if (at_step && (s == State::Recording || s == State::Deferred) && on_training_thread()) {
       // The step's own ops have run (a post-hook runs inside its scope): the same decision as at the scope's end.
-      if (iteration_complete()) {
+      if (tags_.all_stepped()) {
         finish(/*python_asked=*/true);
       } else {
         State rec = State::Recording;
@@ -201,7 +180,7 @@ class AutoMode final : public TraceObserver {
     try {
       // Cheapest first: this runs before every recorded op.
       if (fn.scope() != at::RecordScope::USER_SCOPE || state_.load(std::memory_order_acquire) != State::Recording ||
-          !on_training_thread() || !forward_seen_ || step_depth_ > 0 || !starts_with(fn.name(), kZeroGradScope)) {
+          !on_training_thread() || !tags_.forward_seen() || step_depth_ > 0 || !starts_with(fn.name(), kZeroGradScope)) {
         return false;
       }
       if (++restarts_ == 1) {
@@ -232,34 +211,22 @@ class AutoMode final : public TraceObserver {
       if (fn.scope() == at::RecordScope::USER_SCOPE) {
         if (starts_with(fn.name(), kStepScope)) {
           ++step_depth_;
-          tag_model_state();
+          tags_.tag_model_state();
         }
         return;
       }
       if (fn.scope() != at::RecordScope::FUNCTION) return;
       if (step_depth_ > 0) {  // the optimizer's ops: the parameters they read are the ones it steps
-        for_each_tensor(fn, [&](const at::Tensor& t) {
-          auto it = params_.find(t.unsafeGetTensorImpl());
-          if (it != params_.end()) it->second.stepped = true;
-        });
+        tags_.note_step_op(fn);
         return;
       }
       if (!c10::GradMode::is_enabled()) return;
-      bool reads_parameter = false;
-      for_each_tensor(fn, [&](const at::Tensor& t) {
-        if (!is_parameter(t)) return;
-        reads_parameter = true;
-        if (params_.find(t.unsafeGetTensorImpl()) == params_.end()) {
-          params_.emplace(t.unsafeGetTensorImpl(),
-                          Param{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), false});
-        }
-      });
+      const bool reads_parameter = tags_.note_parameters(fn);
       if (reads_parameter && s == State::Deferred) {  // the next forward: the iteration that waited has ended
         finish(/*python_asked=*/false);
         return;
       }
-      forward_seen_ = forward_seen_ || reads_parameter;
-      if (forward_seen_ && !inputs_tagged_) inputs_tagged_ = tag_inputs(fn);
+      tags_.note_forward(fn, reads_parameter);
     } catch (...) {
       internal_error("an op's start");
     }
@@ -277,7 +244,7 @@ class AutoMode final : public TraceObserver {
       const char* name = fn.name();
       if (starts_with(name, kStepScope)) {
         if (step_depth_ > 0 && --step_depth_ == 0) {
-          if (iteration_complete()) {
+          if (tags_.all_stepped()) {
             finish(/*python_asked=*/false);
           } else {
             State rec = State::Recording;
@@ -302,12 +269,6 @@ class AutoMode final : public TraceObserver {
   }
 
  private:
-  // A parameter the forward read: held weakly (auto mode keeps nothing alive), and whether a step read it.
-  struct Param {
-    c10::weak_intrusive_ptr<c10::TensorImpl> ref;
-    bool stepped = false;
-  };
-
   static void after_fork_child() {
     // A forked child (a data-loading worker) is not the process that trains: auto mode is off there.
     instance().state_.store(State::Off);
@@ -354,56 +315,9 @@ class AutoMode final : public TraceObserver {
   }
 
   void reset_iteration() {
-    params_.clear();
-    forward_seen_ = false;
-    inputs_tagged_ = false;
+    tags_.reset();
     step_depth_ = 0;
     ops_ = 0;
-    batch_ = 1;
-  }
-
-  // The first forward op that reads tensors which are neither parameters nor computed from them (tensors that do
-  // not require grad): those are the iteration's inputs (the batch), and the first gives the batch size. (Python's
-  // F.linear reads the batch in its first op; LibTorch's transposes the weight first.)
-  bool tag_inputs(const at::RecordFunction& fn) {
-    std::map<std::string, std::vector<int64_t>> inputs;
-    bool found = false;
-    for_each_tensor(fn, [&](const at::Tensor& t) {
-      if (!t.defined() || t.requires_grad()) return;
-      if (!found && t.dim() > 0) batch_ = std::max<int64_t>(1, t.size(0));
-      found = true;
-      if (const int64_t b = block_of(t)) inputs[device_of_block(t)].push_back(b);
-    });
-    for (const auto& [device, blocks] : inputs) tag_blocks(blocks, device, Category::Input);
-    return found;
-  }
-
-  // Parameters and their gradients, tagged while they are held (at each optimizer step and at the end).
-  void tag_model_state() {
-    std::map<std::string, std::vector<int64_t>> params, grads;
-    for (auto& [impl, p] : params_) {
-      c10::intrusive_ptr<c10::TensorImpl> strong = p.ref.lock();
-      if (!strong) continue;
-      const at::Tensor t(std::move(strong));
-      if (const int64_t b = block_of(t)) params[device_of_block(t)].push_back(b);
-      const at::Tensor& g = t.grad();
-      if (const int64_t b = block_of(g)) grads[device_of_block(g)].push_back(b);
-    }
-    for (const auto& [device, blocks] : params) tag_blocks(blocks, device, Category::Parameter);
-    for (const auto& [device, blocks] : grads) tag_blocks(blocks, device, Category::Gradient);
-  }
-
-  // Every parameter that holds a gradient has been read by an optimizer step of this iteration.
-  bool iteration_complete() {
-    if (!forward_seen_) return false;
-    for (auto& [impl, p] : params_) {
-      if (p.stepped) continue;
-      c10::intrusive_ptr<c10::TensorImpl> strong = p.ref.lock();
-      if (!strong) continue;
-      const at::Tensor t(std::move(strong));
-      if (t.grad().defined()) return false;
-    }
-    return true;
   }
 
   // A forward op on another thread: grad mode on and a parameter read (autograd's engine threads run with grad
@@ -434,7 +348,7 @@ class AutoMode final : public TraceObserver {
     State s = state_.load();
     if ((s != State::Recording && s != State::Deferred) || !state_.compare_exchange_strong(s, State::Off)) return;
     discard_trace();
-    params_.clear();
+    tags_.reset();
     if (++restarts_ > kMaxRestarts) {
       state_.store(State::Done);
       add_note("interrupted-iteration",
@@ -490,7 +404,7 @@ class AutoMode final : public TraceObserver {
     if ((s != State::Recording && s != State::Deferred) || !state_.compare_exchange_strong(s, State::Done)) return;
     json verdict;
     try {
-      tag_model_state();
+      tags_.tag_model_state();
       RecordedTrace recorded = stop_recording();
       const Trace& trace = recorded.trace();
       describe_traced(trace);
@@ -506,7 +420,7 @@ class AutoMode final : public TraceObserver {
                  "); training goes on");
       return;
     }
-    params_.clear();
+    tags_.reset();
     if (python_asked && python_) {
       std::lock_guard<std::mutex> g(mu_);
       python_verdict_ = std::move(verdict);
@@ -522,7 +436,7 @@ class AutoMode final : public TraceObserver {
       if (a.alloc_event >= 0) by_category[std::string(to_string(a.category))] += a.block_bytes;
     }
     std::lock_guard<std::mutex> g(mu_);
-    traced_ = json{{"ops", trace.ops.size()}, {"events", trace.events.size()}, {"batch", batch_},
+    traced_ = json{{"ops", trace.ops.size()}, {"events", trace.events.size()}, {"batch", tags_.batch()},
                    {"allocated_by_category", by_category}};
   }
 
@@ -548,7 +462,7 @@ class AutoMode final : public TraceObserver {
     for (const MemEvent& e : trace.events) {
       if (probe_device == "cpu" && e.device.rfind("cuda", 0) == 0) probe_device = e.device;
     }
-    const AutoVerdict v = forecast_traced_step(trace, batch_, resolved_target(), settings_, probe_device,
+    const AutoVerdict v = forecast_traced_step(trace, tags_.batch(), resolved_target(), settings_, probe_device,
                                                ForecastEnvironment::from_process());
     AutoRecordContext c;
     const TraceContext tc = current_context();
@@ -635,12 +549,9 @@ class AutoMode final : public TraceObserver {
   bool config_error_raised_ = false;
   int restarts_ = 0;
   // The iteration's bookkeeping: training thread only.
-  std::unordered_map<const c10::TensorImpl*, Param> params_;
-  bool forward_seen_ = false;   // an op of the forward pass read a parameter
-  bool inputs_tagged_ = false;  // the inputs were found (tag_inputs)
+  AutogradTags tags_;
   int step_depth_ = 0;
   int64_t ops_ = 0;
-  int64_t batch_ = 1;
   int64_t start_ns_ = 0;
 };
 

@@ -20,6 +20,9 @@ std::vector<ConfigKey> trace_config_keys() {
       {"device_timing", F::Bool, true, {}, "time device work (CUPTI, else CUDA events) where a CUDA device is present"},
       {"external_profiler", F::Bool, false, {},
        "another client records CUDA activity (set by gpucast.trace() while torch.profiler runs): leave CUPTI alone"},
+      {"autograd_tags", F::Bool, true, {},
+       "categorize from autograd on the thread that starts the trace (parameters, gradients, inputs, optimizer "
+       "state); gpucast.trace() sets False: its hooks tag them"},
   };
 }
 

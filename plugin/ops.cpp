@@ -12,6 +12,7 @@
 
 #include "auto_mode.h"
 #include "config_keys.h"
+#include "direct_tags.h"
 #include "library_init.h"
 #include "translate.h"
 #include "gpucast/config.h"
@@ -206,7 +207,12 @@ void start(const std::string& options, const std::optional<std::vector<std::stri
     o.device_timing = cfg.get_bool("device_timing");
     o.external_profiler = cfg.get_bool("external_profiler");
     o.timed_layers = timed_layers.value_or(std::vector<std::string>{});
-    start_trace(o);
+    if (o.memory && cfg.get_bool("autograd_tags")) {
+      o.optimizer_state_from_phase = true;  // what a step allocated and still holds: no optimizer hooks tag it
+      start_trace_with_direct_tags(o);
+    } else {
+      start_trace(o);
+    }
   });
 }
 
@@ -218,7 +224,10 @@ void check_options(const std::string& options) {
 }
 
 c10::intrusive_ptr<TraceHolder> stop() {
-  return translate("trace", [] { return c10::make_intrusive<TraceHolder>(stop_recording()); });
+  return translate("trace", [] {
+    finish_direct_tags();
+    return c10::make_intrusive<TraceHolder>(stop_recording());
+  });
 }
 
 void tag(const std::vector<int64_t>& ptrs, const std::string& device, const std::string& category) {

@@ -210,7 +210,7 @@ struct TracerState {
   std::unordered_map<std::string, int32_t> module_ids;
   std::atomic<bool> active{false};
   // Armed (arm_trace): callbacks installed, recording off until `observer` says so. The observer stays set while
-  // the armed trace records, and is cleared when it stops.
+  // the armed trace records, and is cleared when it stops. A trace started with an observer has it from the start.
   std::atomic<bool> armed{false};
   std::atomic<TraceObserver*> observer{nullptr};
   // Set in a child after fork: the callbacks (inherited, recording off) are removed at its next op.
@@ -644,7 +644,7 @@ void remove_callbacks_after_fork() {
 
 }  // namespace
 
-void start_trace(const TraceOptions& options) {
+void start_trace(const TraceOptions& options, TraceObserver* observer) {
   TracerState& s = state();
   TraceObserver* preempted = nullptr;
   {
@@ -658,6 +658,7 @@ void start_trace(const TraceOptions& options) {
       remove_callbacks(s);
     }
     s.options = options;
+    s.observer.store(observer, std::memory_order_release);
     prepare_recording(s);
     install_callbacks(s);
     s.active.store(true, std::memory_order_release);

@@ -438,6 +438,8 @@ class trace:
         self._hooks = _Hooks(self._module_paths, tags=self._memory, model=self._model)
         self._hooks.install()
         options = self._options
+        if "autograd_tags" not in options:  # the hooks tag parameters, gradients, optimizer state and inputs
+            options = ",".join(o for o in (options, "autograd_tags:False") if o)
         if torch.autograd.profiler._is_profiler_enabled and "external_profiler" not in options:
             # torch.profiler may hold CUPTI: gpucast then times device work with CUDA events.
             options = ",".join(o for o in (options, "external_profiler:True") if o)

@@ -43,7 +43,7 @@ TEST_F(ConfigTest, ParsesValues) {
 TEST_F(ConfigTest, UnknownKeyListsValidOnes) {
   EXPECT_EQ(error_of("record_shape:True"),
             "gpucast.trace() options: unknown option 'record_shape'; valid options: record_shapes, memory, "
-            "module_paths, nested_ops, max_ops, max_events, device_timing, external_profiler");
+            "module_paths, nested_ops, max_ops, max_events, device_timing, external_profiler, autograd_tags");
 }
 
 TEST_F(ConfigTest, WrongTypesNameExpectedAndGiven) {

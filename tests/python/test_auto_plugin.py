@@ -179,6 +179,15 @@ if route == "trace":
         if a.alloc_event >= 0:
             by[a.category] = by.get(a.category, 0) + a.block_bytes
     print(json.dumps(by))
+elif route == "direct":
+    torch.ops.gpucast.start_trace()
+    iteration()
+    raw = torch.ops.gpucast.stop_trace()
+    by = {{}}
+    for a in json.loads(raw.records_json("allocations", 0, raw.num_allocations())):
+        if a["alloc_event"] >= 0:
+            by[a["category"]] = by.get(a["category"], 0) + a["block_bytes"]
+    print(json.dumps(by))
 else:
     iteration()
     print(json.dumps(json.loads(torch.ops.gpucast.auto_status())["traced"]["allocated_by_category"]))
@@ -187,11 +196,12 @@ else:
 
 @pytest.mark.parametrize("case", ["mlp", "cnn", "lstm", "gpt"])
 def test_categories_from_autograd_equal_the_python_hooks(tmp_path, case):
+    """Auto mode's and a direct start_trace's categories (autograd's metadata) equal gpucast.trace()'s (hooks)."""
     text = CATEGORIES.format(root=str(ROOT), python=str(ROOT / "python"), lib=LIB, case=case)
     script = tmp_path / "categories.py"
     script.write_text(text)
     got = {}
-    for route, conf in (("trace", None), ("auto", "enabled:True,target:cpu")):
+    for route, conf in (("trace", None), ("auto", "enabled:True,target:cpu"), ("direct", None)):
         env = {k: v for k, v in os.environ.items() if k not in ("GPUCAST_CONF", "GPUCAST_LOG")}
         if conf:
             env["GPUCAST_CONF"] = conf
@@ -200,6 +210,8 @@ def test_categories_from_autograd_equal_the_python_hooks(tmp_path, case):
         assert out.returncode == 0, out.stderr
         got[route] = json.loads(out.stdout.splitlines()[-1])
     assert got["auto"] == got["trace"]
+    # A trace started with torch.ops.gpucast.start_trace directly: the same categories from autograd.
+    assert got["direct"] == got["trace"]
     assert got["auto"]["optimizer_state"] > 0 and got["auto"]["gradient"] > 0
 
 

@@ -76,8 +76,9 @@ class RecordedTrace {
   std::unique_ptr<Raw> raw_;
 };
 
-// Throws UserError if a trace is already running.
-void start_trace(const TraceOptions& options);
+// Throws UserError if a trace is already running. `observer` (optional) sees each recorded op (started, ended;
+// never begins_at) until the trace stops, and must outlive the process's ops.
+void start_trace(const TraceOptions& options, TraceObserver* observer = nullptr);
 // Throws UserError if no trace is running.
 RecordedTrace stop_recording();
 bool trace_active();
