@@ -836,6 +836,7 @@ class Forecaster {
     }
     if (!out_.scaled) usable = {ref};
     const Stream& s = streams_[ref];
+    note_gradients_kept(s);
     if (in_.probes.size() == 1) {
       // One probe: model states stay, everything else scales in proportion to the batch size.
       const double b0 = static_cast<double>(in_.probe_batch[ref]);
@@ -1060,6 +1061,32 @@ class Forecaster {
     if (gpu && in_.probe_device == "cpu") add_device_allocations(p, s);
     else if (gpu) mark_conv_calls(p);
     return p;
+  }
+
+  // A one-iteration trace in which no zero_grad ran before the backward: its gradients are taken as kept into
+  // iteration 2 and accumulated into (zero_grad(set_to_none=False), or none), the bound that cannot be low. A loop
+  // that frees them where the trace cannot see (zero_grad after the step, nn.Module.zero_grad before the forward)
+  // holds up to their bytes less: said, with the bytes.
+  void note_gradients_kept(const Stream& s) {
+    if (s.iterations >= 2 || s.zero_grad_entry != kNone) return;
+    const auto positions = static_cast<int64_t>(s.ptr_of.size());
+    std::vector<char> freed(s.ptr_of.size(), 0);
+    for (const Entry& e : s.entries) {
+      if (!e.alloc && e.ref >= 0 && e.ref < positions) freed[static_cast<size_t>(e.ref)] = 1;
+    }
+    int64_t held = 0;
+    for (const Entry& e : s.entries) {
+      if (e.alloc && e.category == Category::Gradient && e.ref >= 0 && e.ref < positions &&
+          freed[static_cast<size_t>(e.ref)] == 0) {
+        held += e.bytes;
+      }
+    }
+    if (held == 0) return;
+    out_.notes.push_back(Note{"gradients-kept", fmt::format(
+        "no zero_grad ran in the traced iteration before its backward: its gradients ({} bytes) are taken as kept "
+        "into the next iteration and accumulated into; a loop that frees them elsewhere (zero_grad after the step, "
+        "nn.Module.zero_grad) peaks up to that much lower",
+        held)});
   }
 
   // From a one-iteration trace, the second iteration: optimizer state exists, gradients from iteration 1

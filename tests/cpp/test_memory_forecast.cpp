@@ -65,16 +65,19 @@ struct Recorder {
 // extra_op: one more top-level op (aten::relu) after it, as other control flow would run.
 // chunks: that many 8-byte buffers per sample inside aten::mm, each freed at once, on threads that run no op (a
 // parallel kernel's workers allocating per chunk of the batch).
+// zero_grad: each iteration opens with an Optimizer.zero_grad scope (which frees the last gradient).
 Trace probe(int64_t b, int iterations, bool extra = false, int64_t extra_bytes = 64, bool extra_op = false,
-            int64_t chunks = 0) {
+            int64_t chunks = 0, bool zero_grad = true) {
   Recorder r;
   r.tag(0x10, Category::Parameter);
   r.tag(0x20, Category::Input);
   for (int it = 0; it < iterations; ++it) {
     const uint64_t act = 0x100 + 0x10 * it, grad = 0x200 + 0x10 * it;
-    int64_t z = r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer);
-    if (it > 0) r.ev(0x200, -1000, z, Phase::Optimizer);
-    r.end(z);
+    if (zero_grad) {
+      int64_t z = r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer);
+      if (it > 0) r.ev(0x200, -1000, z, Phase::Optimizer);
+      r.end(z);
+    }
     int64_t mm = r.op("aten::mm", Scope::Function, Phase::Forward);
     r.ev(act, 400 * b, mm, Phase::Forward);
     for (int64_t c = 0; c < chunks * b; ++c) {
@@ -138,6 +141,21 @@ TEST(MemoryForecast, DerivesTheSteadyIterationFromTheFirst) {
   EXPECT_EQ(f.first_iteration_peak_bytes, 2000 + 500 * 64);
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);
   EXPECT_EQ(f.peak_iteration, 2);
+}
+
+TEST(MemoryForecast, GradientsKeptWithoutAZeroGradAreSaidWithTheirBytes) {
+  std::vector<Trace> without = {probe(2, 1, false, 64, false, 0, false), probe(4, 1, false, 64, false, 0, false)};
+  MemoryForecast f = run(without, {2, 4}, 64);
+  ASSERT_EQ(count_code(f.notes, "gradients-kept"), 1);
+  for (const Note& n : f.notes) {
+    if (n.code == "gradients-kept") EXPECT_NE(n.text.find("(1000 bytes)"), std::string::npos) << n.text;
+  }
+  // Kept into iteration 2's forward: parameter, input, state, gradient and the activation at once.
+  EXPECT_EQ(f.peak_allocated_bytes, 1000 + 100 * 64 + 1000 + 1000 + 400 * 64);
+  std::vector<Trace> with = {probe(2, 1), probe(4, 1)};
+  EXPECT_EQ(count_code(run(with, {2, 4}, 64).notes, "gradients-kept"), 0);
+  std::vector<Trace> two = {probe(2, 2, false, 64, false, 0, false), probe(4, 2, false, 64, false, 0, false)};
+  EXPECT_EQ(count_code(run(two, {2, 4}, 64).notes, "gradients-kept"), 0);  // two iterations: nothing assumed
 }
 
 TEST(MemoryForecast, OneProbeScalesAllButModelStatesInProportion) {
