@@ -42,6 +42,7 @@ bool load() noexcept {
     static torch::Library library(torch::Library::DEF, "gpucast", std::nullopt, __FILE__, __LINE__);
     register_ops(library);
     register_step_gnn_ops(library);
+    register_workspace_ops(library);
     auto_mode::start_from_environment();
     return true;
   } catch (const std::exception& e) {

@@ -12,8 +12,9 @@ namespace gpucast {
 void say(const std::string& line);
 // The file this copy of the library was loaded from.
 std::string this_library_path();
-// The ops and classes of torch.ops.gpucast / torch.classes.gpucast (ops.cpp, ops_step_gnn.cpp).
+// The ops and classes of torch.ops.gpucast / torch.classes.gpucast (ops.cpp, ops_step_gnn.cpp, ops_workspace.cpp).
 void register_ops(torch::Library& m);
 void register_step_gnn_ops(torch::Library& m);
+void register_workspace_ops(torch::Library& m);
 
 }  // namespace gpucast

@@ -421,13 +421,12 @@ class ProbeRun:
                 and self.probe_device.startswith("cuda") and self.conv_workspace is None):
             # cuDNN chooses again at the target batch: each convolution's workspace measured there.
             from . import _conv_workspace
-            doc = json.loads(self.largest_probe.to_json())
-            if _conv_workspace.conv_calls(doc):
-                ws, self.conv_skipped = _conv_workspace.measure_quietly(self.model, doc, self.per_rank,
+            calls = _conv_workspace.conv_calls(self.largest_probe)
+            if calls:
+                ws, self.conv_skipped = _conv_workspace.measure_quietly(self.model, calls, self.per_rank,
                                                                         self.probe_device)
                 if ws:
                     self.forecaster.set_conv_workspaces(ws)
-            del doc
         if (self.target == "cpu" and self.probe_device == "cpu" and self.previous_probe is not None
                 and self.probe_batches[-1] != self.probe_batches[-2] and self.tp == 1):
             # The CPU kernels size a matrix multiply's scratch by their blocking of the problem: each call's

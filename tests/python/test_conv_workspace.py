@@ -1,5 +1,6 @@
-"""cuDNN workspaces measured at the target batch (gpucast/_conv_workspace.py): which calls a probe holds, from a
-probe recorded on an H200, and the measurement itself, run here on the CPU through the same memory trace."""
+"""cuDNN workspaces measured at the target batch (torch.ops.gpucast.conv_calls and measure_conv_workspaces, through
+gpucast/_conv_workspace.py): which calls a probe holds, from a probe recorded on an H200, and the measurement itself,
+run here on the CPU through the same memory trace. A call's transient bytes: tests/cpp/test_workspace_calls.cpp."""
 import gzip
 import json
 from pathlib import Path
@@ -13,8 +14,9 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_the_convolution_calls_of_a_gpu_probe():
-    doc = json.loads(gzip.decompress((DATA / "gpu_probes" / "cnn_2.json.gz").read_bytes()))
-    calls = _conv_workspace.conv_calls(doc)
+    probe = torch.ops.gpucast.trace_from_json(gzip.decompress((DATA / "gpu_probes" / "cnn_2.json.gz").read_bytes())
+                                              .decode())
+    calls = _conv_workspace.conv_calls(probe)
     assert calls == {
         # The first convolution's input is the data: its backward computes no input gradient.
         "CNN.features.0": {"backward": True, "input_grad": False, "input_shape": [8, 3, 32, 32],
@@ -57,21 +59,6 @@ def test_measured_on_the_device_of_the_probes():
     del y
 
 
-def test_a_calls_transient_bytes_above_what_the_process_held_before():
-    # What the process held before the call (here 4 MiB; on a GPU the model and the cuBLAS workspaces) is listed
-    # in the trace's memory series: it is not the call's. The call holds a 1 MiB scratch beside its 16-byte result.
-    held = torch.zeros(4 << 20, dtype=torch.uint8)
-
-    def call():
-        scratch = torch.empty(1 << 20, dtype=torch.uint8).fill_(1)
-        out = torch.empty(16, dtype=torch.uint8)
-        del scratch
-        return out
-
-    assert _conv_workspace._transient(call, "cpu") == 1 << 20
-    del held
-
-
 def test_a_failure_leaves_the_probes_workspaces():
     ws, skipped = _conv_workspace.measure_quietly(Net(), {"ops": None}, 8, "cpu")
-    assert ws == {} and len(skipped) == 1 and skipped[0].startswith("every call (TypeError: ")
+    assert ws == {} and len(skipped) == 1 and skipped[0].startswith("every call (ValueError: [gpucast:argument] ")

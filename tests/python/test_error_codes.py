@@ -53,6 +53,8 @@ CASES = [
     ("link-bandwidth", lambda tmp: torch.ops.gpucast.fit_allreduce([1e6, 2e6, 4e6], [40.0, 30.0, 20.0], 8)),
     ("argument", lambda tmp: torch.ops.gpucast.fit_allreduce([1.0], [], 8)),
     ("argument", lambda tmp: torch.ops.gpucast.tag([1], "cpu", "no-such-category")),
+    ("argument", lambda tmp: torch.ops.gpucast.measure_conv_workspaces('{"Net.conv": null}', 8, "cpu", "{}", {}, {})),
+    ("argument", lambda tmp: torch.ops.gpucast.measure_conv_workspaces("{}", 0, "cpu", "{}", {}, {})),
 ]
 
 

@@ -530,44 +530,39 @@ def test_bfloat16_attention_whose_buffers_count_by_the_batch_is_scaled():
     assert abs(allocated - measured) / measured < 0.001
 
 
-def _mm(shapes, strides, dtype="bfloat16", device="cpu", parent="", name="aten::mm"):
-    return {"name": name, "parent_name": parent, "module": "Net.fc",
-            "inputs": [{"kind": "tensor", "shape": s, "strides": st, "dtype": dtype, "device": device}
-                       for s, st in zip(shapes, strides)] + [{"kind": "scalar", "value": 1.0}]}
-
-
 def test_matrix_multiplies_are_run_at_the_target_batchs_shapes():
+    # Which calls, at which shapes and strides, and the limits' texts: tests/cpp/test_workspace_calls.cpp. Here the
+    # measurement through the op, over two probes traced on the CPU at batch 4 and 8 (17 tokens per sample): a weight
+    # gradient (its first operand transposed), called twice, and an addmm with a bias, for batch 33.
     from gpucast import _op_workspace
-    # Batch 4 and 8 (17 tokens per sample), for batch 33: a weight gradient (its operand transposed), an addmm with a bias,
-    # a call inside another (measured with it), a multiply on the GPU (not the CPU kernels'), and one whose
-    # rows do not grow by a whole number per sample.
-    def doc(b):
-        rows = 17 * b
-        ops = [_mm([[192, rows], [rows, 192]], [[1, 192], [192, 1]]),
-               _mm([[576], [rows, 192], [192, 576]], [[1], [192, 1], [1, 192]], name="aten::addmm"),
-               _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], parent="aten::addmm"),
-               _mm([[rows, 192], [192, 192]], [[192, 1], [192, 1]], device="cuda:0"),
-               _mm([[rows + (b == 8), 8], [8, 8]], [[8, 1], [8, 1]])]
-        for i, op in enumerate(ops):
-            op["id"] = i  # as Trace.ops_json gives them: the op's index in the trace
-        return {"ops": ops + [{"name": "aten::relu"}] * b}  # other ops, as many as the batch: not matched
-    different = doc(4)
-    different["ops"] = different["ops"][1:]
-    assert _op_workspace.matmul_calls(doc(8), different, 8, 4, 33) == (
-        {}, ["every call (the probes' matrix multiplies differ: 4 and 3 calls)"])
-    calls, skipped = _op_workspace.matmul_calls(doc(8), doc(4), 8, 4, 33)
-    assert calls == {0: ("aten::mm", [([192, 561], [1, 192], "bfloat16"), ([561, 192], [192, 1], "bfloat16")]),
-                     1: ("aten::addmm", [([576], [1], "bfloat16"), ([561, 192], [192, 1], "bfloat16"),
-                                         ([192, 576], [1, 192], "bfloat16")])}
-    assert skipped == ["aten::mm of Net.fc (its shapes do not scale with the batch)"]
+
+    def probe(b):
+        x = torch.zeros(17 * b, 192, dtype=torch.bfloat16)
+        w = torch.zeros(576, 192, dtype=torch.bfloat16)
+        bias = torch.zeros(576, dtype=torch.bfloat16)
+        with gpucast.trace() as t:
+            torch.mm(x.t(), x)
+            torch.mm(x.t(), x)
+            torch.addmm(bias, x, w.t())
+        h = t.result.handle
+        return h, [str(op["id"]) for op in json.loads(h.ops_json(["aten::mm", "aten::addmm"]))["ops"]
+                   if op["parent"] == -1]
+
+    (ref, (mm, again, addmm)), (prev, _) = probe(8), probe(4)
     # Each distinct call runs once; operands over the limit are not allocated.
-    ws, not_measured = _op_workspace.measure({0: calls[0], 5: calls[0], 1: calls[1]}, max_bytes=431_000)
-    assert sorted(ws) == ["0", "5"] and ws["0"] == ws["5"] >= 0
+    ws, not_measured = torch.ops.gpucast.measure_matmul_workspaces(ref, prev, 8, 4, 33, max_bytes=431_000)
+    assert sorted(ws) == sorted([mm, again]) and ws[mm] == ws[again] >= 0
     assert not_measured == ["aten::addmm [[576], [561, 192], [192, 576]] (operands of 437760 bytes at the target "
                             "batch)"]
     # Nor is a call of more FLOP than the limit run: 2 x 192 x 561 x 192.
-    assert _op_workspace.measure({0: calls[0]}, max_flops=41_361_407) == (
-        {}, ["aten::mm [[192, 561], [561, 192]] (41361408 FLOP at the target batch)"])
+    assert torch.ops.gpucast.measure_matmul_workspaces(ref, prev, 8, 4, 33, max_flops=41_361_407) == (
+        {}, ["aten::mm [[192, 561], [561, 192]] (41361408 FLOP at the target batch)",
+             "aten::addmm [[576], [561, 192], [192, 576]] (124084224 FLOP at the target batch)"])
+    ws, not_measured = _op_workspace.measure_quietly(ref, prev, 8, 4, 33)
+    assert sorted(ws) == sorted([mm, again, addmm]) and not_measured == []
+    # Any failure leaves every call to the probes' scratch.
+    ws, not_measured = _op_workspace.measure_quietly(ref, None, 8, 4, 33)
+    assert ws == {} and len(not_measured) == 1 and not_measured[0].startswith("every call (RuntimeError: ")
 
 
 def test_matrix_multiply_scratch_keys_must_be_op_indices():
