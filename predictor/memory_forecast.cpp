@@ -1161,6 +1161,28 @@ class Forecaster {
     return plan;
   }
 
+  // DDP's buckets (ZeRO-1 is PyTorch's ZeroRedundancyOptimizer, which runs over DDP): a flat copy of every gradient
+  // (first bucket 1 MiB, the rest 25 MiB), allocated at construction (torch/csrc/distributed/c10d/reducer.cpp,
+  // initialize_buckets) and held for the run. With gradient_as_bucket_view the gradients become views of the
+  // buckets, but only once autograd has made them: after zero_grad(set_to_none=True), PyTorch's default, every
+  // backward allocates each gradient anew and DDP copies it into its bucket before pointing .grad at the view
+  // (reducer.cpp, mark_variable_ready_dense). The buckets are therefore counted in both cases, and autograd's
+  // gradients as the probes held them: for set_to_none=False, where .grad stays the view, that is up to one gradient
+  // copy high (said in the note), never low.
+  void add_ddp_buckets(Planned& p, const ParallelConfig& par, int64_t bytes) {
+    p.initial.push_back(bytes);
+    p.initial_category.push_back(Category::Gradient);
+    if (!par.gradient_as_bucket_view) {
+      out_.notes.push_back(Note{"ddp-bucket-copy", "DDP bucket buffers: a second copy of the gradients (gradient_as_bucket_view=False)"});
+    } else {
+      out_.notes.push_back(Note{"ddp-bucket-view", fmt::format(
+          "DDP bucket buffers ({}) counted with gradient_as_bucket_view=True too: after zero_grad(set_to_none=True) "
+          "autograd allocates each gradient anew and DDP copies it into its bucket; where zero_grad keeps them "
+          "(set_to_none=False) the gradients are the buckets' views and the forecast is up to that much high",
+          format_bytes(bytes))});
+    }
+  }
+
   void apply_parallel(Planned& p, const ParallelConfig& par) {
     const int64_t dp = par.dp;
     auto shard = [](int64_t bytes, int64_t ways) { return (bytes + ways - 1) / ways; };
@@ -1191,15 +1213,8 @@ class Forecaster {
           par.tp, par.pp, model_ways, in_flight)});
     }
     if (dp == 1 && par.dp_mode != "fsdp") return;
-    if (par.dp_mode == "ddp") {
-      if (!par.gradient_as_bucket_view && dp > 1) {
-        // DDP's buckets: a flat copy of every gradient (first bucket 1 MiB, the rest 25 MiB), from construction.
-        p.initial.push_back(grad_bytes > 0 ? grad_bytes : param_bytes);
-        p.initial_category.push_back(Category::Gradient);
-        out_.notes.push_back(Note{"ddp-bucket-copy", "DDP bucket buffers: a second copy of the gradients (gradient_as_bucket_view=False)"});
-      }
-      return;
-    }
+    if (par.dp_mode == "ddp" || par.dp_mode == "zero1") add_ddp_buckets(p, par, grad_bytes > 0 ? grad_bytes : param_bytes);
+    if (par.dp_mode == "ddp") return;
     for (Entry& e : p.entries) {
       if (!e.alloc) continue;
       if (e.category == Category::OptimizerState) e.bytes = shard(e.bytes, dp);

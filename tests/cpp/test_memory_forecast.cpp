@@ -275,6 +275,18 @@ TEST(MemoryForecast, DataParallelRules) {
   MemoryForecast ddp = forecast_memory(in);
   EXPECT_EQ(ddp.per_rank_batch, 64);
   EXPECT_EQ(ddp.peak_allocated_bytes, 3000 + 500 * 64 + 1000);  // plus DDP's bucket copy of the gradients
+  EXPECT_EQ(count_code(ddp.notes, "ddp-bucket-copy"), 1);
+  // Buckets views: the buckets are still allocated, and autograd's gradients still made anew after set_to_none.
+  in.parallel = ParallelConfig::parse("dp:2,gradient_as_bucket_view:True");
+  MemoryForecast view = forecast_memory(in);
+  EXPECT_EQ(view.peak_allocated_bytes, ddp.peak_allocated_bytes);
+  EXPECT_EQ(count_code(view.notes, "ddp-bucket-view"), 1);
+  EXPECT_EQ(count_code(view.notes, "ddp-bucket-copy"), 0);
+  // ZeRO-1 (ZeroRedundancyOptimizer over DDP): DDP's buckets, half the optimizer state.
+  in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero1");
+  MemoryForecast zero1 = forecast_memory(in);
+  EXPECT_EQ(zero1.peak_allocated_bytes, 1000 + 1000 + 500 + 500 * 64 + 1000);
+  EXPECT_EQ(count_code(zero1.notes, "ddp-bucket-copy"), 1);
   in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
   MemoryForecast zero2 = forecast_memory(in);
   EXPECT_EQ(zero2.peak_allocated_bytes, 1000 + 500 + 500 + 500 * 64);
