@@ -11,11 +11,16 @@ loopback, one thread each):
   fsdp_bf16              MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
   fsdp_ckpt              every block under torch.utils.checkpoint (use_reentrant=False), then FSDP2
   fsdp_ckpt_wrapper      every block under checkpoint_wrapper, then FSDP2
-Every rank measures its own peak independently of gpucast (which the ranks never import): torch.profiler's memory
-events from before the model is built (after the process group is up), the running sum of the CPU allocator's
-allocations and frees, its largest value over the 3 steps (bench/memory_accuracy.py's measurement; blocks matched
-by address, because gloo's worker threads free some unseen: see peak_of). Each case runs
---runs times, every time in fresh processes; per rank the min, median and max over the runs are reported. The
+Every rank measures its own peak independently of gpucast (which the ranks never import): a counting wrapper around
+c10's CPU allocator (the C++ extension in COUNTER_SOURCE, built once by this parent process with
+torch.utils.cpp_extension.load_inline under ~/.cache/torch_extensions and loaded by the ranks from the built file)
+is installed in each rank after the process group is up, just before the model is built. It forwards every
+allocation to the allocator it replaces and counts the requested bytes of the blocks it handed out, on every thread
+(gloo's worker threads included, whose frees torch.profiler's memory events miss), and the most held at once. A
+block allocated before it was installed keeps its original deleter and is never counted, so bytes are counted from
+before the model is built, as bench/memory_accuracy.py counts them; the rank's peak is the most held during the 3
+steps (and the build before them), end_bytes what is held after the last step. Each case runs --runs times, every
+time in fresh processes; per rank the min, median and max over the runs are reported. The
 forecast comes from this (parent) process: gpucast.forecast(target="cpu") from single-process probes of the same
 model and step, with parallel= describing the job (dp, dp_mode "ddp" / "zero1" / "fsdp" with fsdp_units, DDP's
 gradient_as_bucket_view). A case the parallel= keys cannot describe yet (reshard_after_forward False or an int,
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import socket
@@ -133,61 +139,166 @@ def wrap(case: Case, model):
     return model, zoo.make_optimizer("adamw", model.parameters())
 
 
-def peak_of(prof) -> dict:
-    """The running sum of the CPU allocator's allocations and frees in the profile, and its largest value.
+COUNTER_SOURCE = r"""
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
-    The profiler sees the allocator only on threads that carry its state: a block that gloo's worker threads free
-    after a collective (FSDP2's reduce-scatter input, its all-gather output) shows its allocation and no free. Blocks
-    are therefore matched by address: a block whose address is allocated again was freed before that, unseen, and is
-    taken off the sum there (the latest it can have been freed: the peak stays an upper bound, and inferred_free_bytes
-    says how much was inferred so); a free of a block never seen allocated (held before the profile, or allocated on
-    an unseen thread) is not counted (unmatched_free_bytes). A block freed unseen whose address never comes back stays
-    in the sum: end_bytes above what the model's states hold at the end shows how much."""
-    from torch._C._profiler import _EventType
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    events = []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
-    events.sort(key=lambda a: a[0])
-    live, held, peak, inferred, unmatched = {}, 0, 0, 0, 0
-    for _, size, ptr in events:
-        if size > 0:
-            if ptr in live:  # freed unseen before its address came back
-                inferred += live[ptr]
-                held -= live[ptr]
-            live[ptr] = size
-            held += size
-            peak = max(peak, held)
-        elif ptr in live:
-            held -= live.pop(ptr)
-        else:
-            unmatched -= size
-    return {"peak_bytes": peak, "end_bytes": held, "inferred_free_bytes": inferred, "unmatched_free_bytes": unmatched}
+#include <c10/core/CPUAllocator.h>
+#include <pybind11/pybind11.h>
+
+namespace {
+
+// Forwards to the CPU allocator it replaces and counts the requested bytes of the blocks it handed out. A block is
+// returned with this file's deleter, which looks its size and original deleter up by address; blocks allocated
+// before install() keep their own deleter and never reach it.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = inner_->allocate(n);
+    void* data = inner.get();
+    if (data == nullptr) {
+      return inner;  // zero bytes: nothing to count or free
+    }
+    c10::Device device = inner.device();
+    void* ctx = inner.release_context();
+    c10::DeleterFnPtr deleter = inner.get_deleter();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_[data] = Block{n, ctx, deleter};
+    }
+    int64_t now = held_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, data, &CountingAllocator::free_block, device};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return inner_->raw_deleter() ? &CountingAllocator::free_block : nullptr;
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner_->copy_data(dest, src, count);
+  }
+
+  int64_t held() const { return held_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() { peak_.store(held_.load()); }
+
+  static CountingAllocator* instance;
+
+ private:
+  struct Block {
+    size_t bytes;
+    void* ctx;
+    c10::DeleterFnPtr deleter;
+  };
+
+  static void free_block(void* data) {
+    Block b{0, nullptr, nullptr};
+    {
+      std::lock_guard<std::mutex> lock(instance->mutex_);
+      auto it = instance->blocks_.find(data);
+      if (it != instance->blocks_.end()) {
+        b = it->second;
+        instance->blocks_.erase(it);
+      }
+    }
+    if (b.deleter == nullptr) {
+      // Not handed out here: raw_deleter() used on a block of the allocator it replaced; not counted.
+      c10::DeleterFnPtr raw = instance->inner_->raw_deleter();
+      if (raw == nullptr) std::abort();
+      raw(data);
+      return;
+    }
+    instance->held_.fetch_sub(static_cast<int64_t>(b.bytes));
+    b.deleter(b.ctx);
+  }
+
+  c10::Allocator* inner_;
+  std::atomic<int64_t> held_{0};
+  std::atomic<int64_t> peak_{0};
+  std::mutex mutex_;
+  std::unordered_map<void*, Block> blocks_;
+};
+
+CountingAllocator* CountingAllocator::instance = nullptr;
+
+}  // namespace
+
+// Installs the counter once (it is never removed: the ranks end with os._exit).
+void install() {
+  if (CountingAllocator::instance == nullptr) {
+    CountingAllocator::instance = new CountingAllocator(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(CountingAllocator::instance, /*priority=*/UINT8_MAX);
+  }
+}
+bool installed() {
+  return CountingAllocator::instance != nullptr && c10::GetCPUAllocator() == CountingAllocator::instance;
+}
+int64_t held() { return CountingAllocator::instance ? CountingAllocator::instance->held() : 0; }
+int64_t peak() { return CountingAllocator::instance ? CountingAllocator::instance->peak() : 0; }
+void reset_peak() {
+  if (CountingAllocator::instance) CountingAllocator::instance->reset_peak();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("install", &install);
+  m.def("installed", &installed);
+  m.def("held", &held);
+  m.def("peak", &peak);
+  m.def("reset_peak", &reset_peak);
+}
+"""
+
+
+def build_counter() -> str:
+    """Builds (or finds already built) the allocator counter; the path of its module, for the ranks to load."""
+    from torch.utils.cpp_extension import load_inline
+    t0 = time.perf_counter()
+    mod = load_inline("dist_memory_counter", COUNTER_SOURCE, no_implicit_headers=True, extra_cflags=["-O2"])
+    print(f"allocator counter built (or found built) in {time.perf_counter() - t0:.1f} s: {mod.__file__}", flush=True)
+    return mod.__file__
+
+
+def load_counter(path: str):
+    """The counter module built by build_counter, loaded from its file (a rank never runs the build)."""
+    spec = importlib.util.spec_from_file_location("dist_memory_counter", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker(args) -> None:
-    """One rank: build, parallelise and train the case under torch.profiler; print its peak as JSON."""
+    """One rank: build, parallelise and train the case, its CPU allocator counted; print its peak as JSON."""
     import torch.distributed as dist
     from examples import zoo
 
+    counter = load_counter(args.counter)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     case = CASES[args.worker]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        model, make_batch, loss_fn = build(case)
-        module, opt = wrap(case, model)
-        step = zoo.make_step(module, opt, loss_fn)
-        for i in range(STEPS):
-            if rank == args.fail_rank and i == 1:
-                os._exit(3)  # the failure path's check: a rank that dies mid-run
-            b = make_batch(GLOBAL_BATCH // world)
-            step(b)
-            del b
-    print(json.dumps({"rank": rank, **peak_of(prof)}), flush=True)
+    counter.install()
+    if not counter.installed():
+        raise RuntimeError("the allocator counter is not c10's CPU allocator after install()")
+    start = counter.held()  # 0: nothing counted yet
+    counter.reset_peak()
+    model, make_batch, loss_fn = build(case)
+    module, opt = wrap(case, model)
+    step = zoo.make_step(module, opt, loss_fn)
+    for i in range(STEPS):
+        if rank == args.fail_rank and i == 1:
+            os._exit(3)  # the failure path's check: a rank that dies mid-run
+        b = make_batch(GLOBAL_BATCH // world)
+        step(b)
+        del b
+    print(json.dumps({"rank": rank, "peak_bytes": counter.peak() - start, "end_bytes": counter.held() - start}),
+          flush=True)
     dist.destroy_process_group()
     sys.stderr.flush()
     os._exit(0)  # as pipeline_live.py: no interpreter teardown in a gloo worker
@@ -205,8 +316,8 @@ def run_once(name: str, args) -> tuple[list[dict] | None, str | None]:
     world = CASES[name].world
     env0 = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
-    argv = [sys.executable, __file__, "--worker", name, "--timeout", str(args.timeout), "--fail-rank",
-            str(args.fail_rank)]
+    argv = [sys.executable, __file__, "--worker", name, "--counter", args.counter, "--timeout", str(args.timeout),
+            "--fail-rank", str(args.fail_rank)]
     with tempfile.TemporaryDirectory(prefix="dist_memory_") as tmp:
         files = [(open(f"{tmp}/{r}.out", "w+"), open(f"{tmp}/{r}.err", "w+")) for r in range(world)]
         procs = [subprocess.Popen(argv, env=dict(env0, RANK=str(r), LOCAL_RANK=str(r)), stdout=o, stderr=e, text=True)
@@ -240,7 +351,7 @@ def run_once(name: str, args) -> tuple[list[dict] | None, str | None]:
 
 def measure(name: str, args) -> dict:
     """--runs runs of a case: per rank the peaks of every run, their min, median and max; failed runs' reasons."""
-    keys = ("peak_bytes", "end_bytes", "inferred_free_bytes", "unmatched_free_bytes")
+    keys = ("peak_bytes", "end_bytes")
     per_rank = [{k: [] for k in keys} for _ in range(CASES[name].world)]
     errors = []
     for i in range(args.runs):
@@ -349,6 +460,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds one run may take before its ranks are killed")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank exits during step 2 (checks the failure path)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--counter", help=argparse.SUPPRESS)  # the built counter's file, for the ranks
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -359,6 +471,7 @@ def main() -> int:
     unknown = [n for n in names if n not in CASES]
     if unknown or args.runs < 1:
         ap.error(f"unknown cases {unknown}; valid: {', '.join(CASES)}" if unknown else "--runs must be at least 1")
+    args.counter = build_counter()
     print(f"{'case':<18} {'ws':>2} {'rank':>4} {'min MiB':>9} {'med MiB':>9} {'max MiB':>9} {'runs':>4} "
           f"{'forecast MiB':>13} {'err %':>8}   strategy", flush=True)
     rows = []
