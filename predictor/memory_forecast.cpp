@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -1183,6 +1184,28 @@ class Forecaster {
     }
   }
 
+  // The largest rank's share of the parameters under ZeroRedundancyOptimizer's partition, which is its share of
+  // the optimizer state (Adam's state is two tensors of each parameter's size): parameters sorted largest first,
+  // each given to the rank with the fewest so far, the first such rank on a tie (torch 2.14.1
+  // torch/distributed/optim/zero_redundancy_optimizer.py, _partition_parameters; by numel, here by bytes, the same
+  // for one dtype). The parameters are the reference probe's blocks held at the start and tagged as such (the plan's
+  // own initial blocks may have been merged by category); none: an even share.
+  double zero1_largest_share(int64_t dp) const {
+    std::vector<int64_t> params;
+    if (model_.trace != nullptr) {
+      for (const Allocation& a : model_.trace->allocations) {
+        if (a.baseline && a.category == Category::Parameter && a.bytes > 0) params.push_back(a.bytes);
+      }
+    }
+    int64_t total = 0;
+    for (int64_t b : params) total += b;
+    if (total == 0) return 1.0 / static_cast<double>(dp);
+    std::stable_sort(params.begin(), params.end(), std::greater<>());
+    std::vector<int64_t> sizes(static_cast<size_t>(dp), 0);
+    for (int64_t b : params) *std::min_element(sizes.begin(), sizes.end()) += b;
+    return static_cast<double>(*std::max_element(sizes.begin(), sizes.end())) / static_cast<double>(total);
+  }
+
   void apply_parallel(Planned& p, const ParallelConfig& par) {
     const int64_t dp = par.dp;
     auto shard = [](int64_t bytes, int64_t ways) { return (bytes + ways - 1) / ways; };
@@ -1215,14 +1238,20 @@ class Forecaster {
     if (dp == 1 && par.dp_mode != "fsdp") return;
     if (par.dp_mode == "ddp" || par.dp_mode == "zero1") add_ddp_buckets(p, par, grad_bytes > 0 ? grad_bytes : param_bytes);
     if (par.dp_mode == "ddp") return;
+    // ZeRO-1's optimizer state follows its parameters' partition; ZeRO-2 and FSDP shard every tensor evenly.
+    const double state_share = par.dp_mode == "zero1" ? zero1_largest_share(dp) : 1.0 / static_cast<double>(dp);
+    auto state_shard = [&](int64_t bytes) {
+      return par.dp_mode == "zero1" ? static_cast<int64_t>(std::ceil(static_cast<double>(bytes) * state_share))
+                                    : shard(bytes, dp);
+    };
     for (Entry& e : p.entries) {
       if (!e.alloc) continue;
-      if (e.category == Category::OptimizerState) e.bytes = shard(e.bytes, dp);
+      if (e.category == Category::OptimizerState) e.bytes = state_shard(e.bytes);
       if ((par.dp_mode == "zero2" || par.dp_mode == "fsdp") && e.category == Category::Gradient) e.bytes = shard(e.bytes, dp);
     }
     for (size_t i = 0; i < p.initial.size(); ++i) {
-      if (p.initial_category[i] == Category::OptimizerState ||
-          ((par.dp_mode == "zero2" || par.dp_mode == "fsdp") && p.initial_category[i] == Category::Gradient)) {
+      if (p.initial_category[i] == Category::OptimizerState) p.initial[i] = state_shard(p.initial[i]);
+      if ((par.dp_mode == "zero2" || par.dp_mode == "fsdp") && p.initial_category[i] == Category::Gradient) {
         p.initial[i] = shard(p.initial[i], dp);
       }
       if (par.dp_mode == "fsdp" && p.initial_category[i] == Category::Parameter) p.initial[i] = shard(p.initial[i], dp);

@@ -282,16 +282,48 @@ TEST(MemoryForecast, DataParallelRules) {
   EXPECT_EQ(view.peak_allocated_bytes, ddp.peak_allocated_bytes);
   EXPECT_EQ(count_code(view.notes, "ddp-bucket-view"), 1);
   EXPECT_EQ(count_code(view.notes, "ddp-bucket-copy"), 0);
-  // ZeRO-1 (ZeroRedundancyOptimizer over DDP): DDP's buckets, half the optimizer state.
+  // ZeRO-1 (ZeroRedundancyOptimizer over DDP): DDP's buckets, and the optimizer state of the rank holding the most
+  // parameters: with one parameter, one rank holds all of it.
   in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero1");
   MemoryForecast zero1 = forecast_memory(in);
-  EXPECT_EQ(zero1.peak_allocated_bytes, 1000 + 1000 + 500 + 500 * 64 + 1000);
+  EXPECT_EQ(zero1.peak_allocated_bytes, 1000 + 1000 + 1000 + 500 * 64 + 1000);
   EXPECT_EQ(count_code(zero1.notes, "ddp-bucket-copy"), 1);
   in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
   MemoryForecast zero2 = forecast_memory(in);
   EXPECT_EQ(zero2.peak_allocated_bytes, 1000 + 500 + 500 + 500 * 64);
   in.parallel = ParallelConfig::parse("dp:2,micro_batches:4");
   EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
+}
+
+// Parameters of 700, 500, 400 and 300 bytes over two ranks, largest first to the emptier rank: {700, 300} and
+// {500, 400}, so the largest rank holds 1000 of 1900 bytes, and that share of the optimizer state.
+TEST(MemoryForecast, ZeroOneStateFollowsTheParametersPartition) {
+  Recorder r;
+  const std::vector<int64_t> params = {700, 500, 400, 300};
+  for (size_t i = 0; i < params.size(); ++i) r.tag(0x1000 + 0x100 * i, Category::Parameter);
+  int64_t st = r.op("Optimizer.step#Adam.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x5000, 3800, st, Phase::Optimizer);  // Adam's two tensors per parameter, one block here
+  r.end(st);
+  r.tag(0x5000, Category::OptimizerState);
+  AssemblyInput in;
+  in.threads.push_back(r.th);
+  int64_t total = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    in.baseline_blocks.push_back(BaselineBlock{0x1000 + 0x100 * i, params[i], params[i], "cpu"});
+    total += params[i];
+  }
+  in.baseline["cpu"] = DeviceBaseline{total, true};
+  const Trace t = assemble_trace(std::move(in));
+  MemoryForecastInput f;
+  f.probes = {&t};
+  f.probe_batch = {2};
+  f.target_batch = 2;
+  f.parallel = ParallelConfig::parse("dp:2,dp_mode:zero1,gradient_as_bucket_view:True");
+  const MemoryForecast zero1 = forecast_memory(f);
+  // Parameters, DDP's buckets (sized by the parameters: no gradients here), 1000/1900 of the state.
+  EXPECT_EQ(zero1.peak_allocated_bytes, 1900 + 1900 + 2000);
+  f.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
+  EXPECT_EQ(forecast_memory(f).peak_allocated_bytes, 1900 + 1900);  // every tensor halved
 }
 
 TEST(MemoryForecast, BadInput) {
