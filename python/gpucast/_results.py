@@ -50,6 +50,10 @@ class MemoryForecast:
     conv_workspace_headroom_allocated_bytes: int = -1
     conv_workspace_headroom_reserved_bytes: int = -1
     conv_calls_measured: int = 0
+    # A rule the forecast applied is not yet matched to its engine (tensor and pipeline parallelism, ZeRO-2, FSDP):
+    # the peaks may be off either way, as approximate_reason says (also a warning, code approximate-rule).
+    approximate: bool = False
+    approximate_reason: str = ""
 
 
 def _memory_dict(m: MemoryForecast) -> dict:

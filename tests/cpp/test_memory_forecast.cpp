@@ -288,9 +288,22 @@ TEST(MemoryForecast, DataParallelRules) {
   MemoryForecast zero1 = forecast_memory(in);
   EXPECT_EQ(zero1.peak_allocated_bytes, 1000 + 1000 + 1000 + 500 * 64 + 1000);
   EXPECT_EQ(count_code(zero1.notes, "ddp-bucket-copy"), 1);
+  EXPECT_FALSE(ddp.approximate);
+  EXPECT_FALSE(zero1.approximate);
+  EXPECT_EQ(count_code(zero1.warnings, "approximate-rule"), 0);
   in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
   MemoryForecast zero2 = forecast_memory(in);
   EXPECT_EQ(zero2.peak_allocated_bytes, 1000 + 500 + 500 + 500 * 64);
+  // Rules not matched to an engine: approximate, with the reason, warned once whatever the batches searched.
+  EXPECT_TRUE(zero2.approximate);
+  EXPECT_EQ(zero2.approximate_reason.rfind("ZeRO-2: ", 0), 0u) << zero2.approximate_reason;
+  EXPECT_EQ(count_code(zero2.warnings, "approximate-rule"), 1);
+  in.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,tp:2");
+  MemoryForecast fsdp_tp = forecast_memory(in);
+  EXPECT_TRUE(fsdp_tp.approximate);
+  EXPECT_EQ(count_code(fsdp_tp.warnings, "approximate-rule"), 2);
+  EXPECT_EQ(fsdp_tp.approximate_reason.rfind("tensor and pipeline parallelism: ", 0), 0u);
+  EXPECT_NE(fsdp_tp.approximate_reason.find("; FSDP: "), std::string::npos);
   in.parallel = ParallelConfig::parse("dp:2,micro_batches:4");
   EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
 }

@@ -106,6 +106,10 @@ struct MemoryForecast {
   std::string peak_module;
   int peak_iteration = 0;             // 1 or 2
   bool scaled = true;                 // false when the probes' structures differ
+  // A rule the forecast applied has not been matched to its engine (tensor and pipeline parallelism, ZeRO-2, FSDP):
+  // the peaks may be off either way; the reason says which rule and what is known of its error. Also a warning.
+  bool approximate = false;
+  std::string approximate_reason;
   int64_t nonlinear_allocations = 0;  // allocations whose size is not linear in the batch size
   int64_t allocations = 0;            // allocations in the forecast stream
   // GPU targets from CPU probes: convolution calls of one iteration (forward and backward), the cuDNN workspace
