@@ -60,19 +60,13 @@ const char* state_name(State s) {
   return "off";
 }
 
-// The scopes torch.optim records around zero_grad and step (torch/optim/optimizer.py: _zero_grad_profile_name,
-// profile_hook_step), which gpucast/gpucast.h records for LibTorch's optimizers too; and gpucast's own marker.
-constexpr const char* kZeroGradScope = "Optimizer.zero_grad#";
-constexpr const char* kStepScope = "Optimizer.step#";
+// gpucast's own marker of an iteration's end (gpucast/gpucast.h); the optimizer's scopes are in autograd_tags.h.
 constexpr const char* kIterationEndScope = "gpucast.iteration_end";
 // Restarts after interrupted iterations before auto mode gives up. 16: a chosen bound.
 constexpr int kMaxRestarts = 16;
 // How often (in ops on the training thread) the limits are checked. 256: a chosen interval.
 constexpr int64_t kLimitCheckInterval = 256;
 
-bool starts_with(const char* s, const char* prefix) {
-  return s != nullptr && std::strncmp(s, prefix, std::strlen(prefix)) == 0;
-}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -158,9 +152,9 @@ class AutoMode final : public TraceObserver {
       const char* name = fn.name();
       bool begins = false;
       if (fn.scope() == at::RecordScope::USER_SCOPE) {
-        begins = starts_with(name, kZeroGradScope);
+        begins = name_starts_with(name, kZeroGradScope);
       } else if (fn.scope() == at::RecordScope::FUNCTION && c10::GradMode::is_enabled() &&
-                 !starts_with(name, "gpucast::")) {
+                 !name_starts_with(name, "gpucast::")) {
         for_each_tensor(fn, [&](const at::Tensor& t) { begins = begins || is_parameter(t); });
       }
       if (!begins) return false;
@@ -180,7 +174,8 @@ class AutoMode final : public TraceObserver {
     try {
       // Cheapest first: this runs before every recorded op.
       if (fn.scope() != at::RecordScope::USER_SCOPE || state_.load(std::memory_order_acquire) != State::Recording ||
-          !on_training_thread() || !tags_.forward_seen() || step_depth_ > 0 || !starts_with(fn.name(), kZeroGradScope)) {
+          !on_training_thread() || !tags_.forward_seen() || step_depth_ > 0 ||
+          !name_starts_with(fn.name(), kZeroGradScope)) {
         return false;
       }
       if (++restarts_ == 1) {
@@ -209,7 +204,7 @@ class AutoMode final : public TraceObserver {
       }
       if (++ops_ % kLimitCheckInterval == 0 && over_limits()) return;
       if (fn.scope() == at::RecordScope::USER_SCOPE) {
-        if (starts_with(fn.name(), kStepScope)) {
+        if (name_starts_with(fn.name(), kStepScope)) {
           ++step_depth_;
           tags_.tag_model_state();
         }
@@ -242,7 +237,7 @@ class AutoMode final : public TraceObserver {
       }
       if (fn.scope() != at::RecordScope::USER_SCOPE) return;
       const char* name = fn.name();
-      if (starts_with(name, kStepScope)) {
+      if (name_starts_with(name, kStepScope)) {
         if (step_depth_ > 0 && --step_depth_ == 0) {
           if (tags_.all_stepped()) {
             finish(/*python_asked=*/false);

@@ -2,6 +2,7 @@
 #include "autograd_tags.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ void tag_by_device(const std::map<std::string, std::vector<int64_t>>& blocks, Ca
 }
 
 }  // namespace
+
+bool name_starts_with(const char* name, const char* prefix) {
+  return name != nullptr && std::strncmp(name, prefix, std::strlen(prefix)) == 0;
+}
 
 bool is_parameter(const at::Tensor& t) { return t.defined() && t.requires_grad() && t.is_leaf(); }
 

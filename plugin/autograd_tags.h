@@ -50,6 +50,13 @@ class AutogradTags {
   int64_t batch_ = 1;
 };
 
+// The scopes torch.optim records around zero_grad and step (torch/optim/optimizer.py: _zero_grad_profile_name,
+// profile_hook_step), which gpucast/gpucast.h records for LibTorch's optimizers too.
+inline constexpr const char* kZeroGradScope = "Optimizer.zero_grad#";
+inline constexpr const char* kStepScope = "Optimizer.step#";
+// Whether a RecordFunction's name (null allowed) begins with `prefix`.
+bool name_starts_with(const char* name, const char* prefix);
+
 // A leaf tensor that requires grad: a parameter, as autograd sees one.
 bool is_parameter(const at::Tensor& t);
 

@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 
 #include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
@@ -16,10 +15,6 @@
 
 namespace gpucast {
 namespace {
-
-// The scope torch.optim records around step (torch/optim/optimizer.py: profile_hook_step), which gpucast/gpucast.h
-// records for LibTorch's optimizers too.
-constexpr const char* kStepScope = "Optimizer.step#";
 
 class DirectTags final : public TraceObserver {
  public:
@@ -72,9 +67,7 @@ class DirectTags final : public TraceObserver {
   bool on_thread() const {
     return at::RecordFunction::currentThreadId() == thread_.load(std::memory_order_acquire);
   }
-  static bool is_step(const at::RecordFunction& fn) {
-    return fn.name() != nullptr && std::strncmp(fn.name(), kStepScope, std::strlen(kStepScope)) == 0;
-  }
+  static bool is_step(const at::RecordFunction& fn) { return name_starts_with(fn.name(), kStepScope); }
 
   AutogradTags tags_;
   int step_depth_ = 0;

@@ -837,7 +837,6 @@ class Forecaster {
     }
     if (!out_.scaled) usable = {ref};
     const Stream& s = streams_[ref];
-    note_gradients_kept(s);
     if (in_.probes.size() == 1) {
       // One probe: model states stay, everything else scales in proportion to the batch size.
       const double b0 = static_cast<double>(in_.probe_batch[ref]);
@@ -1064,32 +1063,6 @@ class Forecaster {
     return p;
   }
 
-  // A one-iteration trace in which no zero_grad ran before the backward: its gradients are taken as kept into
-  // iteration 2 and accumulated into (zero_grad(set_to_none=False), or none), the bound that cannot be low. A loop
-  // that frees them where the trace cannot see (zero_grad after the step, nn.Module.zero_grad before the forward)
-  // holds up to their bytes less: said, with the bytes.
-  void note_gradients_kept(const Stream& s) {
-    if (s.iterations >= 2 || s.zero_grad_entry != kNone) return;
-    const auto positions = static_cast<int64_t>(s.ptr_of.size());
-    std::vector<char> freed(s.ptr_of.size(), 0);
-    for (const Entry& e : s.entries) {
-      if (!e.alloc && e.ref >= 0 && e.ref < positions) freed[static_cast<size_t>(e.ref)] = 1;
-    }
-    int64_t held = 0;
-    for (const Entry& e : s.entries) {
-      if (e.alloc && e.category == Category::Gradient && e.ref >= 0 && e.ref < positions &&
-          freed[static_cast<size_t>(e.ref)] == 0) {
-        held += e.bytes;
-      }
-    }
-    if (held == 0) return;
-    out_.notes.push_back(Note{"gradients-kept", fmt::format(
-        "no zero_grad ran in the traced iteration before its backward: its gradients ({} bytes) are taken as kept "
-        "into the next iteration and accumulated into; a loop that frees them elsewhere (zero_grad after the step, "
-        "nn.Module.zero_grad) peaks up to that much lower",
-        held)});
-  }
-
   // From a one-iteration trace, the second iteration: optimizer state exists, gradients from iteration 1
   // are freed where zero_grad runs (set_to_none, PyTorch's default) or kept and accumulated into.
   void synthesize_steady_iteration(Planned& p, const Stream& s) {
@@ -1099,6 +1072,17 @@ class Forecaster {
       return Entry::made(false, ref, 0, Category::Other, phase, kNone, 2);
     };
     const bool zero_grad = s.zero_grad_entry != kNone;
+    // No zero_grad ran before the backward: iteration 1's gradients are taken as kept into iteration 2 and
+    // accumulated into (zero_grad(set_to_none=False), or none), the bound that cannot be low. A loop that frees them
+    // where the trace cannot see (zero_grad after the step, nn.Module.zero_grad before the forward) holds up to their
+    // bytes less: said, with the bytes.
+    if (!zero_grad && plan.persistent_grad_bytes > 0) {
+      out_.notes.push_back(Note{"gradients-kept", fmt::format(
+          "no zero_grad ran in the traced iteration before its backward: its gradients ({} bytes) are taken as kept "
+          "into the next iteration and accumulated into; a loop that frees them elsewhere (zero_grad after the step, "
+          "nn.Module.zero_grad) peaks up to that much lower",
+          plan.persistent_grad_bytes)});
+    }
     for (size_t i = 0; i < n; ++i) {
       if (zero_grad && static_cast<int64_t>(i) == s.zero_grad_entry) {
         for (int64_t r : plan.persistent_grads) p.entries.push_back(freed_in_iteration_2(r, Phase::Optimizer));
@@ -1122,6 +1106,7 @@ class Forecaster {
   struct SteadyPlan {
     std::vector<char> skip;  // by allocation position: not allocated again in iteration 2
     std::vector<int64_t> persistent_grads, persistent_other;  // allocations iteration 1 never freed
+    int64_t persistent_grad_bytes = 0;                         // the probe's bytes of persistent_grads
     size_t entries = 0;      // the entries iteration 2 adds
     std::vector<char> other;  // by allocation position: in persistent_other
     bool skipped(int64_t ref) const {
@@ -1146,8 +1131,12 @@ class Forecaster {
     for (const Entry& e : s.entries) {
       if (!e.alloc || e.ref < 0 || e.ref >= positions || freed[static_cast<size_t>(e.ref)] != 0) continue;
       if (e.category == Category::OptimizerState) plan.skip[static_cast<size_t>(e.ref)] = 1;
-      else if (e.category == Category::Gradient) plan.persistent_grads.push_back(e.ref);
-      else plan.persistent_other.push_back(e.ref);
+      else if (e.category == Category::Gradient) {
+        plan.persistent_grads.push_back(e.ref);
+        plan.persistent_grad_bytes += e.bytes;
+      } else {
+        plan.persistent_other.push_back(e.ref);
+      }
     }
     plan.other.assign(s.ptr_of.size(), 0);
     for (int64_t r : plan.persistent_other) plan.other[static_cast<size_t>(r)] = 1;
