@@ -19,6 +19,8 @@
 #include "gpucast/step_time.h"
 #include "gpucast/trace_summary.h"
 #include "least_squares.h"
+#include "fsdp_memory.h"
+#include "memory_plan.h"
 #include "gpucast/note_json.h"
 
 namespace gpucast {
@@ -119,48 +121,12 @@ int64_t cudnn_conv_wscap_bytes(const std::string& text) {
 
 namespace {
 
-constexpr int64_t kNone = -1;
-
-// One allocation or free of a probe, in order. Allocations are numbered by position; a free names the
-// position it frees (initial blocks are numbered -2, -3, ...). 32 bytes: a forecast holds a few copies of every
-// probe's memory events, so the layout bounds its memory (bench/large_trace.py).
-struct Entry {
-  int64_t ref = 0;          // alloc: own position; free: position of the freed allocation
-  int64_t bytes = 0;
-  int32_t op = kNone;       // op in the probe's trace (extract() refuses traces of 2^31 ops or more)
-  int32_t iteration = 1;
-  Category category = Category::Other;
-  Phase phase = Phase::Forward;
-  bool alloc = true;
-  bool conv_call = false;   // a marker (no bytes): a convolution call, where cuDNN would take its workspace
-  bool probe_block = false; // alloc: a block the probe allocated, its address in Stream::ptr_of[position]
-
-  static Entry made(bool alloc, int64_t ref, int64_t bytes, Category c, Phase ph, int32_t op, int32_t iteration) {
-    return Entry{.ref = ref, .bytes = bytes, .op = op, .iteration = iteration, .category = c, .phase = ph,
-                 .alloc = alloc};
-  }
-};
-static_assert(sizeof(Entry) == 32, "Entry's layout bounds a forecast's memory");
-
-// Refs of the second iteration synthesized from a one-iteration trace: the first iteration's plus this (2^40: a
-// chosen offset, far above any position a trace reaches).
-constexpr int64_t kSecondIterationRef = int64_t{1} << 40;
-
-// Inserts `adds` (the index of the entry each goes before, in order of that index) into `entries` in place: a
-// stream of millions of entries is not copied for a few additions (at most one reallocation, to the exact size).
-void insert_before(std::vector<Entry>& entries, const std::vector<std::pair<size_t, Entry>>& adds) {
-  if (adds.empty()) return;
-  const size_t n = entries.size();
-  entries.reserve(n + adds.size());
-  entries.resize(n + adds.size());
-  size_t to = entries.size();  // entries at [to, end) are final
-  size_t from = n;             // entries [0, from) are still to move
-  for (size_t k = adds.size(); k-- > 0;) {
-    const size_t before = std::min(adds[k].first, n);
-    while (from > before) entries[--to] = entries[--from];
-    entries[--to] = adds[k].second;
-  }
-}
+using detail::Entry;
+using detail::initial_ref;
+using detail::insert_before;
+using detail::kNone;
+using detail::kSecondIterationRef;
+using detail::Planned;
 
 struct Stream {
   std::vector<int64_t> initial_bytes;
@@ -172,8 +138,6 @@ struct Stream {
   bool adam = false;
   bool fused_optimizer = false;     // aten::_fused_adam(w)_ in the trace: no foreach temporaries on CUDA either
 };
-
-int64_t initial_ref(size_t i) { return -2 - static_cast<int64_t>(i); }
 
 // The allocations a call frees before it returns (its scratch): refs allocated and freed by entries of the same
 // call, `call_of` naming each entry's call (`none` outside any).
@@ -537,13 +501,6 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   return f;
 }
 
-// The stream at one batch size, after parallel rules and target additions, ready to replay.
-struct Planned {
-  std::vector<int64_t> initial;
-  std::vector<Category> initial_category;
-  std::vector<Entry> entries;  // refs renumbered so that -2-i are initial blocks
-};
-
 struct Model {
   const Stream* shape = nullptr;  // the largest probe's stream: structure, categories, ops
   const Trace* trace = nullptr;
@@ -695,10 +652,25 @@ class Forecaster {
     const int64_t per = per_rank(in_.target_batch);
     out_.per_rank_batch = per;
     out_.seq_len = in_.target_seq;
-    Planned plan = planned(per, gpu);
+    // Each group of data-parallel ranks that hold alike, planned and replayed; the one that peaks highest is the
+    // forecast's peak_* and everything said of its peak.
+    Planned plan;
+    Replay r;
+    int64_t largest_rank = -1;
+    for (const std::vector<int64_t>& group : rank_groups()) {
+      rank_ = group.front();
+      Planned candidate = planned(per, gpu);
+      const Replay rr = replay(candidate, gpu, in_.allocator);
+      out_.per_rank.push_back(rank_memory(group, rr));
+      if (largest_rank < 0 || rr.peak_allocated > r.peak_allocated) {
+        plan = std::move(candidate);
+        r = rr;
+        largest_rank = rank_;
+      }
+    }
+    rank_ = largest_rank;
     out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
                                                           [](const Entry& e) { return e.alloc; }));
-    const Replay r = replay(plan, gpu, in_.allocator);
     out_.peak_allocated_bytes = r.peak_allocated;
     out_.peak_reserved_bytes = r.peak_reserved;
     out_.first_iteration_peak_bytes = r.first_peak;
@@ -750,6 +722,17 @@ class Forecaster {
   }
 
  private:
+  static RankMemory rank_memory(const std::vector<int64_t>& ranks, const Replay& r) {
+    RankMemory m;
+    m.ranks = ranks;
+    m.peak_allocated_bytes = r.peak_allocated;
+    m.peak_reserved_bytes = r.peak_reserved;
+    for (int c = 0; c < kNumCategories; ++c) {
+      if (r.breakdown[c] != 0) m.breakdown[std::string(to_string(static_cast<Category>(c)))] = r.breakdown[c];
+    }
+    return m;
+  }
+
   void validate() {
     if (in_.probes.empty()) GPUCAST_USER_ERROR("forecast: no probe traces given");
     if (in_.probes.size() != in_.probe_batch.size()) {
@@ -1182,13 +1165,14 @@ class Forecaster {
     out_.warnings.push_back(Note{"approximate-rule", "the memory forecast is approximate: " + reason});
   }
 
-  // The largest rank's share of the parameters under ZeroRedundancyOptimizer's partition, which is its share of
-  // the optimizer state (Adam's state is two tensors of each parameter's size): parameters sorted largest first,
-  // each given to the rank with the fewest so far, the first such rank on a tie (torch 2.14.1
+  // Each rank's share of the parameters under ZeroRedundancyOptimizer's partition, which is its share of the
+  // optimizer state (Adam's state is two tensors of each parameter's size): parameters sorted largest first, each
+  // given to the rank with the fewest so far, the first such rank on a tie (torch 2.14.1
   // torch/distributed/optim/zero_redundancy_optimizer.py, _partition_parameters; by numel, here by bytes, the same
   // for one dtype). The parameters are the reference probe's blocks held at the start and tagged as such (the plan's
-  // own initial blocks may have been merged by category); none: an even share.
-  double zero1_largest_share(int64_t dp) const {
+  // own initial blocks may have been merged by category); none: even shares. Worked out once.
+  const std::vector<double>& zero1_shares(int64_t dp) {
+    if (!zero1_shares_.empty()) return zero1_shares_;
     std::vector<int64_t> params;
     if (model_.trace != nullptr) {
       for (const Allocation& a : model_.trace->allocations) {
@@ -1197,11 +1181,33 @@ class Forecaster {
     }
     int64_t total = 0;
     for (int64_t b : params) total += b;
-    if (total == 0) return 1.0 / static_cast<double>(dp);
+    zero1_shares_.assign(static_cast<size_t>(dp), 1.0 / static_cast<double>(dp));
+    if (total == 0) return zero1_shares_;
     std::stable_sort(params.begin(), params.end(), std::greater<>());
     std::vector<int64_t> sizes(static_cast<size_t>(dp), 0);
     for (int64_t b : params) *std::min_element(sizes.begin(), sizes.end()) += b;
-    return static_cast<double>(*std::max_element(sizes.begin(), sizes.end())) / static_cast<double>(total);
+    for (size_t r = 0; r < sizes.size(); ++r) zero1_shares_[r] = static_cast<double>(sizes[r]) / static_cast<double>(total);
+    return zero1_shares_;
+  }
+
+  // The data-parallel ranks in groups that hold the same bytes (FSDP2: the same rows of every parameter; ZeRO-1:
+  // the same share of the parameters; otherwise all alike), each group's ranks in order.
+  std::vector<std::vector<int64_t>> rank_groups() {
+    const ParallelConfig& par = in_.parallel;
+    std::map<std::vector<int64_t>, std::vector<int64_t>> by_key;
+    for (int64_t r = 0; r < par.dp; ++r) {
+      std::vector<int64_t> key;
+      if (par.dp_mode == "fsdp" && !par.fsdp_units.empty() && model_.trace != nullptr) {
+        for (const detail::FsdpParam& q : fsdp_layout(par).params) key.push_back(detail::fsdp_local_rows(q.rows, par.dp, r));
+      } else if (par.dp_mode == "zero1") {
+        key.push_back(static_cast<int64_t>(std::llround(zero1_shares(par.dp)[static_cast<size_t>(r)] * 1e12)));
+      }
+      by_key[key].push_back(r);
+    }
+    std::vector<std::vector<int64_t>> groups;
+    for (auto& [key, ranks] : by_key) groups.push_back(std::move(ranks));
+    std::sort(groups.begin(), groups.end());
+    return groups;
   }
 
   void apply_parallel(Planned& p, const ParallelConfig& par) {
@@ -1241,13 +1247,16 @@ class Forecaster {
     if (par.dp_mode == "zero2") {
       mark_approximate("ZeRO-2: gradients and optimizer state divided evenly over the ranks, a rule not yet matched "
                        "to an engine");
+    } else if (par.dp_mode == "fsdp" && !par.fsdp_units.empty() && model_.trace != nullptr) {
+      apply_fsdp2(p, par, rank_);
+      return;
     } else if (par.dp_mode == "fsdp") {
-      mark_approximate("FSDP: all-gather and reduce-scatter buffers by a coarse rule (two copies of the largest unit "
-                       "for the whole step, gradients as if born sharded); against FSDP2 over gloo it was 6.1 % high, "
-                       "and 5.3 % low with activation checkpointing (bench/dist_memory.py)");
+      mark_approximate("FSDP without fsdp_units: every layer with parameters taken as a unit, and all-gather buffers "
+                       "of two of the largest parameter block held for the whole step, gradients as if born sharded; "
+                       "give fsdp_units for FSDP2's own rule");
     }
     // ZeRO-1's optimizer state follows its parameters' partition; ZeRO-2 and FSDP shard every tensor evenly.
-    const double state_share = par.dp_mode == "zero1" ? zero1_largest_share(dp) : 1.0 / static_cast<double>(dp);
+    const double state_share = par.dp_mode == "zero1" ? zero1_shares(dp)[static_cast<size_t>(rank_)] : 1.0 / static_cast<double>(dp);
     auto state_shard = [&](int64_t bytes) {
       return par.dp_mode == "zero1" ? static_cast<int64_t>(std::ceil(static_cast<double>(bytes) * state_share))
                                     : shard(bytes, dp);
@@ -1265,28 +1274,141 @@ class Forecaster {
       if (par.dp_mode == "fsdp" && p.initial_category[i] == Category::Parameter) p.initial[i] = shard(p.initial[i], dp);
     }
     if (par.dp_mode == "fsdp") {
-      // Unsharded parameters of the unit being computed and of the one prefetched: the largest unit of
-      // fsdp_units (its layers' parameters, as the step time groups them), else the largest parameter block.
-      // Two: FSDP's in-flight all-gathers (torch 2.14.1 torch/distributed/fsdp/_limiter_utils.py:15).
-      if (!par.fsdp_units.empty() && model_.trace != nullptr) {
-        const IterationTiming it = iteration_timing(*model_.trace, 1);
-        std::vector<std::string> names;
-        std::vector<double> params;
-        for (const LayerTiming& l : it.layers) names.push_back(l.layer), params.push_back(static_cast<double>(l.grad_bytes));
-        const FsdpUnits units = fsdp_units(names, params, par.fsdp_units);
-        const double largest = units.bytes.empty() ? 0.0 : *std::max_element(units.bytes.begin(), units.bytes.end());
-        p.initial.push_back(2 * static_cast<int64_t>(largest));
-        p.initial_category.push_back(Category::Parameter);
-        out_.notes.push_back(Note{"fsdp-gather-buffers", fmt::format("FSDP: all-gather buffers for two units, sized by the largest of the {} "
-                                         "(fsdp_units and the root): {}", units.bytes.size(),
-                                         format_bytes(static_cast<int64_t>(largest)))});
-      } else {
-        const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
-        p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
-        p.initial_category.push_back(Category::Parameter);
-        out_.notes.push_back(Note{"fsdp-gather-buffers", "FSDP: all-gather buffers for two units, sized by the largest parameter block"});
+      // No units given: every layer with parameters taken as one, gathered into two buffers of the largest
+      // parameter block for the whole step (a coarse bound; two: FSDP's in-flight all-gathers).
+      const int64_t largest = p.initial.empty() ? 0 : *std::max_element(p.initial.begin(), p.initial.end());
+      p.initial.push_back(2 * std::max<int64_t>(largest * dp, 0));
+      p.initial_category.push_back(Category::Parameter);
+      out_.notes.push_back(Note{"fsdp-gather-buffers", "FSDP: all-gather buffers for two units, sized by the largest parameter block"});
+    }
+  }
+
+  // FSDP2 with its units given: the probes' stream rewritten into what rank `rank` holds (fsdp_memory.h).
+  void apply_fsdp2(Planned& p, const ParallelConfig& par, int64_t rank) {
+    detail::apply_fsdp(p, fsdp_layout(par), rank);
+    out_.notes.push_back(Note{"fsdp2-rule", fmt::format(
+        "FSDP2 (fully_shard) over {} ranks with {} units and the root: sharded parameters padded to whole rows, each "
+        "unit gathered before its forward and backward (the next one ahead in backward), resharded after forward "
+        "({}), its gradients reduce-scattered after its backward; optimizer state of each rank's own rows",
+        par.dp, par.fsdp_units.size(),
+        par.reshard_after_forward == 1 ? "True" : par.reshard_after_forward == 0 ? "False"
+                                                 : fmt::format("to {} ranks", par.reshard_after_forward))});
+  }
+
+  // The FSDP2 layout of the reference probe, worked out once: each parameter (a block held at the start, tagged as
+  // one) with its rows (dim 0 of the first op input on its storage) and its unit (the unit of the first op that
+  // reads it; none: the root's); each op's unit, from its module (backward: the module of the forward op its node
+  // came from); and for the optimizer's ops the parameter whose rows their blocks follow.
+  const detail::FsdpLayout& fsdp_layout(const ParallelConfig& par) {
+    if (fsdp_layout_built_) return fsdp_layout_;
+    fsdp_layout_built_ = true;
+    const Trace& t = *model_.trace;
+    detail::FsdpLayout& l = fsdp_layout_;
+    l.dp = par.dp;
+    l.units = static_cast<int32_t>(par.fsdp_units.size()) + 1;
+    l.root = l.units - 1;
+    l.reshard_after_forward = par.reshard_after_forward;
+    l.gloo = in_.target == "cpu";
+    std::unordered_map<std::string, int32_t> unit_of_module;
+    std::vector<char> named(par.fsdp_units.size(), 0);
+    auto unit_of = [&](const std::string& module) -> int32_t {
+      if (module.empty()) return detail::kOutsideUnits;
+      auto [it, fresh] = unit_of_module.emplace(module, l.root);
+      if (!fresh) return it->second;
+      size_t best_len = 0;
+      for (size_t k = 0; k < par.fsdp_units.size(); ++k) {
+        const std::string& u = par.fsdp_units[k];
+        const bool inside = module == u || (module.size() > u.size() && module.compare(0, u.size(), u) == 0 && module[u.size()] == '.');
+        if (!inside) continue;
+        named[k] = 1;
+        if (u.find('.') != std::string::npos && u.size() > best_len) it->second = static_cast<int32_t>(k), best_len = u.size();
+      }
+      return it->second;
+    };
+    l.op_unit.assign(t.ops.size(), detail::kOutsideUnits);
+    for (const OpRecord& op : t.ops) {
+      if (op.phase == Phase::Optimizer) continue;
+      std::string_view module = op.module;
+      if (op.phase == Phase::Backward) {
+        // The engine's record around a node frees the node's inputs and saved tensors as it ends: the node inside
+        // it (the next op) is the one whose unit they are, not the latest that ran before it.
+        const auto next = static_cast<size_t>(op.id) + 1;
+        const bool record = op.name.rfind("autograd::engine::evaluate_function", 0) == 0 && next < t.ops.size() &&
+                            t.ops[next].parent == op.id && t.ops[next].scope == Scope::BackwardFunction &&
+                            t.ops[next].fwd_op >= 0;
+        const int64_t node = record ? static_cast<int64_t>(next) : gradient_node(t, op);
+        const int64_t fwd = node >= 0 ? t.ops[static_cast<size_t>(node)].fwd_op : -1;
+        if (fwd >= 0) module = t.ops[static_cast<size_t>(fwd)].module;
+      }
+      l.op_unit[static_cast<size_t>(op.id)] = unit_of(std::string(module));
+    }
+    for (size_t k = 0; k < par.fsdp_units.size(); ++k) {
+      if (!named[k]) {
+        GPUCAST_USER_ERROR("parallel: option 'fsdp_units' names '{}', which is no module the probes ran (module paths "
+                           "begin with the model's class name, as in '{}')", par.fsdp_units[k],
+                           unit_of_module.empty() ? std::string("Model.layers.0") : unit_of_module.begin()->first);
       }
     }
+    // The parameters, by address.
+    std::unordered_map<uint64_t, int32_t> param_at;
+    for (const Allocation& a : t.allocations) {
+      if (!a.baseline || a.category != Category::Parameter || a.bytes <= 0) continue;
+      param_at[a.ptr] = static_cast<int32_t>(l.params.size());
+      l.params.push_back(detail::FsdpParam{l.root, a.bytes, 1});
+    }
+    auto param_input = [&](const OpRecord& op) -> int32_t {
+      for (const Value& v : op.inputs) {
+        for (const TensorMeta& m : v.tensors) {
+          if (auto it = param_at.find(m.storage); it != param_at.end()) return it->second;
+        }
+      }
+      return detail::kUnknownParam;
+    };
+    // A parameter's rows: dim 0 of the largest contiguous tensor seen on its storage (ops also read views of it:
+    // a slice, a transpose; the optimizer reads it whole). Its unit: the unit of the first forward op reading it.
+    std::vector<int64_t> numel(l.params.size(), 0);
+    std::vector<char> placed(l.params.size(), 0);
+    for (const OpRecord& op : t.ops) {
+      for (const Value& v : op.inputs) {
+        for (const TensorMeta& m : v.tensors) {
+          const auto it = param_at.find(m.storage);
+          if (it == param_at.end()) continue;
+          const auto q = static_cast<size_t>(it->second);
+          int64_t n = 1, stride = 1;
+          bool contiguous = m.strides.size() == m.shape.size();
+          for (size_t d = m.shape.size(); d-- > 0;) {
+            if (contiguous && m.shape[d] > 1 && m.strides[d] != stride) contiguous = false;
+            stride *= m.shape[d];
+            n *= m.shape[d];
+          }
+          if (contiguous && n > numel[q]) {
+            numel[q] = n;
+            l.params[q].rows = m.shape.empty() ? 1 : std::max<int64_t>(1, m.shape[0]);
+          }
+          if (op.phase == Phase::Forward && !placed[q]) {
+            placed[q] = 1;
+            const int32_t u = l.op_unit[static_cast<size_t>(op.id)];
+            l.params[q].unit = u >= 0 ? u : l.root;
+          }
+        }
+      }
+    }
+    // The optimizer's blocks: shaped like the parameter an op (or one it runs inside, up to 8 levels) reads.
+    // 8: a chosen bound (zeros_like -> empty_like -> empty_strided is 3 deep).
+    l.state_param.assign(t.ops.size(), detail::kUnknownParam);
+    for (const OpRecord& op : t.ops) {
+      if (op.phase != Phase::Optimizer) continue;
+      int32_t q = detail::kUnknownParam;
+      for (int64_t o = op.id, depth = 0; o >= 0 && depth < 8 && q < 0; o = t.ops[static_cast<size_t>(o)].parent, ++depth) {
+        q = param_input(t.ops[static_cast<size_t>(o)]);
+      }
+      if (q < 0 && !op.outputs.empty() && op.outputs[0].tensors.size() == 1 && op.outputs[0].tensors[0].shape.empty() &&
+          !op.outputs[0].tensors[0].dtype.empty()) {
+        q = detail::kScalarState;
+      }
+      l.state_param[static_cast<size_t>(op.id)] = q;
+    }
+    return l;
   }
 
   // The tensors scaled-dot-product attention saves for backward differ between the CPU kernels the probes
@@ -1699,6 +1821,10 @@ class Forecaster {
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
   std::unordered_map<uint64_t, double> attention_factors_;  // attention_factors()
   bool attention_factors_found_ = false;
+  detail::FsdpLayout fsdp_layout_;        // fsdp_layout()
+  bool fsdp_layout_built_ = false;
+  int64_t rank_ = 0;                      // the data-parallel rank planned
+  std::vector<double> zero1_shares_;      // zero1_shares()
   std::vector<char> matmul_ops_;                           // matmul_ops()
   std::vector<int64_t> op_call_of_;       // per op of the reference trace: its measured call (replace_op_scratch())
   bool op_scratch_noted_ = false;
@@ -1741,6 +1867,17 @@ MemoryForecast forecast_memory(const MemoryForecastInput& input) {
 
 std::string memory_forecast_to_json(const MemoryForecast& f) { return memory_forecast_json(f).dump(); }
 
+nlohmann::json per_rank_json(const std::vector<RankMemory>& groups) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const RankMemory& m : groups) {
+    out.push_back({{"ranks", m.ranks},
+                   {"peak_allocated_bytes", m.peak_allocated_bytes},
+                   {"peak_reserved_bytes", m.peak_reserved_bytes},
+                   {"breakdown", m.breakdown}});
+  }
+  return out;
+}
+
 nlohmann::json memory_forecast_json(const MemoryForecast& f) {
   nlohmann::json j{{"target", f.target},
                    {"batch_size", f.batch_size},
@@ -1762,6 +1899,7 @@ nlohmann::json memory_forecast_json(const MemoryForecast& f) {
                    {"scaled", f.scaled},
                    {"approximate", f.approximate},
                    {"approximate_reason", f.approximate_reason},
+                   {"per_rank", per_rank_json(f.per_rank)},
                    {"nonlinear_allocations", f.nonlinear_allocations},
                    {"allocations", f.allocations},
                    {"conv_calls", f.conv_calls},

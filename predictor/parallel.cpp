@@ -21,7 +21,9 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                           {"bucket_cap_mb", F::String, std::string("25"), {},
                            "DDP's bucket_cap_mb: MiB per gradient bucket (not given: the first 1 MiB, the rest 25)"},
                           {"fsdp_units", F::String, std::string(""), {},
-                           "FSDP's units: module paths separated by '|' (not given: every layer with parameters)"}});
+                           "FSDP's units: module paths separated by '|' (not given: every layer with parameters)"},
+                          {"reshard_after_forward", F::String, std::string("True"), {},
+                           "FSDP2's reshard_after_forward: True, False, or a number of ranks"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -55,6 +57,27 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
     if (p.dp_mode != "fsdp") {
       GPUCAST_USER_ERROR("parallel: option 'fsdp_units' applies to dp_mode 'fsdp', got dp_mode '{}'", p.dp_mode);
     }
+  }
+  const std::string& reshard = cfg.get_string("reshard_after_forward");
+  if (reshard == "True" || reshard == "true") {
+    p.reshard_after_forward = 1;
+  } else if (reshard == "False" || reshard == "false") {
+    p.reshard_after_forward = 0;
+  } else {
+    const std::optional<double> n = parse_number(reshard);
+    // FSDP2 takes an int that divides the shard group's size, neither 1 nor the size itself (fully_shard's docs);
+    // 1 means False and the size means True there, and are taken as such.
+    if (!n || *n != std::floor(*n) || *n < 1 || *n > static_cast<double>(p.dp) ||
+        p.dp % static_cast<int64_t>(*n) != 0) {
+      GPUCAST_USER_ERROR("parallel: option 'reshard_after_forward' expects True, False or a number of ranks that "
+                         "divides dp ({}), got '{}'", p.dp, reshard);
+    }
+    const auto ranks = static_cast<int64_t>(*n);
+    p.reshard_after_forward = ranks == 1 ? 0 : ranks == p.dp ? 1 : ranks;
+  }
+  if (cfg.was_set("reshard_after_forward") && p.dp_mode != "fsdp") {
+    GPUCAST_USER_ERROR("parallel: option 'reshard_after_forward' applies to dp_mode 'fsdp', got dp_mode '{}'",
+                       p.dp_mode);
   }
   return p;
 }

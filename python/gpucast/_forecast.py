@@ -54,9 +54,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     GPU from gpucast.devices(); `capacity` overrides its memory in bytes, and with it any other name is a GPU of that
     capacity (an unknown name without it raises ValueError listing the names, before any probe runs). `parallel` is
     dict(dp=, tp=, pp=, dp_mode="ddp"|"zero1"|"zero2"|"fsdp", micro_batches=), and for the step time
-    gradient_as_bucket_view=, broadcast_buffers=, buffer_bytes=, bucket_cap_mb= (DDP) and fsdp_units= (FSDP's
-    units: modules of `model`, module classes or class names, or module paths such as "GPT.blocks.0"; without
-    it every layer with parameters is a unit); `batch_size` is global.
+    gradient_as_bucket_view=, broadcast_buffers=, buffer_bytes=, bucket_cap_mb= (DDP), fsdp_units= (the modules
+    fully_shard is called on: modules of `model`, module classes or class names, or module paths such as
+    "GPT.blocks.0"; with them the memory forecast follows FSDP2 rank by rank, without them every layer with
+    parameters is a unit and the memory is a coarse bound) and reshard_after_forward= (True, False or a number of
+    ranks); `batch_size` is global. fc.memory.per_rank lists each group of data-parallel ranks that hold alike.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
     For a GPU target from CPU probes, convolutions run on cuDNN, whose workspace per call is chosen on the GPU:
     `conv_workspace` (bytes) models one at every convolution; without it CUDNN_CONV_WSCAP_DBG's cap (MiB) is

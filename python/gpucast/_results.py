@@ -54,6 +54,9 @@ class MemoryForecast:
     # the peaks may be off either way, as approximate_reason says (also a warning, code approximate-rule).
     approximate: bool = False
     approximate_reason: str = ""
+    # Per group of data-parallel ranks that hold alike, each {"ranks": [...], "peak_allocated_bytes",
+    # "peak_reserved_bytes", "breakdown"}; peak_* above are the largest group's. One group without data parallelism.
+    per_rank: list = field(default_factory=list)
 
 
 def _memory_dict(m: MemoryForecast) -> dict:

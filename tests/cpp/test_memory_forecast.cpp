@@ -287,6 +287,16 @@ TEST(MemoryForecast, DataParallelRules) {
   in.parallel = ParallelConfig::parse("dp:2,dp_mode:zero1");
   MemoryForecast zero1 = forecast_memory(in);
   EXPECT_EQ(zero1.peak_allocated_bytes, 1000 + 1000 + 1000 + 500 * 64 + 1000);
+  // Per rank: rank 0 holds the parameter's state, rank 1 none of it.
+  ASSERT_EQ(zero1.per_rank.size(), 2u);
+  EXPECT_EQ(zero1.per_rank[0].ranks, std::vector<int64_t>{0});
+  EXPECT_EQ(zero1.per_rank[0].peak_allocated_bytes, zero1.peak_allocated_bytes);
+  EXPECT_EQ(zero1.per_rank[1].ranks, std::vector<int64_t>{1});
+  EXPECT_EQ(zero1.per_rank[1].peak_allocated_bytes, zero1.peak_allocated_bytes - 1000);
+  EXPECT_EQ(zero1.per_rank[1].breakdown.count("optimizer_state"), 0u);
+  ASSERT_EQ(ddp.per_rank.size(), 1u);
+  EXPECT_EQ(ddp.per_rank[0].ranks, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(ddp.per_rank[0].peak_allocated_bytes, ddp.peak_allocated_bytes);
   EXPECT_EQ(count_code(zero1.notes, "ddp-bucket-copy"), 1);
   EXPECT_FALSE(ddp.approximate);
   EXPECT_FALSE(zero1.approximate);
@@ -303,7 +313,7 @@ TEST(MemoryForecast, DataParallelRules) {
   EXPECT_TRUE(fsdp_tp.approximate);
   EXPECT_EQ(count_code(fsdp_tp.warnings, "approximate-rule"), 2);
   EXPECT_EQ(fsdp_tp.approximate_reason.rfind("tensor and pipeline parallelism: ", 0), 0u);
-  EXPECT_NE(fsdp_tp.approximate_reason.find("; FSDP: "), std::string::npos);
+  EXPECT_NE(fsdp_tp.approximate_reason.find("; FSDP without fsdp_units: "), std::string::npos);
   in.parallel = ParallelConfig::parse("dp:2,micro_batches:4");
   EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
 }

@@ -358,6 +358,21 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
             "'GPT.blocks.0||GPT.head'");
   EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:2,fsdp_units:GPT.blocks.0"); }),
             "parallel: option 'fsdp_units' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
+  // FSDP2's reshard_after_forward: True (1), False (0), or a number of ranks dividing dp (1 and dp mean False and
+  // True, as in fully_shard).
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp").reshard_after_forward, 1);
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:False").reshard_after_forward, 0);
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:2").reshard_after_forward, 2);
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:1").reshard_after_forward, 0);
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:4").reshard_after_forward, 1);
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:3"); }),
+            "parallel: option 'reshard_after_forward' expects True, False or a number of ranks that divides dp (4), "
+            "got '3'");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:yes"); }),
+            "parallel: option 'reshard_after_forward' expects True, False or a number of ranks that divides dp (4), "
+            "got 'yes'");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4,reshard_after_forward:2"); }),
+            "parallel: option 'reshard_after_forward' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
 }
 
 TEST(StepTime, DdpReductionsAfterALongIdleSpellTakeTheLateSamples) {

@@ -55,6 +55,18 @@ MEMORY_SETTINGS = (
     ("h100_roundup", "H100-80GB", 64, {}, "roundup_power2_divisions:4", 0),
 )
 
+# FSDP2 with its units (the zoo GPT's blocks; the root keeps the embeddings, final LayerNorm and head), per case.
+_GPT_BLOCKS = "|".join(f"GPT.blocks.{i}" for i in range(2))
+FSDP_UNIT_SETTINGS = {
+    "gpt": (
+        ("cpu_fsdp2_units", "cpu", 32, {"dp": 2, "dp_mode": "fsdp", "fsdp_units": _GPT_BLOCKS}, "", 0),
+        ("h100_fsdp4_units_keep", "H100-80GB", 64,
+         {"dp": 4, "dp_mode": "fsdp", "fsdp_units": _GPT_BLOCKS, "reshard_after_forward": False}, "", 0),
+        ("h100_fsdp4_units_to2", "H100-80GB", 64,
+         {"dp": 4, "dp_mode": "fsdp", "fsdp_units": _GPT_BLOCKS, "reshard_after_forward": 2}, "", 0),
+    ),
+}
+
 # Step-time settings: (name, target, batch, parallel, link, extra step_time() arguments).
 TIME_SETTINGS = (
     ("cpu", "cpu", 32, {}, None, {}),
@@ -147,7 +159,7 @@ def _compute() -> dict:
     out: dict = {"memory": {}, "time": {}, "gnn": {}}
     for case in ZOO_CASES:
         traces = _traces(case, gpu=False)
-        for name, target, batch, parallel, conf, cap in MEMORY_SETTINGS:
+        for name, target, batch, parallel, conf, cap in MEMORY_SETTINGS + FSDP_UNIT_SETTINGS.get(case, ()):
             out["memory"][f"{case}/{name}"] = _memory(traces, target, batch, parallel, conf, cap, "cpu")
         timings = [h.iteration_timing(b) for h, b in traces]
         for target in ("cpu", "H100-80GB"):

@@ -64,7 +64,14 @@ def test_forecasts_from_committed_inputs_are_unchanged(actual, expected, section
 
 def test_the_golden_set_covers_every_strategy_and_source(expected):
     # The stored set is what it claims: each strategy, both targets, the GPU probes and every recorded graph.
-    assert len(expected["memory"]) == len(golden_cases.ZOO_CASES) * len(golden_cases.MEMORY_SETTINGS) + 2 * 4
+    units = sum(len(v) for v in golden_cases.FSDP_UNIT_SETTINGS.values())
+    assert units == 3
+    assert len(expected["memory"]) == len(golden_cases.ZOO_CASES) * len(golden_cases.MEMORY_SETTINGS) + 2 * 4 + units
+    # FSDP2 with units: its own rule, exact (not approximate), one group of ranks (the GPT's rows divide evenly).
+    for key in ("gpt/cpu_fsdp2_units", "gpt/h100_fsdp4_units_keep", "gpt/h100_fsdp4_units_to2"):
+        m = expected["memory"][key]
+        assert [n["code"] for n in m["notes"]].count("fsdp2-rule") == 1 and m["approximate"] is False
+        assert len(m["per_rank"]) == 1 and m["per_rank"][0]["peak_allocated_bytes"] == m["peak_allocated_bytes"]
     assert len(expected["time"]) == len(golden_cases.ZOO_CASES) * len(golden_cases.TIME_SETTINGS) + 2 * 4 + 1
     modes = {v["dp_mode"] for v in expected["time"].values() if v["dp"] > 1}
     assert modes == {"ddp", "zero2", "fsdp"}

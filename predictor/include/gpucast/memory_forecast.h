@@ -87,6 +87,15 @@ struct MemoryForecastInput {
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
 };
 
+// What a group of data-parallel ranks that hold alike peak at (FSDP2's last ranks hold fewer rows of a parameter
+// whose rows do not divide evenly; ZeroRedundancyOptimizer's partition gives each rank its own share).
+struct RankMemory {
+  std::vector<int64_t> ranks;         // data-parallel ranks, in order
+  int64_t peak_allocated_bytes = 0;
+  int64_t peak_reserved_bytes = 0;
+  std::map<std::string, int64_t> breakdown;  // bytes by category at that peak
+};
+
 struct MemoryForecast {
   std::string target;
   int64_t batch_size = 0;
@@ -110,6 +119,9 @@ struct MemoryForecast {
   // the peaks may be off either way; the reason says which rule and what is known of its error. Also a warning.
   bool approximate = false;
   std::string approximate_reason;
+  // Per group of data-parallel ranks that hold alike (one group without data parallelism); peak_* above are the
+  // largest group's. Tensor- and pipeline-parallel ranks are not told apart yet.
+  std::vector<RankMemory> per_rank;
   int64_t nonlinear_allocations = 0;  // allocations whose size is not linear in the batch size
   int64_t allocations = 0;            // allocations in the forecast stream
   // GPU targets from CPU probes: convolution calls of one iteration (forward and backward), the cuDNN workspace
