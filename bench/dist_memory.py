@@ -22,15 +22,18 @@ before the model is built, as bench/memory_accuracy.py counts them; the rank's p
 steps (and the build before them), end_bytes what is held after the last step. Each case runs --runs times, every
 time in fresh processes; per rank the min, median and max over the runs are reported. The
 forecast comes from this (parent) process: gpucast.forecast(target="cpu") from single-process probes of the same
-model and step, with parallel= describing the job (dp, dp_mode "ddp" / "zero1" / "fsdp" with fsdp_units, DDP's
-gradient_as_bucket_view). A case the parallel= keys cannot describe yet (reshard_after_forward False or an int,
-mixed precision) prints "n/a (not expressible yet)", stays out of the error statistics and has "forecast": null.
-Error = (forecast - largest measured peak of the rank over the runs) / that peak; the target: every forecast at or
-above that peak and within 1 %, median |error| <= 0.3 %. Tensor parallelism, FSDP x TP and pipelining are listed
-as not measured. A run whose rank dies or overruns --timeout is killed, reported, and makes the exit status 1
-(--fail-rank R makes rank R exit during step 2, to check that path). Last line: one JSON object.
+model and step, with parallel= describing the job (dp, dp_mode "ddp" / "zero1" / "fsdp" with fsdp_units and
+reshard_after_forward, DDP's gradient_as_bucket_view); each rank's forecast is its group's in fc.memory.per_rank. A
+case the parallel= keys cannot describe yet (mixed precision) prints "n/a (not expressible yet)", stays out of the
+error statistics and has "forecast": null. Error = (forecast - largest measured peak of the rank over the runs) /
+that peak; the target: every forecast at or above that peak and within 1 %, median |error| <= 0.3 %. Then --confirm
+further fresh runs (10; 2 with --quick) of each case: per rank, how far their largest peak lies above the
+forecast ("confirm %"; the target: no rank above it by more than 0.5 %). Tensor parallelism, FSDP x TP and
+pipelining are listed as not measured. A run whose rank dies or overruns --timeout is killed, reported, and makes
+the exit status 1 (--fail-rank R makes rank R exit during step 2, to check that path). Last line: one JSON object.
 
-    python bench/dist_memory.py [--quick] [--cases ddp,fsdp] [--runs 5] [--timeout 300] [--fail-rank R]
+    python bench/dist_memory.py [--quick] [--cases ddp,fsdp] [--runs 5] [--confirm 10] [--timeout 300]
+                                [--fail-rank R] [--measured previous-output.txt]
 """
 from __future__ import annotations
 
@@ -72,8 +75,8 @@ CASES = {
     "zero1": Case(2, "zero1", {}),
     "fsdp": Case(2, "fsdp", {"reshard_after_forward": True}),
     "fsdp_x4": Case(4, "fsdp", {"reshard_after_forward": True}),
-    "fsdp_no_reshard": Case(2, "fsdp", {"reshard_after_forward": False}, forecastable=False),
-    "fsdp_reshard_2": Case(4, "fsdp", {"reshard_after_forward": 2}, forecastable=False),
+    "fsdp_no_reshard": Case(2, "fsdp", {"reshard_after_forward": False}),
+    "fsdp_reshard_2": Case(4, "fsdp", {"reshard_after_forward": 2}),
     "fsdp_bf16": Case(2, "fsdp", {"reshard_after_forward": True, "bf16": True}, forecastable=False),
     "fsdp_ckpt": Case(2, "fsdp", {"reshard_after_forward": True, "checkpoint": "utils"}),
     "fsdp_ckpt_wrapper": Case(2, "fsdp", {"reshard_after_forward": True, "checkpoint": "wrapper"}),
@@ -349,12 +352,14 @@ def run_once(name: str, args) -> tuple[list[dict] | None, str | None]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs], None
 
 
-def measure(name: str, args) -> dict:
-    """--runs runs of a case: per rank the peaks of every run, their min, median and max; failed runs' reasons."""
+def measure(name: str, args, runs: int | None = None) -> dict:
+    """--runs (or `runs`) runs of a case: per rank the peaks of every run, their min, median and max; failed runs'
+    reasons."""
+    runs = args.runs if runs is None else runs
     keys = ("peak_bytes", "end_bytes")
     per_rank = [{k: [] for k in keys} for _ in range(CASES[name].world)]
     errors = []
-    for i in range(args.runs):
+    for i in range(runs):
         res, why = run_once(name, args)
         if why:
             errors.append(why)
@@ -368,11 +373,26 @@ def measure(name: str, args) -> dict:
         p = runs.pop("peak_bytes")
         stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
         ranks.append({"rank": r, "peaks_bytes": p, **stats, **runs})
-    return {"runs": args.runs, "failed_runs": errors, "ranks": ranks}
+    return {"runs": runs, "failed_runs": errors, "ranks": ranks}
 
 
-def forecast(name: str) -> tuple[int | None, float]:
-    """(gpucast's per-rank peak allocated bytes or None where parallel= cannot describe the case, seconds taken)."""
+def reused(row: dict, confirm: bool = False) -> dict | None:
+    """A previous row's measured runs (or its confirmation runs) in measure()'s form."""
+    key = "confirm_peaks_bytes" if confirm else "peaks_bytes"
+    if confirm and "confirm_runs" not in row:
+        return None
+    ranks = []
+    for r in row["ranks"]:
+        p = r.get(key, [])
+        stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
+        ranks.append({"rank": r["rank"], "peaks_bytes": p, **stats, "end_bytes": r.get("end_bytes", [])})
+    return {"runs": row["confirm_runs"] if confirm else row["runs"], "failed_runs": [] if confirm else row["failed_runs"],
+            "ranks": ranks}
+
+
+def forecast(name: str) -> tuple[list[int] | None, float]:
+    """(gpucast's peak allocated bytes of each rank, from fc.memory.per_rank, or None where parallel= cannot describe
+    the case; seconds taken)."""
     import warnings
     import gpucast
     from examples import zoo
@@ -389,12 +409,14 @@ def forecast(name: str) -> tuple[int | None, float]:
         parallel["gradient_as_bucket_view"] = case.options["gradient_as_bucket_view"]
     if case.strategy == "fsdp":
         parallel["fsdp_units"] = list(model)  # each top-level child a unit, as the ranks wrap them; the root holds none
+        parallel["reshard_after_forward"] = case.options["reshard_after_forward"]
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a parallel forecast without a link: the step time's concern, not memory's
         fc = gpucast.forecast(step, make_batch, GLOBAL_BATCH, model=model, optimizer=opt, target="cpu",
                               parallel=parallel, timing_rounds=1)
-    return fc.memory.peak_allocated_bytes, time.perf_counter() - t0
+    by_rank = {r: g["peak_allocated_bytes"] for g in fc.memory.per_rank for r in g["ranks"]}
+    return [by_rank[r] for r in range(case.world)], time.perf_counter() - t0
 
 
 def describe(case: Case) -> str:
@@ -407,30 +429,43 @@ def describe(case: Case) -> str:
     return f"FSDP2, reshard_after_forward={o['reshard_after_forward']}{', bf16/fp32' if o.get('bf16') else ''}{extra}"
 
 
-def row_of(name: str, measured: dict, fc: int | None, fc_s: float) -> dict:
-    """The case's JSON row: measurement, forecast, per rank error against the largest peak of the runs."""
+def row_of(name: str, measured: dict, fc: list[int] | None, fc_s: float, confirm: dict | None) -> dict:
+    """The case's JSON row: measurement, each rank's forecast and error against its largest peak of the runs, and
+    the confirmation runs' largest peak against the forecast."""
     case = CASES[name]
     row = {"case": name, "strategy": describe(case), "world": case.world, "global_batch": GLOBAL_BATCH,
-           "steps": STEPS, "forecast": fc, "forecast_s": round(fc_s, 1), **measured}
+           "steps": STEPS, "forecast": max(fc) if fc else None, "forecast_s": round(fc_s, 1), **measured}
     for r in row["ranks"]:
-        if fc is not None and r["peaks_bytes"]:
-            r["err_pct"] = round(100.0 * (fc - r["max_bytes"]) / r["max_bytes"], 3)
+        if r["peaks_bytes"]:
             r["spread_pct"] = round(100.0 * (r["max_bytes"] - r["min_bytes"]) / r["min_bytes"], 3)
+        if fc is None:
+            continue
+        r["forecast_bytes"] = fc[r["rank"]]
+        if r["peaks_bytes"]:
+            r["err_pct"] = round(100.0 * (fc[r["rank"]] - r["max_bytes"]) / r["max_bytes"], 3)
+        if confirm is not None and confirm["ranks"][r["rank"]]["peaks_bytes"]:
+            top = max(confirm["ranks"][r["rank"]]["peaks_bytes"])
+            r["confirm_peaks_bytes"] = confirm["ranks"][r["rank"]]["peaks_bytes"]
+            r["confirm_over_pct"] = round(100.0 * (top - fc[r["rank"]]) / fc[r["rank"]], 3)
+    if confirm is not None:
+        row["confirm_runs"] = confirm["runs"]
+        row["failed_runs"] = row["failed_runs"] + confirm["failed_runs"]
     return row
 
 
 def print_row(row: dict) -> None:
     mib = 2 ** 20
-    fc = f"{row['forecast'] / mib:.3f}" if row["forecast"] is not None else (
-        "failed" if "forecast_error" in row else "n/a (not expressible yet)")
+    missing = "failed" if "forecast_error" in row else "n/a (not expressible yet)"
     for r in row["ranks"]:
         if not r["peaks_bytes"]:
             print(f"{row['case']:<18} {row['world']:>2} {r['rank']:>4}  no run finished", flush=True)
             continue
+        fc = f"{r['forecast_bytes'] / mib:.3f}" if "forecast_bytes" in r else missing
         err = f"{r['err_pct']:+.3f}" if "err_pct" in r else "—"
+        over = f"{r['confirm_over_pct']:+.3f}" if "confirm_over_pct" in r else "—"
         print(f"{row['case']:<18} {row['world']:>2} {r['rank']:>4} {r['min_bytes'] / mib:>9.3f} "
               f"{r['median_bytes'] / mib:>9.3f} {r['max_bytes'] / mib:>9.3f} {len(r['peaks_bytes']):>4} {fc:>13} "
-              f"{err:>8}   {row['strategy']}", flush=True)
+              f"{err:>8} {over:>9}   {row['strategy']}", flush=True)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -441,12 +476,15 @@ def summary(rows: list[dict]) -> dict:
         version = f"not loaded ({type(e).__name__})"
     errs = [r["err_pct"] for row in rows for r in row["ranks"] if "err_pct" in r]
     abs_errs = [abs(e) for e in errs]
+    overs = [r["confirm_over_pct"] for row in rows for r in row["ranks"] if "confirm_over_pct" in r]
     return {"bench": "dist_memory", "schema_version": 1,
             "context": {"gpucast": version, "torch": torch.__version__, "device": "cpu",
                         "date": datetime.date.today().isoformat()},
             "median_abs_err_pct": round(statistics.median(abs_errs), 3) if errs else None,
             "max_abs_err_pct": round(max(abs_errs), 3) if errs else None,
             "underestimates": sum(1 for e in errs if e < 0), "compared_ranks": len(errs),
+            "confirm_ranks": len(overs), "confirm_max_over_pct": max(overs) if overs else None,
+            "confirm_over_0_5_pct": sum(1 for o in overs if o > 0.5),
             "failed_runs": sum(len(row["failed_runs"]) for row in rows),
             "failed_forecasts": sum(1 for row in rows if "forecast_error" in row),
             "not_measured": [{"case": k, "strategy": v} for k, v in NOT_MEASURED.items()], "cases": rows}
@@ -457,8 +495,12 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK)} only, 3 runs each")
     ap.add_argument("--runs", type=int, default=5, help="fresh-process runs per case")
+    ap.add_argument("--confirm", type=int, default=10,
+                    help="further fresh-process runs per case after the forecast, checked against it")
     ap.add_argument("--timeout", type=int, default=300, help="seconds one run may take before its ranks are killed")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank exits during step 2 (checks the failure path)")
+    ap.add_argument("--measured", help="a previous run's output (its last line): reuse its measured runs and "
+                                       "forecast again (the measurements do not depend on gpucast)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--counter", help=argparse.SUPPRESS)  # the built counter's file, for the ranks
     args = ap.parse_args()
@@ -467,28 +509,40 @@ def main() -> int:
         return 0
     names = list(QUICK) if args.quick else args.cases.split(",")
     if args.quick:
-        args.runs = 3
+        args.runs, args.confirm = 3, 2
     unknown = [n for n in names if n not in CASES]
-    if unknown or args.runs < 1:
+    if unknown or args.runs < 1 or args.confirm < 0:
         ap.error(f"unknown cases {unknown}; valid: {', '.join(CASES)}" if unknown else "--runs must be at least 1")
-    args.counter = build_counter()
+    previous = {}
+    if args.measured:
+        last = Path(args.measured).read_text().strip().splitlines()[-1]
+        previous = {row["case"]: row for row in json.loads(last)["cases"]}
+        names = [n for n in names if n in previous]
+    else:
+        args.counter = build_counter()
     print(f"{'case':<18} {'ws':>2} {'rank':>4} {'min MiB':>9} {'med MiB':>9} {'max MiB':>9} {'runs':>4} "
-          f"{'forecast MiB':>13} {'err %':>8}   strategy", flush=True)
+          f"{'forecast MiB':>13} {'err %':>8} {'confirm %':>9}   strategy", flush=True)
     rows = []
     for name in names:
-        measured = measure(name, args)
+        measured = reused(previous[name]) if previous else measure(name, args)
         try:
             fc, fc_s = forecast(name)
         except Exception as e:  # noqa: BLE001 - a forecast that fails is reported beside the measurement
             fc, fc_s, measured["forecast_error"] = None, 0.0, f"{type(e).__name__}: {e}"[:300]
             print(f"  {name}: forecast failed: {measured['forecast_error']}", flush=True)
-        rows.append(row_of(name, measured, fc, fc_s))
+        confirm = None
+        if previous:
+            confirm = reused(previous[name], confirm=True)
+        elif args.confirm:
+            confirm = measure(name, args, args.confirm)
+        rows.append(row_of(name, measured, fc, fc_s, confirm))
         print_row(rows[-1])
     for k, v in NOT_MEASURED.items():
         print(f"{k:<18} not measured: {v}")
     out = summary(rows)
     print(f"median |error| {out['median_abs_err_pct']} %, max {out['max_abs_err_pct']} % over "
-          f"{out['compared_ranks']} ranks; under-estimates: {out['underestimates']}; "
+          f"{out['compared_ranks']} ranks; under-estimates: {out['underestimates']}; confirmation runs: largest "
+          f"peak {out['confirm_max_over_pct']} % over the forecast, {out['confirm_over_0_5_pct']} ranks over 0.5 %; "
           f"failed runs: {out['failed_runs']}; failed forecasts: {out['failed_forecasts']}")
     print(json.dumps(out))
     return 1 if out["failed_runs"] or out["failed_forecasts"] else 0

@@ -194,13 +194,36 @@ class Rewrite {
     if (ref != kNone) adds.emplace_back(at, block(false, ref, 0, Category::Other, a));
   }
 
+  // gloo's worker thread holds a collective's tensors (an all-gather's output, a reduce-scatter's clone) until it
+  // lets go of the work, which it does after the collective but with no order to FSDP's own release of them: at the
+  // latest, before it runs the next collective (ProcessGroupGloo's runLoop resets its work in progress there). The
+  // worst ordering the engine allows, which the forecast takes: such a tensor, once FSDP drops it, is freed when
+  // the next collective is issued.
+  void drop(std::vector<std::pair<size_t, Entry>>& adds, size_t at, int64_t ref, const Action& a) {
+    if (ref == kNone) return;
+    if (l_.gloo && ref == in_work_) {
+      in_work_dropped_ = true;
+      return;
+    }
+    release(adds, at, ref, a);
+  }
+
+  void issue(std::vector<std::pair<size_t, Entry>>& adds, size_t at, const Action& a, int64_t held) {
+    if (in_work_dropped_) release(adds, at, in_work_, a);
+    in_work_ = held;
+    in_work_dropped_ = false;
+  }
+
   bool has_params(int32_t u) const { return u >= 0 && padded_[static_cast<size_t>(u)] > 0; }
 
   // foreach_all_gather: the flat output of the unit's padded size (its input is a view of it).
   int64_t gather(int32_t u, size_t at, const Action& a, std::vector<std::pair<size_t, Entry>>& adds) {
     const int64_t bytes = padded_[static_cast<size_t>(u)];
     const int64_t out = alloc(adds, at, bytes, Category::Parameter, a);
-    if (l_.gloo) release(adds, at, alloc(adds, at, bytes, Category::Other, a), a);  // gloo's staging copy
+    if (l_.gloo) {
+      release(adds, at, alloc(adds, at, bytes, Category::Other, a), a);  // gloo's staging copy
+      issue(adds, at, a, out);
+    }
     return out;
   }
 
@@ -221,12 +244,12 @@ class Rewrite {
     const int64_t out = st.pending != kNone ? st.pending : gather(u, at, a, adds);
     st.pending = kNone;
     if (a.phase == Phase::Forward) {
-      release(adds, at, held_gather_, a);  // the previous unit's output, kept for overlap until now
+      drop(adds, at, held_gather_, a);  // the previous unit's output, kept for overlap until now
       copy_out(u, at, a, adds);
       held_gather_ = out;
     } else {
       copy_out(u, at, a, adds);
-      release(adds, at, out, a);
+      drop(adds, at, out, a);
     }
   }
 
@@ -256,10 +279,18 @@ class Rewrite {
     }
     release(adds, at, held_scatter_input_, a);
     held_scatter_input_ = alloc(adds, at, padded_[static_cast<size_t>(u)], Category::Gradient, a);
+    // foreach_reduce's loop over the gradients leaves its variable on the last one (the unit's last parameter's),
+    // which lives until the reduce-scatter is done; the others go after the copy-in.
+    int64_t last = kNone;
+    const std::vector<size_t>& qs = params_of_[static_cast<size_t>(u)];
     for (int64_t g : grads) {
       live_grads_.erase(g);
-      release(adds, at, g, a);
       freed_grads_[g] = u;
+      if (last == kNone && l_.dp > 1 && !qs.empty() && grad_bytes_[g] == l_.params[qs.back()].bytes) {
+        last = g;
+        continue;
+      }
+      release(adds, at, g, a);
     }
     grads.clear();
     const int64_t out = alloc(adds, at, padded_[static_cast<size_t>(u)] / l_.dp, Category::Gradient, a);
@@ -267,11 +298,13 @@ class Rewrite {
       // gloo reduce-scatters a clone of the input (an all-reduce of it), dividing by a scalar (8 bytes, then a
       // 4-byte float copy of it) for the average.
       const int64_t clone = alloc(adds, at, padded_[static_cast<size_t>(u)], Category::Other, a);
+      issue(adds, at, a, clone);
       const int64_t scalar = alloc(adds, at, 8, Category::Other, a);
       release(adds, at, alloc(adds, at, 4, Category::Other, a), a);
       release(adds, at, scalar, a);
-      release(adds, at, clone, a);
+      drop(adds, at, clone, a);
     }
+    release(adds, at, last, a);
     if (st.sharded_grads != kNone) {
       release(adds, at, out, a);  // accumulated into the kept sharded gradients
     } else {
@@ -304,7 +337,7 @@ class Rewrite {
         break;
       }
       case Kind::ForwardEnd:
-        release(adds, at, held_gather_, a);
+        drop(adds, at, held_gather_, a);
         held_gather_ = kNone;
         break;
       case Kind::PostBackward: post_backward(a.unit, at, a, adds); break;
@@ -339,6 +372,7 @@ class Rewrite {
         if (u >= 0 && u < l_.units && has_params(u)) {
           grads_[static_cast<size_t>(u)].push_back(e.ref);
           live_grads_[e.ref] = u;
+          grad_bytes_[e.ref] = e.bytes;
           if (e.iteration == 1) first_grad_bytes_[static_cast<size_t>(u)] += e.bytes;
         }
       }
@@ -372,10 +406,13 @@ class Rewrite {
   std::vector<int64_t> first_grad_bytes_;       // per unit: the bytes of iteration 1's gradients
   std::unordered_map<int64_t, int32_t> freed_grads_;  // gradient ref -> unit, freed by the rewrite
   std::unordered_map<int64_t, int32_t> live_grads_;   // gradient ref -> unit, for grads_
+  std::unordered_map<int64_t, int64_t> grad_bytes_;   // gradient ref -> its bytes
   std::vector<size_t> pre_backward_at_;         // per unit: where its latest pre-backward ran
   std::map<int32_t, std::vector<int32_t>> post_forward_order_, first_units_;  // per iteration
   int64_t held_gather_ = kNone;          // forward: the last all-gather output, kept until the next copy-out
   int64_t held_scatter_input_ = kNone;   // backward: the last reduce-scatter input
+  int64_t in_work_ = kNone;              // gloo: the tensor the latest collective's work holds (drop())
+  bool in_work_dropped_ = false;         // ... which FSDP has let go of
   int64_t next_ref_ = kFsdpRef;
 };
 

@@ -22,8 +22,9 @@
 //    gradient, the first to run and the root, at the end of backward: _fsdp_state.py
 //    _root_post_backward_final_callback): its parameters freed, the previous unit's reduce-scatter input freed
 //    (reduce_scatter_max_input_buffers 1), a reduce-scatter input of the unit's padded size allocated, autograd's
-//    unsharded gradients freed after the copy-in, and a reduce-scatter output of the padded shard size allocated,
-//    which the sharded gradients view until zero_grad frees them (_fsdp_collectives.py foreach_reduce). The last
+//    unsharded gradients freed after the copy-in (but the last parameter's, which foreach_reduce's loop variable
+//    holds until the reduce-scatter is done), and a reduce-scatter output of the padded shard size allocated, which
+//    the sharded gradients view until zero_grad frees them (_fsdp_collectives.py foreach_reduce). The last
 //    reduce-scatter input is freed at the end of backward.
 //  - optimizer-step temporaries of the sharded tensors: the probes' scaled by the rank's share.
 #pragma once
@@ -37,6 +38,8 @@
 namespace gpucast::detail {
 
 // A parameter as the probes hold it: whole.
+// FsdpLayout::params lists them in the order the model registered them (the order their blocks were allocated):
+// a unit's last one is its last.
 struct FsdpParam {
   int32_t unit = 0;    // its unit (FsdpLayout::units)
   int64_t bytes = 0;   // whole, in its dtype

@@ -1185,9 +1185,44 @@ class Forecaster {
     if (total == 0) return zero1_shares_;
     std::stable_sort(params.begin(), params.end(), std::greater<>());
     std::vector<int64_t> sizes(static_cast<size_t>(dp), 0);
-    for (int64_t b : params) *std::min_element(sizes.begin(), sizes.end()) += b;
+    zero1_largest_.assign(static_cast<size_t>(dp), 0);
+    for (int64_t b : params) {
+      const auto r = static_cast<size_t>(std::min_element(sizes.begin(), sizes.end()) - sizes.begin());
+      sizes[r] += b;
+      zero1_largest_[r] = std::max(zero1_largest_[r], b);
+    }
     for (size_t r = 0; r < sizes.size(); ++r) zero1_shares_[r] = static_cast<double>(sizes[r]) / static_cast<double>(total);
     return zero1_shares_;
+  }
+
+  // ZeRO-1's local optimizer steps the rank's own parameters largest first (the partition's order), where the probes
+  // stepped all of them in the model's order. A step's temporaries per parameter are alike, but one can outlive its
+  // parameter's turn (the single-tensor loop, CPU tensors' default, keeps AdamW's `denom` until the next parameter's
+  // replaces it), so the largest two can meet. Bound: a block of the rank's largest parameter held through each
+  // optimizer step (torch 2.14.1 torch/optim/adamw.py, _single_tensor_adamw; traced on real ranks,
+  // tests/python/test_dist_memory.py).
+  void hold_during_step(Planned& p, int64_t bytes) {
+    if (bytes <= 0) return;
+    std::map<int32_t, std::pair<size_t, size_t>> span;  // iteration -> first and last optimizer-phase entry
+    for (size_t i = 0; i < p.entries.size(); ++i) {
+      const Entry& e = p.entries[i];
+      if (e.phase != Phase::Optimizer || e.op < 0) continue;
+      auto [it, fresh] = span.emplace(e.iteration, std::make_pair(i, i));
+      if (!fresh) it->second.second = i;
+    }
+    std::vector<std::pair<size_t, Entry>> adds;
+    // 2^53: a chosen ref range of its own, above every other (memory_plan.h's and fsdp_memory.h's).
+    int64_t ref = int64_t{1} << 53;
+    for (const auto& [iteration, se] : span) {
+      adds.emplace_back(se.first, Entry::made(true, ref, bytes, Category::Temporary, Phase::Optimizer, kNone, iteration));
+      adds.emplace_back(se.second + 1, Entry::made(false, ref, 0, Category::Temporary, Phase::Optimizer, kNone, iteration));
+      ++ref;
+    }
+    insert_before(p.entries, adds);
+    out_.notes.push_back(Note{"zero1-step-order", fmt::format(
+        "ZeRO-1: each rank steps its own parameters largest first, so two of its largest parameters' step "
+        "temporaries can meet: a block of its largest parameter (up to {}) held through each optimizer step",
+        format_bytes(*std::max_element(zero1_largest_.begin(), zero1_largest_.end())))});
   }
 
   // The data-parallel ranks in groups that hold the same bytes (FSDP2: the same rows of every parameter; ZeRO-1:
@@ -1261,6 +1296,9 @@ class Forecaster {
       return par.dp_mode == "zero1" ? static_cast<int64_t>(std::ceil(static_cast<double>(bytes) * state_share))
                                     : shard(bytes, dp);
     };
+    // On CUDA, Adam and AdamW default to their foreach path (one list of temporaries for all the rank's
+    // parameters: add_device_allocations' rule), where no parameter's temporary waits for the next one's.
+    if (par.dp_mode == "zero1" && in_.target == "cpu") hold_during_step(p, zero1_largest_[static_cast<size_t>(rank_)]);
     for (Entry& e : p.entries) {
       if (!e.alloc) continue;
       if (e.category == Category::OptimizerState) e.bytes = state_shard(e.bytes);
@@ -1825,6 +1863,7 @@ class Forecaster {
   bool fsdp_layout_built_ = false;
   int64_t rank_ = 0;                      // the data-parallel rank planned
   std::vector<double> zero1_shares_;      // zero1_shares()
+  std::vector<int64_t> zero1_largest_;    // zero1_shares(): each rank's largest parameter
   std::vector<char> matmul_ops_;                           // matmul_ops()
   std::vector<int64_t> op_call_of_;       // per op of the reference trace: its measured call (replace_op_scratch())
   bool op_scratch_noted_ = false;

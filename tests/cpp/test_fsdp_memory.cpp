@@ -122,12 +122,13 @@ TEST(FsdpMemory, ReshardAfterForwardOrder) {
       {true, 800}, {true, 800}, {false, 0},     // backward: unit 1 gathered, copied out, output freed
       {true, 800},                              // unit 0 gathered ahead (backward prefetch)
       {true, 600}, {false, 0},                  // unit 1's gradient; an activation freed
-      {false, 0}, {true, 800}, {false, 0}, {true, 400},  // post-backward 1: reshard, RS input, grad freed, RS output
+      {false, 0}, {true, 800}, {true, 400}, {false, 0},  // post-backward 1: reshard, RS input and output; its last
+                                                         // parameter's gradient freed once the reduce-scatter is done
       {true, 800}, {false, 0},                  // unit 0: copy-out of the prefetched output, output freed
       {true, 800}, {false, 0},                  // unit 0's gradient; an activation freed
       // end of backward: unit 0 (no post-backward hook: it takes the inputs) reduce-scattered, unit 1's RS input
       // freed first, the last RS input freed at the end
-      {false, 0}, {false, 0}, {true, 800}, {false, 0}, {true, 400}, {false, 0},
+      {false, 0}, {false, 0}, {true, 800}, {true, 400}, {false, 0}, {false, 0},
       {true, 800}, {true, 4},                   // optimizer state of rank 0's 2 rows of parameter 1; the step
   };
   EXPECT_EQ(shape(p), expected);
@@ -180,18 +181,29 @@ TEST(FsdpMemory, ReshardToFewerRanksKeepsAClone) {
   EXPECT_EQ(t.end, 240 + 200 + 240 + 200 + 1 * 400 + 4 + 10);  // shards, RS outputs, rank 0's 1 row of state
 }
 
-// gloo (a CPU target): the device mesh's rank map, a staging copy per all-gather, a clone per reduce-scatter.
+// gloo (a CPU target): the device mesh's rank map, a staging copy per all-gather, a clone per reduce-scatter, and
+// the worst ordering of gloo's worker: a collective's tensor FSDP dropped is freed when the next collective is issued.
 TEST(FsdpMemory, GlooBuffers) {
   Planned nccl = plan(), gloo = plan();
   apply_fsdp(nccl, layout(2, 1, false), 0);
   apply_fsdp(gloo, layout(2, 1, true), 0);
   EXPECT_EQ(gloo.initial, (std::vector<int64_t>{0, 0, 4 * 2, 400, 400}));
   // 4 gathers (2 forward, 2 backward) each add a staging block and its free; 2 reduce-scatters each a clone, an 8
-  // and a 4-byte scalar, and their frees.
-  EXPECT_EQ(gloo.entries.size(), nccl.entries.size() + 4 * 2 + 2 * 6);
-  // The peak moves to unit 1's reduce-scatter: shards and mesh 808, loss 10, activation 100, unit 0's prefetched
-  // output 800, RS input 800, RS output 400, gloo's clone 800 and scalars 12.
-  EXPECT_EQ(replay(gloo).peak, 808 + 10 + 100 + 800 + 800 + 400 + 800 + 12);
+  // and a 4-byte scalar, and their frees; but the last clone is never freed (no collective follows it).
+  EXPECT_EQ(gloo.entries.size(), nccl.entries.size() + 4 * 2 + 2 * 6 - 1);
+  // The peak: unit 0's reduce-scatter clone made while unit 1's, dropped, waits for the next collective. Held then:
+  // shards and mesh 808, the loss 10, unit 0's RS input 800, both RS outputs 800, both clones 1600, and unit 0's
+  // gradient 800 (its last parameter's, held until the reduce-scatter is done).
+  EXPECT_EQ(replay(gloo).peak, 808 + 10 + 800 + 800 + 1600 + 800);
+  // The last unit's forward output, dropped when the forward ends, is held until backward's first all-gather:
+  // through the loss (10) it is still there.
+  int64_t forward_outputs_freed_in_forward = 0;
+  for (const Entry& e : gloo.entries) {
+    forward_outputs_freed_in_forward += !e.alloc && e.phase == Phase::Forward && e.ref >= kFsdpRef;
+  }
+  // Forward frees: unit 0's block, unit 0's output (at unit 1's gather), unit 1's block and the two staging copies;
+  // unit 1's output is not among them.
+  EXPECT_EQ(forward_outputs_freed_in_forward, 5);
 }
 
 // Two iterations: zero_grad frees each unit's sharded gradients (the reduce-scatter output they view), and the

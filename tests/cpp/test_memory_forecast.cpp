@@ -343,8 +343,14 @@ TEST(MemoryForecast, ZeroOneStateFollowsTheParametersPartition) {
   f.target_batch = 2;
   f.parallel = ParallelConfig::parse("dp:2,dp_mode:zero1,gradient_as_bucket_view:True");
   const MemoryForecast zero1 = forecast_memory(f);
-  // Parameters, DDP's buckets (sized by the parameters: no gradients here), 1000/1900 of the state.
-  EXPECT_EQ(zero1.peak_allocated_bytes, 1900 + 1900 + 2000);
+  // Parameters, DDP's buckets (sized by the parameters: no gradients here), 1000/1900 of the state, and the rank's
+  // largest parameter (700) held through the step, for its step temporaries in the partition's order.
+  EXPECT_EQ(zero1.peak_allocated_bytes, 1900 + 1900 + 2000 + 700);
+  EXPECT_EQ(count_code(zero1.notes, "zero1-step-order"), 1);
+  // Rank 1 holds {500, 400}: 900/1900 of the state, its largest parameter 500.
+  ASSERT_EQ(zero1.per_rank.size(), 2u);
+  EXPECT_EQ(zero1.per_rank[1].ranks, std::vector<int64_t>{1});
+  EXPECT_EQ(zero1.per_rank[1].peak_allocated_bytes, 1900 + 1900 + 1800 + 500);
   f.parallel = ParallelConfig::parse("dp:2,dp_mode:zero2");
   EXPECT_EQ(forecast_memory(f).peak_allocated_bytes, 1900 + 1900);  // every tensor halved
 }

@@ -1,0 +1,79 @@
+"""One rank of a small data-parallel job over gloo, for tests/python/test_dist_memory.py: builds the model, wraps it
+as the strategy says (DDP, ZeroRedundancyOptimizer over DDP, FSDP2's fully_shard per block and on the root), trains
+3 steps of AdamW and prints, as one JSON line, the most bytes the CPU allocator held at once from before the model
+was built (gpucast.trace's window peak: its allocator hook sees every thread, gloo's included).
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/python/_dist_ranks.py STRATEGY [RESHARD]
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+GLOBAL_BATCH = 16
+STEPS = 3
+
+
+def make_model() -> nn.Sequential:
+    """An input layer, two MLP blocks and a 7-way head: 7 rows do not divide by 2 or 4 ranks (FSDP2 pads them)."""
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48))  # noqa: E731
+    return nn.Sequential(nn.Linear(30, 48), block(), block(), nn.Linear(48, 7))
+
+
+def make_batch(n: int, gen: torch.Generator):
+    return torch.randn(n, 30, generator=gen), torch.randint(0, 7, (n,), generator=gen)
+
+
+def step(model, opt, batch) -> None:
+    opt.zero_grad(set_to_none=True)
+    x, y = batch
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def wrap(model, strategy: str, reshard):
+    if strategy == "ddp":
+        m = nn.parallel.DistributedDataParallel(model)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        m = nn.parallel.DistributedDataParallel(model)
+        return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for child in model:
+        fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    sys.path[:0] = [str(ROOT / "python")]
+    import gpucast
+    strategy = sys.argv[1]
+    reshard = {"True": True, "False": False}.get(sys.argv[2], None) if len(sys.argv) > 2 else True
+    if reshard is None:
+        reshard = int(sys.argv[2])
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    gen = torch.Generator().manual_seed(1 + rank)
+    with gpucast.trace(record_shapes=False) as t:
+        model, opt = wrap(make_model(), strategy, reshard)
+        for _ in range(STEPS):
+            step(model, opt, make_batch(GLOBAL_BATCH // world, gen))
+    print(json.dumps({"rank": rank, "peak_bytes": t.peak_bytes("cpu")}), flush=True)
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
