@@ -515,7 +515,7 @@ def main() -> int:
         ap.error(f"unknown cases {unknown}; valid: {', '.join(CASES)}" if unknown else "--runs must be at least 1")
     previous = {}
     if args.measured:
-        last = Path(args.measured).read_text().strip().splitlines()[-1]
+        last = [line for line in Path(args.measured).read_text().splitlines() if line.startswith("{")][-1]
         previous = {row["case"]: row for row in json.loads(last)["cases"]}
         names = [n for n in names if n in previous]
     else:

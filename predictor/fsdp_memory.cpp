@@ -39,7 +39,8 @@ struct Action {
 
 class Rewrite {
  public:
-  Rewrite(Planned& p, const FsdpLayout& l, int64_t rank) : p_(p), l_(l), rank_(rank) {
+  Rewrite(Planned& p, const FsdpLayout& l, int64_t rank, int64_t held_works)
+      : p_(p), l_(l), rank_(rank), held_works_(held_works) {
     const auto units = static_cast<size_t>(l.units);
     params_of_.resize(units);
     padded_.assign(units, 0);
@@ -194,33 +195,36 @@ class Rewrite {
     if (ref != kNone) adds.emplace_back(at, block(false, ref, 0, Category::Other, a));
   }
 
-  // gloo's worker thread holds a collective's tensors (an all-gather's output, a reduce-scatter's clone) until it
-  // lets go of the work, which it does after the collective but with no order to FSDP's own release of them: at the
-  // latest, before it runs the next collective (ProcessGroupGloo's runLoop resets its work in progress there). The
-  // worst ordering the engine allows, which the forecast takes: such a tensor, once FSDP drops it, is freed when
-  // the next collective is issued.
+  // gloo's worker threads hold a collective's tensors (an all-gather's output, a reduce-scatter's clone) until the
+  // one that ran it lets go of the work, which it does after the collective with no order to FSDP's own release of
+  // them (ProcessGroupGloo's runLoop resets its work in progress when it runs again). The worst ordering the forecast
+  // takes: such a tensor, once FSDP drops it, is freed when the held_works-th collective after its own is issued.
   void drop(std::vector<std::pair<size_t, Entry>>& adds, size_t at, int64_t ref, const Action& a) {
     if (ref == kNone) return;
-    if (l_.gloo && ref == in_work_) {
-      in_work_dropped_ = true;
-      return;
+    for (auto& [held, dropped] : in_work_) {
+      if (l_.gloo && held == ref) {
+        dropped = true;
+        return;
+      }
     }
     release(adds, at, ref, a);
   }
 
   void issue(std::vector<std::pair<size_t, Entry>>& adds, size_t at, const Action& a, int64_t held) {
-    if (in_work_dropped_) release(adds, at, in_work_, a);
-    in_work_ = held;
-    in_work_dropped_ = false;
+    in_work_.emplace_back(held, false);
+    if (static_cast<int64_t>(in_work_.size()) <= held_works_) return;
+    if (in_work_.front().second) release(adds, at, in_work_.front().first, a);
+    in_work_.erase(in_work_.begin());
   }
 
   bool has_params(int32_t u) const { return u >= 0 && padded_[static_cast<size_t>(u)] > 0; }
 
   // foreach_all_gather: the flat output of the unit's padded size (its input is a view of it).
   int64_t gather(int32_t u, size_t at, const Action& a, std::vector<std::pair<size_t, Entry>>& adds) {
-    const int64_t bytes = padded_[static_cast<size_t>(u)];
+    // One rank: no collective, the copy-out reads the shards (FSDPParamGroup.wait_for_unshard's world_size 1 path).
+    const int64_t bytes = l_.dp > 1 ? padded_[static_cast<size_t>(u)] : 0;
     const int64_t out = alloc(adds, at, bytes, Category::Parameter, a);
-    if (l_.gloo) {
+    if (l_.gloo && l_.dp > 1) {
       release(adds, at, alloc(adds, at, bytes, Category::Other, a), a);  // gloo's staging copy
       issue(adds, at, a, out);
     }
@@ -294,7 +298,7 @@ class Rewrite {
     }
     grads.clear();
     const int64_t out = alloc(adds, at, padded_[static_cast<size_t>(u)] / l_.dp, Category::Gradient, a);
-    if (l_.gloo) {
+    if (l_.gloo && l_.dp > 1) {
       // gloo reduce-scatters a clone of the input (an all-reduce of it), dividing by a scalar (8 bytes, then a
       // 4-byte float copy of it) for the average.
       const int64_t clone = alloc(adds, at, padded_[static_cast<size_t>(u)], Category::Other, a);
@@ -399,6 +403,7 @@ class Rewrite {
   Planned& p_;
   const FsdpLayout& l_;
   const int64_t rank_;
+  const int64_t held_works_;
   std::vector<std::vector<size_t>> params_of_;  // per unit: its parameters
   std::vector<int64_t> padded_;                 // per unit: its parameters' padded unsharded bytes
   std::vector<State> state_;
@@ -411,8 +416,8 @@ class Rewrite {
   std::map<int32_t, std::vector<int32_t>> post_forward_order_, first_units_;  // per iteration
   int64_t held_gather_ = kNone;          // forward: the last all-gather output, kept until the next copy-out
   int64_t held_scatter_input_ = kNone;   // backward: the last reduce-scatter input
-  int64_t in_work_ = kNone;              // gloo: the tensor the latest collective's work holds (drop())
-  bool in_work_dropped_ = false;         // ... which FSDP has let go of
+  // gloo: the tensors the latest collectives' works hold (drop()), oldest first, and whether FSDP let go of them.
+  std::vector<std::pair<int64_t, bool>> in_work_;
   int64_t next_ref_ = kFsdpRef;
 };
 
@@ -423,6 +428,8 @@ int64_t fsdp_local_rows(int64_t rows, int64_t dp, int64_t rank) {
   return std::clamp<int64_t>(std::max<int64_t>(1, rows) - rank * c, 0, c);
 }
 
-void apply_fsdp(Planned& p, const FsdpLayout& layout, int64_t rank) { Rewrite(p, layout, rank).run(); }
+void apply_fsdp(Planned& p, const FsdpLayout& layout, int64_t rank, int64_t held_works) {
+  Rewrite(p, layout, rank, held_works).run();
+}
 
 }  // namespace gpucast::detail

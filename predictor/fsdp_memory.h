@@ -78,8 +78,15 @@ struct FsdpLayout {
 // ranks fewer or none).
 int64_t fsdp_local_rows(int64_t rows, int64_t dp, int64_t rank);
 
-// Rewrites the single-process plan `p` into what rank `rank` of the FSDP2 job holds, in the same order of work.
-// Throws InternalError where the layout does not match the plan (an op outside op_unit).
-void apply_fsdp(Planned& p, const FsdpLayout& layout, int64_t rank);
+// ProcessGroupGloo's worker threads (its Options' default). Each takes the next queued collective and lets go of the
+// finished one's tensors when it runs again; at worst, with the other thread taking the next collective, two
+// collectives after its own.
+constexpr int64_t kGlooThreads = 2;
+
+// Rewrites the single-process plan `p` into what rank `rank` of the FSDP2 job holds, in the same order of work. On
+// gloo, a collective's tensor that FSDP dropped is freed when the `held_works`-th collective after its own is issued
+// (kGlooThreads: the worst ordering; 0: at once, the usual one). An op outside the layout's op_unit counts as
+// outside the model.
+void apply_fsdp(Planned& p, const FsdpLayout& layout, int64_t rank, int64_t held_works = kGlooThreads);
 
 }  // namespace gpucast::detail

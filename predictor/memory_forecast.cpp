@@ -669,6 +669,7 @@ class Forecaster {
       }
     }
     rank_ = largest_rank;
+    gloo_ordering_note(per, gpu, r.peak_allocated);
     out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
                                                           [](const Entry& e) { return e.alloc; }));
     out_.peak_allocated_bytes = r.peak_allocated;
@@ -722,6 +723,21 @@ class Forecaster {
   }
 
  private:
+  // FSDP2 on gloo: what the worst ordering of gloo's frees adds to the largest rank's peak over the usual one (each
+  // collective's tensors freed as soon as FSDP drops them), said in a note with both peaks.
+  void gloo_ordering_note(int64_t per, bool gpu, int64_t worst) {
+    const ParallelConfig& par = in_.parallel;
+    if (gpu || par.dp_mode != "fsdp" || par.fsdp_units.empty() || model_.trace == nullptr || par.dp < 2) return;
+    fsdp_held_works_ = 0;
+    const int64_t usual = replay(planned(per, gpu), gpu, in_.allocator).peak_allocated;
+    fsdp_held_works_ = detail::kGlooThreads;
+    out_.notes.push_back(Note{"gloo-late-frees", fmt::format(
+        "gloo: the peak is forecast for the worst ordering of its worker threads, which free a collective's tensors "
+        "(an all-gather's output, a reduce-scatter's clone) when they next run, up to {} collectives later; freed at "
+        "once, as in most runs, the peak is {} ({} lower)",
+        detail::kGlooThreads, format_bytes(usual), format_bytes(worst - usual))});
+  }
+
   static RankMemory rank_memory(const std::vector<int64_t>& ranks, const Replay& r) {
     RankMemory m;
     m.ranks = ranks;
@@ -1323,7 +1339,7 @@ class Forecaster {
 
   // FSDP2 with its units given: the probes' stream rewritten into what rank `rank` holds (fsdp_memory.h).
   void apply_fsdp2(Planned& p, const ParallelConfig& par, int64_t rank) {
-    detail::apply_fsdp(p, fsdp_layout(par), rank);
+    detail::apply_fsdp(p, fsdp_layout(par), rank, fsdp_held_works_);
     out_.notes.push_back(Note{"fsdp2-rule", fmt::format(
         "FSDP2 (fully_shard) over {} ranks with {} units and the root: sharded parameters padded to whole rows, each "
         "unit gathered before its forward and backward (the next one ahead in backward), resharded after forward "
@@ -1862,6 +1878,7 @@ class Forecaster {
   detail::FsdpLayout fsdp_layout_;        // fsdp_layout()
   bool fsdp_layout_built_ = false;
   int64_t rank_ = 0;                      // the data-parallel rank planned
+  int64_t fsdp_held_works_ = detail::kGlooThreads;  // apply_fsdp()'s worst ordering of gloo's frees
   std::vector<double> zero1_shares_;      // zero1_shares()
   std::vector<int64_t> zero1_largest_;    // zero1_shares(): each rank's largest parameter
   std::vector<char> matmul_ops_;                           // matmul_ops()

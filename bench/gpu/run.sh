@@ -51,5 +51,8 @@ fi
 timeout 230 $PY bench/gpu/step_time_check.py --target "$target" --save-timings "$out/timings" \
   --cases "${GPUCAST_GPU_STEP_CASES:-gpt,cnn,resnet18,resnet18@512,gpt@1024,resnet18@2048}" > "$out/step_time_check.txt" 2>&1
 phase step_time_check $?
+# FSDP2 on one rank (NCCL, world size 1): the FSDP2 memory rule against a real fully_shard run.
+timeout 90 $PY bench/gpu/fsdp_check.py --target "$target" > "$out/fsdp_check.txt" 2>&1
+phase fsdp_check $?
 echo "all in $(( $(date +%s) - start )) s"
 tail -n 12 "$out"/*.txt

@@ -182,28 +182,34 @@ TEST(FsdpMemory, ReshardToFewerRanksKeepsAClone) {
 }
 
 // gloo (a CPU target): the device mesh's rank map, a staging copy per all-gather, a clone per reduce-scatter, and
-// the worst ordering of gloo's worker: a collective's tensor FSDP dropped is freed when the next collective is issued.
+// the worst ordering of gloo's two worker threads: a collective's tensor FSDP dropped is freed when the second
+// collective after its own is issued. Collectives here: 1, 2 the forward gathers; 3 unit 1's backward gather; 4 the
+// prefetch of unit 0; 5, 6 the reduce-scatters of units 1 and 0.
 TEST(FsdpMemory, GlooBuffers) {
   Planned nccl = plan(), gloo = plan();
   apply_fsdp(nccl, layout(2, 1, false), 0);
   apply_fsdp(gloo, layout(2, 1, true), 0);
   EXPECT_EQ(gloo.initial, (std::vector<int64_t>{0, 0, 4 * 2, 400, 400}));
-  // 4 gathers (2 forward, 2 backward) each add a staging block and its free; 2 reduce-scatters each a clone, an 8
-  // and a 4-byte scalar, and their frees; but the last clone is never freed (no collective follows it).
-  EXPECT_EQ(gloo.entries.size(), nccl.entries.size() + 4 * 2 + 2 * 6 - 1);
-  // The peak: unit 0's reduce-scatter clone made while unit 1's, dropped, waits for the next collective. Held then:
-  // shards and mesh 808, the loss 10, unit 0's RS input 800, both RS outputs 800, both clones 1600, and unit 0's
-  // gradient 800 (its last parameter's, held until the reduce-scatter is done).
-  EXPECT_EQ(replay(gloo).peak, 808 + 10 + 800 + 800 + 1600 + 800);
-  // The last unit's forward output, dropped when the forward ends, is held until backward's first all-gather:
-  // through the loss (10) it is still there.
-  int64_t forward_outputs_freed_in_forward = 0;
-  for (const Entry& e : gloo.entries) {
-    forward_outputs_freed_in_forward += !e.alloc && e.phase == Phase::Forward && e.ref >= kFsdpRef;
-  }
-  // Forward frees: unit 0's block, unit 0's output (at unit 1's gather), unit 1's block and the two staging copies;
-  // unit 1's output is not among them.
-  EXPECT_EQ(forward_outputs_freed_in_forward, 5);
+  // 4 gathers each add a staging block and its free; 2 reduce-scatters each a clone, an 8 and a 4-byte scalar, and
+  // their frees; but both clones are never freed (no two collectives follow them).
+  EXPECT_EQ(gloo.entries.size(), nccl.entries.size() + 4 * 2 + 2 * 6 - 2);
+  // The peak: unit 0's clone made while unit 1's clone and unit 0's gathered output (dropped at its copy-out, freed
+  // at collective 6's issue, just after) are held. With them: shards and mesh 808, the loss 10, unit 0's RS input
+  // 800, both RS outputs 800, and unit 0's gradient 800 (its last parameter's, held until the reduce-scatter is done).
+  EXPECT_EQ(replay(gloo).peak, 808 + 10 + 800 + 800 + 800 + 800 + 800 + 800);
+  // Unit 0's forward output, dropped at unit 1's copy-out, is freed at collective 3: not in forward. Forward frees:
+  // unit 0's block, unit 1's block and the two staging copies.
+  int64_t fsdp_frees_in_forward = 0;
+  for (const Entry& e : gloo.entries) fsdp_frees_in_forward += !e.alloc && e.phase == Phase::Forward && e.ref >= kFsdpRef;
+  EXPECT_EQ(fsdp_frees_in_forward, 4);
+  // Freed at once (0 works held), the usual ordering, and after one: no higher.
+  Planned at_once = plan(), one = plan();
+  apply_fsdp(at_once, layout(2, 1, true), 0, 0);
+  apply_fsdp(one, layout(2, 1, true), 0, 1);
+  EXPECT_LT(replay(at_once).peak, replay(gloo).peak);
+  EXPECT_LE(replay(at_once).peak, replay(one).peak);
+  EXPECT_LE(replay(one).peak, replay(gloo).peak);
+  EXPECT_EQ(at_once.entries.size(), nccl.entries.size() + 4 * 2 + 2 * 6);  // every block freed
 }
 
 // Two iterations: zero_grad frees each unit's sharded gradients (the reduce-scatter output they view), and the
@@ -216,4 +222,17 @@ TEST(FsdpMemory, ZeroGradFreesShardedGradients) {
   int64_t sharded_grads = 0;
   for (const auto& [ref, bytes] : t.live) sharded_grads += bytes == 400 && ref >= kFsdpRef;
   EXPECT_EQ(sharded_grads, 2);
+}
+
+// One rank (fully_shard on a mesh of 1): no all-gather output, the unsharded blocks copied from the shards.
+TEST(FsdpMemory, OneRankGathersNothing) {
+  Planned p = plan();
+  apply_fsdp(p, layout(1, 1, true), 0);
+  int64_t forward_blocks = 0, forward_bytes = 0;
+  for (const Entry& e : p.entries) {
+    if (e.alloc && e.phase == Phase::Forward && e.ref >= kFsdpRef && e.bytes > 0) ++forward_blocks, forward_bytes += e.bytes;
+  }
+  EXPECT_EQ(forward_blocks, 2);          // each unit's one parameter, unsharded; no staging copy either
+  EXPECT_EQ(forward_bytes, 800 + 600);
+  EXPECT_EQ(p.initial, (std::vector<int64_t>{0, 0, 4, 800, 600}));
 }

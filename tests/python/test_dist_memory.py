@@ -71,8 +71,8 @@ def forecast(strategy: str, reshard, world: int):
 CASES = [
     ("ddp", True, 2, [449352, 449352]),
     ("zero1", True, 2, [388626, 382522]),
-    ("fsdp", True, 2, [303168, 302776]),
-    ("fsdp", False, 2, [306048, 305656]),
+    ("fsdp", True, 2, [315072, 314680]),
+    ("fsdp", False, 2, [307616, 307224]),
     ("fsdp", 2, 4, [248200, 248200, 248200, 247808]),
 ]
 
@@ -86,12 +86,12 @@ def test_forecast_per_rank_is_exact_and_not_below_the_ranks(strategy, reshard, w
     assert not fc.memory.approximate
     codes = [n["code"] for n in fc.memory.notes]
     if strategy == "fsdp":
-        assert codes.count("fsdp2-rule") == 1
+        assert codes.count("fsdp2-rule") == 1 and codes.count("gloo-late-frees") == 1
     if strategy == "zero1":
         assert codes.count("zero1-step-order") == 1
     measured = measure(strategy, reshard, world)
     # Every rank at or under its forecast; DDP's and ZeRO-1's within 1 % (FSDP2's forecast is the worst ordering of
-    # gloo's worker thread, which a single run rarely shows on a model this small).
+    # gloo's worker threads, which a single run rarely shows; the note gives the usual ordering's peak).
     for r, (m, f) in enumerate(zip(measured, per_rank)):
         assert m <= f, (r, m, f)
         if strategy != "fsdp":
