@@ -789,6 +789,11 @@ class Forecaster {
     if (p.dp_mode != "ddp" && p.dp_mode != "zero1" && p.dp_mode != "zero2" && p.dp_mode != "fsdp") {
       GPUCAST_USER_ERROR("parallel: dp_mode expects one of ddp|zero1|zero2|fsdp, got '{}'", p.dp_mode);
     }
+    // Ranks given different batches hold different activations: a forecast of the smaller would be low.
+    if (in_.target_batch % (p.dp * p.micro_batches) != 0) {
+      GPUCAST_USER_ERROR("parallel: dp={} x micro_batches={} does not divide batch_size {}: give a batch_size that "
+                         "is a multiple of {}", p.dp, p.micro_batches, in_.target_batch, p.dp * p.micro_batches);
+    }
   }
 
   bool seq_scaling() const { return in_.target_seq > 0; }

@@ -126,6 +126,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if batch_size < dp * micro_batches:
         raise ValueError(f"forecast: batch_size {batch_size} is smaller than dp x micro_batches = "
                          f"{dp * micro_batches}: every rank needs a sample in every micro-batch")
+    if batch_size % (dp * micro_batches):
+        raise ValueError(f"forecast: parallel dp={dp} x micro_batches={micro_batches} does not divide batch_size "
+                         f"{batch_size}: the ranks would hold {batch_size // (dp * micro_batches)} and "
+                         f"{batch_size // (dp * micro_batches) + 1} samples per micro-batch; give a batch_size that "
+                         f"is a multiple of {dp * micro_batches}")
     per_rank = max(1, batch_size // (dp * micro_batches))
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):

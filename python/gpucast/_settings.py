@@ -179,6 +179,11 @@ def _unit_paths(units, modules: dict) -> str:
                                  f"forecast's model is (its classes: {', '.join(sorted(classes)) or 'no model given'})")
             paths += classes[u.__name__]
         elif isinstance(u, str) and u:
+            known = set(modules.get("paths", {}).values())
+            if u not in classes and known and u not in known:
+                some = ", ".join(sorted(known, key=len)[:3])
+                raise ValueError(f"parallel: 'fsdp_units' names '{u}', which is neither a module path of the "
+                                 f"forecast's model nor one of its classes (paths such as {some})")
             paths += classes.get(u, [u])
         else:
             raise ValueError(f"parallel: 'fsdp_units' expects modules, module classes, class names or module paths, "

@@ -8,6 +8,7 @@
 #include "gpucast/memory_forecast.h"
 #include "gpucast/trace_assembly.h"
 #include "notes.h"
+#include "user_error.h"
 
 namespace gpucast {
 namespace {
@@ -358,6 +359,16 @@ TEST(MemoryForecast, ZeroOneStateFollowsTheParametersPartition) {
 TEST(MemoryForecast, BadInput) {
   std::vector<Trace> t = {probe(2, 1)};
   EXPECT_THROW(run(t, {2}, 0), UserError);
+  {
+    MemoryForecastInput in;
+    in.probes = {&t[0]};
+    in.probe_batch = {2};
+    in.target_batch = 30;
+    in.parallel = ParallelConfig::parse("dp:4");
+    EXPECT_EQ(test_util::user_error([&] { forecast_memory(in); }),
+              "parallel: dp=4 x micro_batches=1 does not divide batch_size 30: give a batch_size that is a multiple "
+              "of 4");
+  }
   try {
     run(t, {2}, 8, "H100");
     FAIL();

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 import gpucast
 
@@ -62,4 +63,19 @@ def test_a_bad_parallel_configuration_is_said_before_the_probes_run():
         with pytest.raises(ValueError) as e:
             gpucast.forecast(step, lambda n: n, 32, parallel=parallel)
         assert str(e.value) == "[gpucast:parallel] " + message
+    # FSDP2's reshard_after_forward: True, False or a number of ranks dividing dp.
+    with pytest.raises(ValueError) as e:
+        gpucast.forecast(step, lambda n: n, 32, parallel=dict(dp=4, dp_mode="fsdp", reshard_after_forward=3))
+    assert str(e.value) == ("[gpucast:parallel] parallel: option 'reshard_after_forward' expects True, False or a "
+                            "number of ranks that divides dp (4), got '3'")
+    # A dp that does not divide the batch: the ranks would hold different batches.
+    with pytest.raises(ValueError) as e:
+        gpucast.forecast(step, lambda n: n, 30, parallel=dict(dp=4))
+    assert str(e.value).startswith("forecast: parallel dp=4 x micro_batches=1 does not divide batch_size 30:")
+    # FSDP's units: a path the model does not have, said before the probes run.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError) as e:
+        gpucast.forecast(step, lambda n: n, 32, model=model,
+                         parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=["Sequential.0", "Sequential.9"]))
+    assert str(e.value).startswith("parallel: 'fsdp_units' names 'Sequential.9', which is neither a module path")
     assert calls == []  # no probe ran

@@ -99,11 +99,10 @@ def test_fsdp_units_by_module_class_or_path():
     gathers = [c["bytes"] for c in fc.time.comm if c["kind"] == "fsdp_all_gather"]
     assert gathers == [root] + unit + unit[::-1]
     assert [c["bytes"] for c in fc.time.comm if c["kind"] == "fsdp_reduce_scatter"] == unit[::-1] + [root]
-    # The memory forecast holds two of the largest unit's gathered parameters.
-    largest = max(unit + [root])
-    size = f"{largest / 2**20:.2f} MiB" if largest >= 2**20 else f"{largest / 1024:.2f} KiB"
-    assert [n["text"].endswith(f"of the {len(blocks) + 1} (fsdp_units and the root): {size}")
-            for n in fc.memory.notes if n["code"] == "fsdp-gather-buffers"] == [True]  # the unit's size: no field
+    # The memory forecast follows FSDP2 over the same units (its own rule, not the coarse bound).
+    assert [n["text"].startswith(f"FSDP2 (fully_shard) over 2 ranks with {len(blocks)} units and the root")
+            for n in fc.memory.notes if n["code"] == "fsdp2-rule"] == [True]
+    assert not [n for n in fc.memory.notes if n["code"] == "fsdp-gather-buffers"] and not fc.memory.approximate
     # The same units by class name, by path and by the modules themselves; the root's class alone: one unit.
     for units in ("Block", blocks, list(model.blocks)):
         assert fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=units), link=link,
@@ -114,7 +113,8 @@ def test_fsdp_units_by_module_class_or_path():
     with pytest.raises(ValueError, match=r"parallel: 'fsdp_units' names the class Conv2d, which no module of the "
                                          r"forecast's model is \(its classes: Block, "):
         fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units=[torch.nn.Conv2d]), link=link)
-    with pytest.raises(ValueError, match=r"parallel: option 'fsdp_units' names 'GPT.block.0', which holds no layer"):
+    with pytest.raises(ValueError, match=r"parallel: 'fsdp_units' names 'GPT.block.0', which is neither a module "
+                                         r"path of the forecast's model nor one of its classes"):
         fc.step_time(16, parallel=dict(dp=2, dp_mode="fsdp", fsdp_units="GPT.block.0"), link=link)
     with pytest.raises(ValueError, match=r"parallel: 'fsdp_units' holds a Linear that is not a module of the "
                                          r"forecast's model"):
