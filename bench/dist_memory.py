@@ -1,8 +1,9 @@
 """Distributed memory: each rank's measured peak allocator bytes against gpucast's per-rank forecast.
 
-Each case is bench/pipeline_live.py's GPT-style decoder (an nn.Sequential of blocks), global batch 16, AdamW, 3
-training steps, parallelised the way PyTorch's users write it, on 2 or 4 processes of this machine (gloo on
-loopback, one thread each):
+Each case is bench/pipeline_live.py's GPT-style decoder (an nn.Sequential of blocks) or, for the llama_ cases,
+transformers' LlamaForCausalLM built from a local config (grouped-query attention, 2 layers, random weights), on
+the same tokens; global batch 16, AdamW, 3 training steps, parallelised the way PyTorch's users write it, on 2 or 4
+processes of this machine (gloo on loopback, one thread each):
   ddp, ddp_bucket_view   DistributedDataParallel, gradient_as_bucket_view False / True
   zero1                  ZeroRedundancyOptimizer(AdamW) over DDP
   fsdp, fsdp_x4          FSDP2: fully_shard on every top-level child, then on the root (2 / 4 ranks)
@@ -11,6 +12,7 @@ loopback, one thread each):
   fsdp_bf16              MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
   fsdp_ckpt              every block under torch.utils.checkpoint (use_reentrant=False), then FSDP2
   fsdp_ckpt_wrapper      every block under checkpoint_wrapper, then FSDP2
+  llama_ddp, llama_fsdp, llama_fsdp_x4   Llama: DDP; FSDP2 on each decoder layer, then the root (2 / 4 ranks)
 Every rank measures its own peak independently of gpucast (which the ranks never import): a counting wrapper around
 c10's CPU allocator (the C++ extension in COUNTER_SOURCE, built once by this parent process with
 torch.utils.cpp_extension.load_inline under ~/.cache/torch_extensions and loaded by the ranks from the built file)
@@ -67,6 +69,7 @@ class Case:
     strategy: str  # "ddp", "zero1" or "fsdp"
     options: dict  # how the strategy is set up (see wrap())
     forecastable: bool = True  # whether parallel= can describe it yet
+    model: str = "gpt"  # "gpt": pipeline_live.py's decoder; "llama": transformers' LlamaForCausalLM (build())
 
 
 CASES = {
@@ -80,6 +83,9 @@ CASES = {
     "fsdp_bf16": Case(2, "fsdp", {"reshard_after_forward": True, "bf16": True}, forecastable=False),
     "fsdp_ckpt": Case(2, "fsdp", {"reshard_after_forward": True, "checkpoint": "utils"}),
     "fsdp_ckpt_wrapper": Case(2, "fsdp", {"reshard_after_forward": True, "checkpoint": "wrapper"}),
+    "llama_ddp": Case(2, "ddp", {"gradient_as_bucket_view": False}, model="llama"),
+    "llama_fsdp": Case(2, "fsdp", {"reshard_after_forward": True}, model="llama"),
+    "llama_fsdp_x4": Case(4, "fsdp", {"reshard_after_forward": True}, model="llama"),
 }
 QUICK = ("ddp", "fsdp")
 NOT_MEASURED = {
@@ -90,11 +96,36 @@ NOT_MEASURED = {
 }
 
 
+class Llama(torch.nn.Module):
+    """transformers' LlamaForCausalLM from a local config (random weights, no hub): the logits of the token ids."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        # Grouped-query attention (4 heads, 2 key-value heads); an intermediate size of 344 rows.
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             attn_implementation="sdpa")
+        self.lm = LlamaForCausalLM(config)
+
+    def forward(self, tokens):
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+
+def units(model) -> list:
+    """The modules fully_shard is called on before the root: the GPT's top-level children, Llama's decoder layers."""
+    return list(model.lm.model.layers) if isinstance(model, Llama) else list(model)
+
+
 def build(case: Case):
-    """(model, make_batch, loss_fn): the GPT-style decoder, its blocks under activation checkpointing if asked."""
+    """(model, make_batch, loss_fn): the case's model, the GPT's blocks under activation checkpointing if asked."""
     from pipeline_live import make_case
     from examples import zoo
 
+    if case.model == "llama":
+        _, make_batch, loss_fn = make_case("gpt")  # the same tokens (512 ids, 64 long) and loss
+        return Llama(), make_batch, loss_fn
     model, make_batch, loss_fn = make_case("gpt")
     how = case.options.get("checkpoint")
     for i, child in enumerate(model):
@@ -136,7 +167,7 @@ def wrap(case: Case, model):
     kw = {"mesh": mesh, "reshard_after_forward": case.options["reshard_after_forward"]}
     if case.options.get("bf16"):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for child in model:
+    for child in units(model):
         fully_shard(child, **kw)
     fully_shard(model, **kw)
     return model, zoo.make_optimizer("adamw", model.parameters())
@@ -408,7 +439,7 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
     if case.strategy == "ddp":
         parallel["gradient_as_bucket_view"] = case.options["gradient_as_bucket_view"]
     if case.strategy == "fsdp":
-        parallel["fsdp_units"] = list(model)  # each top-level child a unit, as the ranks wrap them; the root holds none
+        parallel["fsdp_units"] = units(model)  # as the ranks wrap them; the root holds the rest
         parallel["reshard_after_forward"] = case.options["reshard_after_forward"]
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -420,6 +451,11 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
 
 
 def describe(case: Case) -> str:
+    text = _describe(case)
+    return f"Llama (transformers), {text}" if case.model == "llama" else text
+
+
+def _describe(case: Case) -> str:
     o = case.options
     if case.strategy == "ddp":
         return f"DDP, gradient_as_bucket_view={o['gradient_as_bucket_view']}"

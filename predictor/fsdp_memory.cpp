@@ -323,6 +323,7 @@ class Rewrite {
         if (a.phase == Phase::Forward) {
           if (has_params(a.unit)) unshard(a.unit, at, a, adds);
         } else if (has_params(a.unit)) {
+          unshard(a.unit, at, a, adds);  // resharded after forward when asked to be
           prefetch_before(a.unit, a, at, adds);
         }
         break;
@@ -340,10 +341,14 @@ class Rewrite {
         else if (r >= 2) reshard(a.unit, at, a, adds, r);
         break;
       }
-      case Kind::ForwardEnd:
+      case Kind::ForwardEnd: {
+        // The root's post-forward: its own reshard, then the last output dropped (_fsdp_state.py _post_forward).
+        const int64_t r = l_.root_reshard_after_forward;
+        if (l_.root >= 0 && has_params(l_.root) && r != 0) reshard(l_.root, at, a, adds, r == 1 ? 0 : r);
         drop(adds, at, held_gather_, a);
         held_gather_ = kNone;
         break;
+      }
       case Kind::PostBackward: post_backward(a.unit, at, a, adds); break;
       case Kind::BackwardEnd:
         if (l_.root >= 0) post_backward(l_.root, at, a, adds);

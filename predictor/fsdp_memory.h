@@ -14,8 +14,8 @@
 //    module's forward ends (_fsdp_state.py _post_forward); in backward it goes right after the copy-out;
 //  - after a unit's forward, its parameters resharded (reshard_after_forward True: freed; an int n: a clone of
 //    1/n of them kept, _fsdp_param.py to_sharded_post_forward; False: kept unsharded until its backward ends).
-//    The root unit (the module fully_shard was called on last, holding what no other unit holds) is never
-//    resharded after forward (_fsdp_state.py _lazy_init);
+//    The root unit (the module fully_shard was called on last, holding what no other unit holds) is not resharded
+//    after forward when reshard_after_forward was not given (_fsdp_state.py _lazy_init); given, it follows it;
 //  - in backward, before a unit's gradients are computed, it is gathered again and the unit before it in forward
 //    order is gathered ahead (_fsdp_param_group.py _backward_prefetch: one unit);
 //  - after a unit's backward (its post-backward hook, on the gradients of its inputs; a unit whose inputs need no
@@ -61,9 +61,10 @@ struct FsdpLayout {
   int64_t dp = 1;
   int32_t units = 0;   // units, the root included
   int32_t root = -1;   // the root unit's index
-  // 1: reshard after forward (True, fully_shard's default); 0: keep unsharded until backward (False); n >= 2: keep a
-  // 1/n shard after forward. The root unit is never resharded after forward.
+  // 1: reshard after forward (True); 0: keep unsharded until backward (False); n >= 2: keep a 1/n shard after
+  // forward. For the units, and for the root (fully_shard's default, not given: 1 and 0).
   int64_t reshard_after_forward = 1;
+  int64_t root_reshard_after_forward = 0;
   // The collectives run on gloo (a CPU target), whose own buffers come from the same allocator: a staging copy of
   // each all-gather's output while it is issued (c10d::_allgather_base_ on gloo), and a clone of each
   // reduce-scatter's input for its all-reduce (c10d::_reduce_scatter_base_ on gloo), as traced on torch 2.14.1.

@@ -1350,8 +1350,9 @@ class Forecaster {
         "unit gathered before its forward and backward (the next one ahead in backward), resharded after forward "
         "({}), its gradients reduce-scattered after its backward; optimizer state of each rank's own rows",
         par.dp, par.fsdp_units.size(),
-        par.reshard_after_forward == 1 ? "True" : par.reshard_after_forward == 0 ? "False"
-                                                 : fmt::format("to {} ranks", par.reshard_after_forward))});
+        par.reshard_after_forward < 0 ? "the units but the root, fully_shard's default"
+        : par.reshard_after_forward == 1 ? "True" : par.reshard_after_forward == 0 ? "False"
+                                         : fmt::format("to {} ranks", par.reshard_after_forward))});
   }
 
   // The FSDP2 layout of the reference probe, worked out once: each parameter (a block held at the start, tagged as
@@ -1366,7 +1367,8 @@ class Forecaster {
     l.dp = par.dp;
     l.units = static_cast<int32_t>(par.fsdp_units.size()) + 1;
     l.root = l.units - 1;
-    l.reshard_after_forward = par.reshard_after_forward;
+    l.reshard_after_forward = par.reshard_after_forward < 0 ? 1 : par.reshard_after_forward;
+    l.root_reshard_after_forward = par.reshard_after_forward < 0 ? 0 : par.reshard_after_forward;
     l.gloo = in_.target == "cpu";
     std::unordered_map<std::string, int32_t> unit_of_module;
     std::vector<char> named(par.fsdp_units.size(), 0);

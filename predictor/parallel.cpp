@@ -22,8 +22,9 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                            "DDP's bucket_cap_mb: MiB per gradient bucket (not given: the first 1 MiB, the rest 25)"},
                           {"fsdp_units", F::String, std::string(""), {},
                            "FSDP's units: module paths separated by '|' (not given: every layer with parameters)"},
-                          {"reshard_after_forward", F::String, std::string("True"), {},
-                           "FSDP2's reshard_after_forward: True, False, or a number of ranks"}});
+                          {"reshard_after_forward", F::String, std::string(""), {},
+                           "FSDP2's reshard_after_forward: True, False, or a number of ranks (not given: True for the "
+                           "units, False for the root, as fully_shard's default)"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -59,7 +60,9 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
     }
   }
   const std::string& reshard = cfg.get_string("reshard_after_forward");
-  if (reshard == "True" || reshard == "true") {
+  if (reshard.empty()) {
+    p.reshard_after_forward = -1;
+  } else if (reshard == "True" || reshard == "true") {
     p.reshard_after_forward = 1;
   } else if (reshard == "False" || reshard == "false") {
     p.reshard_after_forward = 0;

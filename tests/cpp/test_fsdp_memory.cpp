@@ -236,3 +236,25 @@ TEST(FsdpMemory, OneRankGathersNothing) {
   EXPECT_EQ(forward_bytes, 800 + 600);
   EXPECT_EQ(p.initial, (std::vector<int64_t>{0, 0, 4, 800, 600}));
 }
+
+// A root with parameters (here parameter 1's module is the root): not resharded after forward under fully_shard's
+// default, so backward does not gather it again; with reshard_after_forward given, it follows it.
+TEST(FsdpMemory, RootReshardsOnlyWhenAsked) {
+  auto with_root = [](int64_t root_reshard) {
+    FsdpLayout l = layout(2, 1, false);
+    l.units = 2;
+    l.root = 1;
+    l.root_reshard_after_forward = root_reshard;
+    Planned p = plan();
+    apply_fsdp(p, l, 0);
+    int64_t backward_gathers = 0;  // the root's all-gather output and its unsharded parameter: 800 each
+    for (const Entry& e : p.entries) {
+      backward_gathers += e.alloc && e.phase == Phase::Backward && e.ref >= kFsdpRef && e.bytes == 800;
+    }
+    return backward_gathers;
+  };
+  // Kept: backward allocates unit 0's prefetched output and copy-out, and the two reduce-scatter inputs.
+  EXPECT_EQ(with_root(0), 4);
+  // Resharded: the root's output and copy-out as well.
+  EXPECT_EQ(with_root(1), 6);
+}

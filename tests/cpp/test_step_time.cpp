@@ -360,7 +360,8 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
             "parallel: option 'fsdp_units' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
   // FSDP2's reshard_after_forward: True (1), False (0), or a number of ranks dividing dp (1 and dp mean False and
   // True, as in fully_shard).
-  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp").reshard_after_forward, 1);
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp").reshard_after_forward, -1);  // not given: the default
+  EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:True").reshard_after_forward, 1);
   EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:False").reshard_after_forward, 0);
   EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:2").reshard_after_forward, 2);
   EXPECT_EQ(ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:1").reshard_after_forward, 0);

@@ -27,9 +27,10 @@ struct ParallelConfig {
   // forward and kept for backward. Empty: every layer with parameters its own unit, gathered in both passes.
   // Given as "fsdp_units:GPT.blocks.0|GPT.blocks.1".
   std::vector<std::string> fsdp_units;
-  // FSDP2's reshard_after_forward for every unit but the root: 1 (True, the default), 0 (False), or n >= 2 (an
-  // int: each unit keeps a 1/n shard after forward). Given as "reshard_after_forward:True|False|n".
-  int64_t reshard_after_forward = 1;
+  // FSDP2's reshard_after_forward: 1 (True), 0 (False), or n >= 2 (an int: each unit keeps a 1/n shard after
+  // forward); -1 not given (fully_shard's default: True for the units, False for the root, which backward needs at
+  // once: torch 2.14.1 _fsdp_state.py:205). Given as "reshard_after_forward:True|False|n".
+  int64_t reshard_after_forward = -1;
   // "dp:8,dp_mode:fsdp,micro_batches:4,bucket_cap_mb:50" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };
