@@ -19,7 +19,7 @@ void schedule_fsdp(StepSchedule& s) {
   // holds a layer), the rest the root unit; without units every layer with parameters is one. A unit's bytes
   // are its layers' parameters (the probes hold them whole: its gather moves their full size). Each pass gathers
   // the next unit when the current one starts computing (prefetch), on one communication stream in issue order;
-  // the root unit is gathered first in forward and kept for backward (not resharded after forward); a unit's
+  // the root unit is gathered first in forward and, under fully_shard's default, kept for backward; a unit's
   // gradients are reduce-scattered once its last layer's backward is done, the root's once backward is. Every
   // micro-batch gathers again (gradient accumulation under no_sync keeps the gradients, not the parameters), the
   // last one reduce-scatters.
@@ -28,9 +28,12 @@ void schedule_fsdp(StepSchedule& s) {
     std::vector<int64_t> order;  // the units this pass gathers, in issue order
     std::vector<char> listed(U.bytes.size(), 0);
     std::vector<int64_t> left(U.bytes.size(), 0);  // the unit's layers still to run in this pass
+    // reshard_after_forward (ParallelConfig): False keeps every unit gathered for backward; not given keeps the root
+    // (fully_shard's default); True or a number of ranks gathers them again (the latter within that many ranks).
+    const int64_t reshard = P.reshard_after_forward;
     auto list = [&](int64_t u) {
       if (u < 0 || listed[static_cast<size_t>(u)] || U.bytes[static_cast<size_t>(u)] <= 0) return;
-      if (backward && u == U.root) return;
+      if (backward && (reshard == 0 || (u == U.root && reshard < 0))) return;
       listed[static_cast<size_t>(u)] = 1;
       order.push_back(u);
     };
@@ -44,8 +47,9 @@ void schedule_fsdp(StepSchedule& s) {
     auto gather = [&](double not_before) {
       const int64_t u = order[next++];
       const double bytes = U.bytes[static_cast<size_t>(u)];
+      const int64_t ranks = backward && reshard >= 2 ? reshard : P.dp;
       comm_free = s.add_comm("fsdp_all_gather", bytes, std::max(comm_free, not_before),
-                           all_gather_us(bytes, P.dp, *dp_link));
+                           all_gather_us(bytes, ranks, *dp_link));
       gathered[static_cast<size_t>(u)] = comm_free;
     };
     if (!order.empty()) gather(compute);

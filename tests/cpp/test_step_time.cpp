@@ -1317,6 +1317,16 @@ TEST(StepTime, FsdpUnitsGatherTheirLayersTogetherAndTheRootOnce) {
   EXPECT_NEAR(f.step_ms, 13 + 2 * r, 1e-9);
   EXPECT_NEAR(f.exposed_comm_ms, 2 * r, 1e-9);
   EXPECT_NEAR(f.comm_ms, 2 * r + 3 * b, 1e-9);
+  // reshard_after_forward as given to fully_shard: False keeps blk gathered for backward (no third gather); True
+  // gathers the root again too, as backward starts.
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk,reshard_after_forward:False");
+  std::vector<int64_t> kept;
+  for (const CommForecast& x : forecast_step_time(probes, o).comm) kept.push_back(x.kind == "fsdp_all_gather" ? x.bytes : -x.bytes);
+  EXPECT_EQ(kept, (std::vector<int64_t>{307200, 409600, -409600, -307200}));
+  o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp,fsdp_units:Net.blk,reshard_after_forward:True");
+  std::vector<int64_t> again;
+  for (const CommForecast& x : forecast_step_time(probes, o).comm) again.push_back(x.kind == "fsdp_all_gather" ? x.bytes : -x.bytes);
+  EXPECT_EQ(again, (std::vector<int64_t>{307200, 409600, 307200, 409600, -409600, -307200}));
   // Without units every layer with parameters is one, gathered in both passes: 3 + 3 gathers, 3 reduce-scatters.
   o.parallel = ParallelConfig::parse("dp:2,dp_mode:fsdp");
   const StepTimeForecast each = forecast_step_time(probes, o);
