@@ -2,6 +2,7 @@
 #include "fsdp_memory.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <unordered_map>
 #include <unordered_set>
@@ -93,6 +94,11 @@ class Rewrite {
     if (q < 0 || q >= static_cast<int32_t>(l_.params.size())) return ceil_div(bytes, l_.dp);
     const int64_t rows = std::max<int64_t>(1, l_.params[static_cast<size_t>(q)].rows);
     return fsdp_local_rows(rows, l_.dp, rank_) * ceil_div(bytes, rows);
+  }
+
+  bool float_made(const Entry& e) const {
+    return l_.param_scale != 1.0 && e.op >= 0 && e.op < static_cast<int32_t>(l_.float_op.size()) &&
+           l_.float_op[static_cast<size_t>(e.op)] != 0;
   }
 
   int32_t unit_of(const Entry& e) const {
@@ -219,15 +225,22 @@ class Rewrite {
 
   bool has_params(int32_t u) const { return u >= 0 && padded_[static_cast<size_t>(u)] > 0; }
 
+  int64_t in_param(int64_t bytes) const { return static_cast<int64_t>(std::ceil(static_cast<double>(bytes) * l_.param_scale)); }
+  int64_t in_reduce(int64_t bytes) const { return static_cast<int64_t>(std::ceil(static_cast<double>(bytes) * l_.reduce_scale)); }
+
   // foreach_all_gather: the flat output of the unit's padded size (its input is a view of it).
   int64_t gather(int32_t u, size_t at, const Action& a, std::vector<std::pair<size_t, Entry>>& adds) {
     // One rank: no collective, the copy-out reads the shards (FSDPParamGroup.wait_for_unshard's world_size 1 path).
-    const int64_t bytes = l_.dp > 1 ? padded_[static_cast<size_t>(u)] : 0;
+    const int64_t bytes = l_.dp > 1 ? in_param(padded_[static_cast<size_t>(u)]) : 0;
+    // Mixed precision: the shards cast into one flat input first (_get_param_all_gather_inputs), freed when the
+    // all-gather has been issued.
+    const int64_t cast = l_.param_scale != 1.0 && l_.dp > 1 ? alloc(adds, at, bytes / l_.dp, Category::Other, a) : kNone;
     const int64_t out = alloc(adds, at, bytes, Category::Parameter, a);
     if (l_.gloo && l_.dp > 1) {
       release(adds, at, alloc(adds, at, bytes, Category::Other, a), a);  // gloo's staging copy
       issue(adds, at, a, out);
     }
+    release(adds, at, cast, a);
     return out;
   }
 
@@ -235,7 +248,7 @@ class Rewrite {
   void copy_out(int32_t u, size_t at, const Action& a, std::vector<std::pair<size_t, Entry>>& adds) {
     State& st = state_[static_cast<size_t>(u)];
     for (size_t q : params_of_[static_cast<size_t>(u)]) {
-      st.uns.push_back(alloc(adds, at, padded_unsharded(l_.params[q]), Category::Parameter, a));
+      st.uns.push_back(alloc(adds, at, in_param(padded_unsharded(l_.params[q])), Category::Parameter, a));
     }
     for (int64_t r : st.post_fwd) release(adds, at, r, a);
     st.post_fwd.clear();
@@ -263,7 +276,7 @@ class Rewrite {
     const std::vector<size_t>& qs = params_of_[static_cast<size_t>(u)];
     for (size_t j = 0; j < st.uns.size(); ++j) {
       // to_sharded_post_forward: the clone of this rank's 1/keep of the unsharded block, then the block freed.
-      if (keep >= 2) st.post_fwd.push_back(alloc(adds, at, padded_unsharded(l_.params[qs[j]]) / keep, Category::Parameter, a));
+      if (keep >= 2) st.post_fwd.push_back(alloc(adds, at, in_param(padded_unsharded(l_.params[qs[j]])) / keep, Category::Parameter, a));
       release(adds, at, st.uns[j], a);
     }
     st.uns.clear();
@@ -282,7 +295,7 @@ class Rewrite {
       grads.push_back(alloc(adds, pre_backward_at_[static_cast<size_t>(u)], missing, Category::Gradient, a));
     }
     release(adds, at, held_scatter_input_, a);
-    held_scatter_input_ = alloc(adds, at, padded_[static_cast<size_t>(u)], Category::Gradient, a);
+    held_scatter_input_ = alloc(adds, at, in_reduce(padded_[static_cast<size_t>(u)]), Category::Gradient, a);
     // foreach_reduce's loop over the gradients leaves its variable on the last one (the unit's last parameter's),
     // which lives until the reduce-scatter is done; the others go after the copy-in.
     int64_t last = kNone;
@@ -290,18 +303,18 @@ class Rewrite {
     for (int64_t g : grads) {
       live_grads_.erase(g);
       freed_grads_[g] = u;
-      if (last == kNone && l_.dp > 1 && !qs.empty() && grad_bytes_[g] == l_.params[qs.back()].bytes) {
+      if (last == kNone && l_.dp > 1 && !qs.empty() && grad_bytes_[g] == in_param(l_.params[qs.back()].bytes)) {
         last = g;
         continue;
       }
       release(adds, at, g, a);
     }
     grads.clear();
-    const int64_t out = alloc(adds, at, padded_[static_cast<size_t>(u)] / l_.dp, Category::Gradient, a);
+    int64_t out = alloc(adds, at, in_reduce(padded_[static_cast<size_t>(u)]) / l_.dp, Category::Gradient, a);
     if (l_.gloo && l_.dp > 1) {
       // gloo reduce-scatters a clone of the input (an all-reduce of it), dividing by a scalar (8 bytes, then a
       // 4-byte float copy of it) for the average.
-      const int64_t clone = alloc(adds, at, padded_[static_cast<size_t>(u)], Category::Other, a);
+      const int64_t clone = alloc(adds, at, in_reduce(padded_[static_cast<size_t>(u)]), Category::Other, a);
       issue(adds, at, a, clone);
       const int64_t scalar = alloc(adds, at, 8, Category::Other, a);
       release(adds, at, alloc(adds, at, 4, Category::Other, a), a);
@@ -309,6 +322,12 @@ class Rewrite {
       drop(adds, at, clone, a);
     }
     release(adds, at, last, a);
+    if (l_.reduce_scale != 1.0) {
+      // Reduced in another dtype than the parameters': cast back into a new block (_to_dtype_if_needed).
+      const int64_t own = alloc(adds, at, padded_[static_cast<size_t>(u)] / l_.dp, Category::Gradient, a);
+      release(adds, at, out, a);
+      out = own;
+    }
     if (st.sharded_grads != kNone) {
       release(adds, at, out, a);  // accumulated into the kept sharded gradients
     } else {
@@ -377,6 +396,7 @@ class Rewrite {
                                                                              : kUnknownParam;
         e.bytes = state_bytes(e.bytes, q);
       } else if (e.category == Category::Gradient && e.phase == Phase::Backward) {
+        if (float_made(e)) e.bytes = in_param(e.bytes);
         const int32_t u = unit_of(e);
         if (u >= 0 && u < l_.units && has_params(u)) {
           grads_[static_cast<size_t>(u)].push_back(e.ref);
@@ -384,6 +404,9 @@ class Rewrite {
           grad_bytes_[e.ref] = e.bytes;
           if (e.iteration == 1) first_grad_bytes_[static_cast<size_t>(u)] += e.bytes;
         }
+      } else if (e.phase != Phase::Optimizer && e.category != Category::Parameter && e.category != Category::Input &&
+                 e.category != Category::OptimizerState && float_made(e)) {
+        e.bytes = in_param(e.bytes);  // computed in param_dtype
       }
       return;
     }

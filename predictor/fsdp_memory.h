@@ -70,6 +70,11 @@ struct FsdpLayout {
   // reduce-scatter's input for its all-reduce (c10d::_reduce_scatter_base_ on gloo), as traced on torch 2.14.1.
   // NCCL (a GPU target) works in the buffers FSDP gives it; its own buffers are outside the caching allocator.
   bool gloo = false;
+  // MixedPrecisionPolicy: bytes of param_dtype and reduce_dtype per byte of the parameters' own dtype (1: none).
+  // With param_dtype set, the all-gathers, unsharded parameters and autograd's gradients are in it, and so is what
+  // the forward and backward compute: every op making float32 in the probes (float_op) makes param_dtype instead.
+  double param_scale = 1.0, reduce_scale = 1.0;
+  std::vector<char> float_op;        // per op of the reference trace: its first output is float32
   std::vector<FsdpParam> params;
   std::vector<int32_t> op_unit;      // per op of the reference trace: its unit or kOutsideUnits
   std::vector<int32_t> state_param;  // per op: the parameter the optimizer state it makes shards like, or the above

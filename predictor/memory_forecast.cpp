@@ -1345,6 +1345,11 @@ class Forecaster {
   // FSDP2 with its units given: the probes' stream rewritten into what rank `rank` holds (fsdp_memory.h).
   void apply_fsdp2(Planned& p, const ParallelConfig& par, int64_t rank) {
     detail::apply_fsdp(p, fsdp_layout(par), rank, fsdp_held_works_);
+    if (par.param_dtype_bytes > 0 && par.param_dtype_bytes != 4) {
+      mark_approximate("FSDP2 mixed precision: what forward and backward compute is taken in param_dtype wherever the "
+                       "float32 probes made float32, so blocks that stay float32 under it (normalisation statistics, "
+                       "a loss upcast) are counted smaller; the buffers follow FSDP2");
+    }
     out_.notes.push_back(Note{"fsdp2-rule", fmt::format(
         "FSDP2 (fully_shard) over {} ranks with {} units and the root: sharded parameters padded to whole rows, each "
         "unit gathered before its forward and backward (the next one ahead in backward), resharded after forward "
@@ -1370,6 +1375,18 @@ class Forecaster {
     l.reshard_after_forward = par.reshard_after_forward < 0 ? 1 : par.reshard_after_forward;
     l.root_reshard_after_forward = par.reshard_after_forward < 0 ? 0 : par.reshard_after_forward;
     l.gloo = in_.target == "cpu";
+    // Mixed precision, against parameters in float32 (4 bytes: what MixedPrecisionPolicy is used with).
+    if (par.param_dtype_bytes > 0) {
+      l.param_scale = static_cast<double>(par.param_dtype_bytes) / 4.0;
+      l.reduce_scale = static_cast<double>(par.reduce_dtype_bytes > 0 ? par.reduce_dtype_bytes : par.param_dtype_bytes) / 4.0;
+      l.float_op.assign(t.ops.size(), 0);
+      for (const OpRecord& op : t.ops) {
+        l.float_op[static_cast<size_t>(op.id)] = !op.outputs.empty() && !op.outputs[0].tensors.empty() &&
+                                                 op.outputs[0].tensors[0].dtype == "float32";
+      }
+    } else if (par.reduce_dtype_bytes > 0) {
+      l.reduce_scale = static_cast<double>(par.reduce_dtype_bytes) / 4.0;
+    }
     std::unordered_map<std::string, int32_t> unit_of_module;
     std::vector<char> named(par.fsdp_units.size(), 0);
     auto unit_of = [&](const std::string& module) -> int32_t {

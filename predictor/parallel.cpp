@@ -24,7 +24,11 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                            "FSDP's units: module paths separated by '|' (not given: every layer with parameters)"},
                           {"reshard_after_forward", F::String, std::string(""), {},
                            "FSDP2's reshard_after_forward: True, False, or a number of ranks (not given: True for the "
-                           "units, False for the root, as fully_shard's default)"}});
+                           "units, False for the root, as fully_shard's default)"},
+                          {"param_dtype", F::String, std::string(""), {},
+                           "FSDP2 MixedPrecisionPolicy's param_dtype: bfloat16, float16 or float32 (not given: none)"},
+                          {"reduce_dtype", F::String, std::string(""), {},
+                           "FSDP2 MixedPrecisionPolicy's reduce_dtype (not given: param_dtype's)"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -77,6 +81,21 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
     }
     const auto ranks = static_cast<int64_t>(*n);
     p.reshard_after_forward = ranks == 1 ? 0 : ranks == p.dp ? 1 : ranks;
+  }
+  auto dtype_bytes = [&](const char* key) -> int64_t {
+    std::string d = cfg.get_string(key);
+    if (d.rfind("torch.", 0) == 0) d = d.substr(6);
+    if (d.empty()) return 0;
+    if (d == "bfloat16" || d == "float16" || d == "half") return 2;
+    if (d == "float32" || d == "float") return 4;
+    GPUCAST_USER_ERROR("parallel: option '{}' expects bfloat16, float16 or float32, got '{}'", key, cfg.get_string(key));
+  };
+  p.param_dtype_bytes = dtype_bytes("param_dtype");
+  p.reduce_dtype_bytes = dtype_bytes("reduce_dtype");
+  for (const char* key : {"param_dtype", "reduce_dtype"}) {
+    if (cfg.was_set(key) && p.dp_mode != "fsdp") {
+      GPUCAST_USER_ERROR("parallel: option '{}' applies to dp_mode 'fsdp', got dp_mode '{}'", key, p.dp_mode);
+    }
   }
   if (cfg.was_set("reshard_after_forward") && p.dp_mode != "fsdp") {
     GPUCAST_USER_ERROR("parallel: option 'reshard_after_forward' applies to dp_mode 'fsdp', got dp_mode '{}'",

@@ -258,3 +258,33 @@ TEST(FsdpMemory, RootReshardsOnlyWhenAsked) {
   // Resharded: the root's output and copy-out as well.
   EXPECT_EQ(with_root(1), 6);
 }
+
+// MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) over float32 parameters: the shards cast into
+// a flat input before each all-gather, gathered and unsharded in bf16, autograd's gradients and what the float32
+// probes computed in bf16, reduce-scattered in float32 (the output already the parameters' dtype: no cast back).
+TEST(FsdpMemory, MixedPrecision) {
+  FsdpLayout l = layout(2, 1, false);
+  l.param_scale = 0.5;
+  l.reduce_scale = 1.0;
+  l.float_op.assign(l.op_unit.size(), 1);
+  Planned p = plan();
+  apply_fsdp(p, l, 0);
+  const std::vector<std::pair<bool, int64_t>> head = {
+      {true, 200}, {true, 400}, {false, 0}, {true, 400},  // unit 0: cast input, output, input freed, unsharded
+      {true, 50},                                         // the activation, computed in bf16
+  };
+  const std::vector<std::pair<bool, int64_t>> all = shape(p);
+  EXPECT_EQ((std::vector<std::pair<bool, int64_t>>(all.begin(), all.begin() + 5)), head);
+  int64_t grads = 0, scatter_inputs = 0;
+  for (const Entry& e : p.entries) {
+    grads += e.alloc && e.category == Category::Gradient && e.ref < kFsdpRef ? e.bytes : 0;
+    scatter_inputs += e.alloc && e.category == Category::Gradient && e.ref >= kFsdpRef && e.bytes == 800;
+  }
+  EXPECT_EQ(grads, 300 + 400);     // the probes' 600 and 800 of float32 gradients, in bf16
+  EXPECT_EQ(scatter_inputs, 2);    // each unit's reduce-scatter input in float32
+  // bf16 reduce over float32 parameters: the output cast back into a float32 block of the shard's size.
+  l.reduce_scale = 0.5;
+  Planned q = plan();
+  apply_fsdp(q, l, 0);
+  EXPECT_EQ(q.entries.size(), p.entries.size() + 2 * 2);  // per unit: the float32 block and the bf16 one's free
+}

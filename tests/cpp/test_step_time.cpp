@@ -372,6 +372,14 @@ TEST(StepTime, DdpBucketsOverlapBackward) {
   EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4,dp_mode:fsdp,reshard_after_forward:yes"); }),
             "parallel: option 'reshard_after_forward' expects True, False or a number of ranks that divides dp (4), "
             "got 'yes'");
+  // MixedPrecisionPolicy's dtypes: bytes per element, torch's names accepted.
+  const ParallelConfig mp = ParallelConfig::parse("dp:2,dp_mode:fsdp,param_dtype:torch.bfloat16,reduce_dtype:float32");
+  EXPECT_EQ(mp.param_dtype_bytes, 2);
+  EXPECT_EQ(mp.reduce_dtype_bytes, 4);
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:2,dp_mode:fsdp,param_dtype:int8"); }),
+            "parallel: option 'param_dtype' expects bfloat16, float16 or float32, got 'int8'");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:2,param_dtype:bfloat16"); }),
+            "parallel: option 'param_dtype' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
   EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4,reshard_after_forward:2"); }),
             "parallel: option 'reshard_after_forward' applies to dp_mode 'fsdp', got dp_mode 'ddp'");
 }

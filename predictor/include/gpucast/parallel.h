@@ -31,6 +31,9 @@ struct ParallelConfig {
   // forward); -1 not given (fully_shard's default: True for the units, False for the root, which backward needs at
   // once: torch 2.14.1 _fsdp_state.py:205). Given as "reshard_after_forward:True|False|n".
   int64_t reshard_after_forward = -1;
+  // FSDP2's MixedPrecisionPolicy: bytes per element of param_dtype and reduce_dtype (0: not given; reduce_dtype not
+  // given reduces in param_dtype, as FSDP2 does). Given as "param_dtype:bfloat16,reduce_dtype:float32".
+  int64_t param_dtype_bytes = 0, reduce_dtype_bytes = 0;
   // "dp:8,dp_mode:fsdp,micro_batches:4,bucket_cap_mb:50" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };
