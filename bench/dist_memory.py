@@ -400,10 +400,10 @@ def measure(name: str, args, runs: int | None = None) -> dict:
             for k in keys:
                 per_rank[r["rank"]][k].append(r[k])
     ranks = []
-    for r, runs in enumerate(per_rank):
-        p = runs.pop("peak_bytes")
+    for r, lists in enumerate(per_rank):
+        p = lists.pop("peak_bytes")
         stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
-        ranks.append({"rank": r, "peaks_bytes": p, **stats, **runs})
+        ranks.append({"rank": r, "peaks_bytes": p, **stats, **lists})
     return {"runs": runs, "failed_runs": errors, "ranks": ranks}
 
 
@@ -417,8 +417,8 @@ def reused(row: dict, confirm: bool = False) -> dict | None:
         p = r.get(key, [])
         stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
         ranks.append({"rank": r["rank"], "peaks_bytes": p, **stats, "end_bytes": r.get("end_bytes", [])})
-    return {"runs": row["confirm_runs"] if confirm else row["runs"], "failed_runs": [] if confirm else row["failed_runs"],
-            "ranks": ranks}
+    runs = max((len(r["peaks_bytes"]) for r in ranks), default=0)  # as many as the rank with most (failed runs lack)
+    return {"runs": runs, "failed_runs": [] if confirm else row["failed_runs"], "ranks": ranks}
 
 
 def forecast(name: str) -> tuple[list[int] | None, float]:
