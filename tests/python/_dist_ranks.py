@@ -4,6 +4,10 @@ as the strategy says (DDP, ZeroRedundancyOptimizer over DDP, FSDP2's fully_shard
 was built (gpucast.trace's window peak: its allocator hook sees every thread, gloo's included).
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python tests/python/_dist_ranks.py STRATEGY [RESHARD]
+
+With --forecast WORLD first, it forecasts the same job from single-process probes instead (in a fresh process, so
+that nothing a test process did before changes the probes' allocations) and prints fc.memory's per-rank peaks, its
+largest, whether it is approximate and its note codes, as one JSON line.
 """
 import json
 import os
@@ -54,13 +58,40 @@ def wrap(model, strategy: str, reshard):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def forecast(strategy: str, reshard, world: int) -> dict:
+    import warnings
+    import gpucast
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    parallel = {"dp": world, "dp_mode": strategy}
+    if strategy == "fsdp":
+        parallel.update(fsdp_units=list(model), reshard_after_forward=reshard)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no link: the step time's concern
+        fc = gpucast.forecast(lambda b: step(model, opt, b), lambda n: make_batch(n, gen), GLOBAL_BATCH, model=model,
+                              optimizer=opt, target="cpu", parallel=parallel, timing_rounds=1)
+    m = fc.memory
+    by_rank = {r: g["peak_allocated_bytes"] for g in m.per_rank for r in g["ranks"]}
+    return {"per_rank": [by_rank[r] for r in range(world)], "peak": m.peak_allocated_bytes,
+            "approximate": m.approximate, "notes": [n["code"] for n in m.notes]}
+
+
 def main() -> None:
     sys.path[:0] = [str(ROOT / "python")]
     import gpucast
-    strategy = sys.argv[1]
-    reshard = {"True": True, "False": False}.get(sys.argv[2], None) if len(sys.argv) > 2 else True
+    args = sys.argv[1:]
+    world = int(args.pop(1)) if args[0] == "--forecast" else None
+    if world is not None:
+        args.pop(0)
+    strategy = args[0]
+    reshard = {"True": True, "False": False}.get(args[1], None) if len(args) > 1 else True
     if reshard is None:
-        reshard = int(sys.argv[2])
+        reshard = int(args[1])
+    if world is not None:
+        print(json.dumps(forecast(strategy, reshard, world)), flush=True)
+        return
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
