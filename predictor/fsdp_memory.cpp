@@ -420,10 +420,11 @@ class Rewrite {
     // of its unit go instead.
     const auto f = freed_grads_.find(e.ref);
     if (f == freed_grads_.end()) return;
-    State& st = state_[static_cast<size_t>(f->second)];
+    const int32_t unit = f->second;
     freed_grads_.erase(f);
+    State& st = state_[static_cast<size_t>(unit)];
     if (st.sharded_grads == kNone) return;
-    const Action a{at + 1, Kind::PostBackward, f->second, e.iteration, e.phase};
+    const Action a{at + 1, Kind::PostBackward, unit, e.iteration, e.phase};
     release(adds, at + 1, st.sharded_grads, a);
     st.sharded_grads = kNone;
   }
