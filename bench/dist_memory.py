@@ -383,6 +383,13 @@ def run_once(name: str, args) -> tuple[list[dict] | None, str | None]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs], None
 
 
+def peak_stats(peaks: list[int]) -> dict:
+    """A rank's min, median and max peak over its runs (none without a run)."""
+    if not peaks:
+        return {}
+    return {"min_bytes": min(peaks), "median_bytes": int(statistics.median(peaks)), "max_bytes": max(peaks)}
+
+
 def measure(name: str, args, runs: int | None = None) -> dict:
     """--runs (or `runs`) runs of a case: per rank the peaks of every run, their min, median and max; failed runs'
     reasons."""
@@ -402,8 +409,7 @@ def measure(name: str, args, runs: int | None = None) -> dict:
     ranks = []
     for r, lists in enumerate(per_rank):
         p = lists.pop("peak_bytes")
-        stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
-        ranks.append({"rank": r, "peaks_bytes": p, **stats, **lists})
+        ranks.append({"rank": r, "peaks_bytes": p, **peak_stats(p), **lists})
     return {"runs": runs, "failed_runs": errors, "ranks": ranks}
 
 
@@ -415,8 +421,7 @@ def reused(row: dict, confirm: bool = False) -> dict | None:
     ranks = []
     for r in row["ranks"]:
         p = r.get(key, [])
-        stats = {"min_bytes": min(p), "median_bytes": int(statistics.median(p)), "max_bytes": max(p)} if p else {}
-        ranks.append({"rank": r["rank"], "peaks_bytes": p, **stats, "end_bytes": r.get("end_bytes", [])})
+        ranks.append({"rank": r["rank"], "peaks_bytes": p, **peak_stats(p), "end_bytes": r.get("end_bytes", [])})
     runs = max((len(r["peaks_bytes"]) for r in ranks), default=0)  # as many as the rank with most (failed runs lack)
     return {"runs": runs, "failed_runs": [] if confirm else row["failed_runs"], "ranks": ranks}
 

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <map>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace gpucast::detail {
 
@@ -80,7 +79,6 @@ class Rewrite {
     std::vector<int64_t> post_fwd;    // reshard_after_forward n: the kept 1/n clones
     int64_t pending = kNone;          // a prefetched all-gather output, not yet copied out
     int64_t sharded_grads = kNone;    // the reduce-scatter output the sharded gradients view
-    int32_t sharded_grads_iteration = 0;
   };
 
   int64_t padded_unsharded(const FsdpParam& q) const {
@@ -207,8 +205,8 @@ class Rewrite {
   // takes: such a tensor, once FSDP drops it, is freed when the held_works-th collective after its own is issued.
   void drop(std::vector<std::pair<size_t, Entry>>& adds, size_t at, int64_t ref, const Action& a) {
     if (ref == kNone) return;
-    for (auto& [held, dropped] : in_work_) {
-      if (l_.gloo && held == ref) {
+    for (auto& [held, dropped] : in_work_) {  // only gloo's collectives are issue()d
+      if (held == ref) {
         dropped = true;
         return;
       }
@@ -332,7 +330,6 @@ class Rewrite {
       release(adds, at, out, a);  // accumulated into the kept sharded gradients
     } else {
       st.sharded_grads = out;
-      st.sharded_grads_iteration = a.iteration;
     }
   }
 

@@ -1387,23 +1387,11 @@ class Forecaster {
     } else if (par.reduce_dtype_bytes > 0) {
       l.reduce_scale = static_cast<double>(par.reduce_dtype_bytes) / 4.0;
     }
-    std::unordered_map<std::string, int32_t> unit_of_module;
-    std::vector<char> named(par.fsdp_units.size(), 0);
-    auto unit_of = [&](const std::string& module) -> int32_t {
-      if (module.empty()) return detail::kOutsideUnits;
-      auto [it, fresh] = unit_of_module.emplace(module, l.root);
-      if (!fresh) return it->second;
-      size_t best_len = 0;
-      for (size_t k = 0; k < par.fsdp_units.size(); ++k) {
-        const std::string& u = par.fsdp_units[k];
-        const bool inside = module == u || (module.size() > u.size() && module.compare(0, u.size(), u) == 0 && module[u.size()] == '.');
-        if (!inside) continue;
-        named[k] = 1;
-        if (u.find('.') != std::string::npos && u.size() > best_len) it->second = static_cast<int32_t>(k), best_len = u.size();
-      }
-      return it->second;
-    };
-    l.op_unit.assign(t.ops.size(), detail::kOutsideUnits);
+    // Each op's module (backward: the module of the forward op its node came from), then its unit by FSDP's one
+    // rule over module paths (fsdp_units(), step_time.h; UserError for a path that holds no module the probes ran).
+    std::vector<std::string> modules;
+    std::unordered_map<std::string, int32_t> module_index;
+    std::vector<int32_t> op_module(t.ops.size(), -1);
     for (const OpRecord& op : t.ops) {
       if (op.phase == Phase::Optimizer) continue;
       std::string_view module = op.module;
@@ -1418,14 +1406,15 @@ class Forecaster {
         const int64_t fwd = node >= 0 ? t.ops[static_cast<size_t>(node)].fwd_op : -1;
         if (fwd >= 0) module = t.ops[static_cast<size_t>(fwd)].module;
       }
-      l.op_unit[static_cast<size_t>(op.id)] = unit_of(std::string(module));
+      if (module.empty()) continue;
+      const auto [it, fresh] = module_index.emplace(std::string(module), static_cast<int32_t>(modules.size()));
+      if (fresh) modules.push_back(it->first);
+      op_module[static_cast<size_t>(op.id)] = it->second;
     }
-    for (size_t k = 0; k < par.fsdp_units.size(); ++k) {
-      if (!named[k]) {
-        GPUCAST_USER_ERROR("parallel: option 'fsdp_units' names '{}', which is no module the probes ran (module paths "
-                           "begin with the model's class name, as in '{}')", par.fsdp_units[k],
-                           unit_of_module.empty() ? std::string("Model.layers.0") : unit_of_module.begin()->first);
-      }
+    const FsdpUnits units = fsdp_units(modules, std::vector<double>(modules.size(), 0.0), par.fsdp_units);
+    l.op_unit.assign(t.ops.size(), detail::kOutsideUnits);
+    for (size_t o = 0; o < t.ops.size(); ++o) {
+      if (op_module[o] >= 0) l.op_unit[o] = static_cast<int32_t>(units.unit_of[static_cast<size_t>(op_module[o])]);
     }
     // The parameters, by address.
     std::unordered_map<uint64_t, int32_t> param_at;
