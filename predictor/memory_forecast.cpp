@@ -727,7 +727,10 @@ class Forecaster {
   // collective's tensors freed as soon as FSDP drops them), said in a note with both peaks.
   void gloo_ordering_note(int64_t per, bool gpu, int64_t worst) {
     const ParallelConfig& par = in_.parallel;
-    if (gpu || par.dp_mode != "fsdp" || par.fsdp_units.empty() || model_.trace == nullptr || par.dp < 2) return;
+    if (gpu || par.dp_mode != "fsdp" || par.fsdp_units.empty() || model_.trace == nullptr || par.dp < 2 ||
+        par.traced_world > 0) {
+      return;
+    }
     fsdp_held_works_ = 0;
     const int64_t usual = replay(planned(per, gpu), gpu, in_.allocator).peak_allocated;
     fsdp_held_works_ = detail::kGlooThreads;
@@ -1250,6 +1253,7 @@ class Forecaster {
   // the same share of the parameters; otherwise all alike), each group's ranks in order.
   std::vector<std::vector<int64_t>> rank_groups() {
     const ParallelConfig& par = in_.parallel;
+    if (par.traced_world > 0) return {{par.traced_rank}};  // the probes' own rank, the only one traced
     std::map<std::vector<int64_t>, std::vector<int64_t>> by_key;
     for (int64_t r = 0; r < par.dp; ++r) {
       std::vector<int64_t> key;
@@ -1276,6 +1280,17 @@ class Forecaster {
     int64_t param_bytes = 0;
     for (size_t i = 0; i < p.initial.size(); ++i) {
       if (p.initial_category[i] == Category::Parameter) param_bytes += p.initial[i];
+    }
+    if (par.traced_world > 0) {
+      // A fake group's collectives finish at once; gloo's worker threads can hold a collective's tensors after the
+      // job drops them (the FSDP2 rule's gloo-late-frees), which a traced rank does not show.
+      out_.notes.push_back(Note{"rank-traced", fmt::format(
+          "the probes ran as rank {} of {} (simulated ranks): the forecast is that rank's memory as PyTorch's own "
+          "parallel modules built it, with no parallel rule applied{}", par.traced_rank, par.traced_world,
+          in_.target == "cpu" ? "; on gloo a run can peak higher by the tensors of a collective its worker threads "
+                                "let go of late, which a simulated rank does not show"
+                              : "")});
+      return;
     }
     if (par.tp > 1 || par.pp > 1) {
       // Model states and activations divided over tensor-parallel ranks and pipeline stages; the first stage

@@ -28,7 +28,11 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
                           {"param_dtype", F::String, std::string(""), {},
                            "FSDP2 MixedPrecisionPolicy's param_dtype: bfloat16, float16 or float32 (not given: none)"},
                           {"reduce_dtype", F::String, std::string(""), {},
-                           "FSDP2 MixedPrecisionPolicy's reduce_dtype (not given: param_dtype's)"}});
+                           "FSDP2 MixedPrecisionPolicy's reduce_dtype (not given: param_dtype's)"},
+                          {"traced_world", F::NonNegativeInt, int64_t{0}, {},
+                           "the probes ran as one rank of a world this size (gpucast.simulated_ranks); 0: as one "
+                           "process of the whole job"},
+                          {"traced_rank", F::NonNegativeInt, int64_t{0}, {}, "the rank the probes ran as"}});
   cfg.parse(text);
   ParallelConfig p;
   p.dp = cfg.get_int("dp");
@@ -36,6 +40,15 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
   p.pp = cfg.get_int("pp");
   p.dp_mode = cfg.get_string("dp_mode");
   p.micro_batches = cfg.get_int("micro_batches");
+  p.traced_world = cfg.get_int("traced_world");
+  p.traced_rank = cfg.get_int("traced_rank");
+  if (p.traced_world > 0 && p.dp * p.tp * p.pp != p.traced_world) {
+    GPUCAST_USER_ERROR("parallel: the probes ran as one rank of {} (traced_world) but dp={} x tp={} x pp={} is a world "
+                       "of {}: describe the job the ranks run", p.traced_world, p.dp, p.tp, p.pp, p.dp * p.tp * p.pp);
+  }
+  if (p.traced_world > 0 && p.traced_rank >= p.traced_world) {
+    GPUCAST_USER_ERROR("parallel: traced_rank {} is not a rank of a world of {}", p.traced_rank, p.traced_world);
+  }
   p.gradient_as_bucket_view = cfg.get_bool("gradient_as_bucket_view");
   p.broadcast_buffers = cfg.get_bool("broadcast_buffers");
   p.buffer_bytes = cfg.get_int("buffer_bytes");

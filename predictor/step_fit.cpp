@@ -243,6 +243,11 @@ StepFits fit_probes(const std::vector<IterationTiming>& traced, const StepTimeOp
                                    return fits.tokens(x) < fits.tokens(y);
                                  }) - probes.begin());
   const IterationTiming& ref = fits.largest();
+  if (P.pp > 1 && P.traced_world > 0) {
+    GPUCAST_USER_ERROR("parallel: pp={} with probes traced as one rank (traced_world {}): the step time of a pipeline "
+                       "stage traced alone is not forecast yet; trace the whole model in one process and describe pp",
+                       P.pp, P.traced_world);
+  }
   if (P.pp > 1 && P.pp > static_cast<int64_t>(ref.layers.size())) {
     GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,
                        ref.layers.size());

@@ -149,14 +149,17 @@ LayerTotals layers_at_target(StepSchedule& s, StepFits& fits, const HostContenti
     const bool split = P.tp > 1 && (l.kind == "embedding" || paired || inside_pair || l.kind == "matmul");
     if (paired) inside_pair = !row, ++matmul_with_params;
     if (split) {
-      // What every rank still does whole (its kernels' launches), then the divided rest.
-      auto& [ffw, fbw] = fits.fixed_pts[l.layer];
-      const double fixed_fw = std::min(lf.forward_ms, fit_size(ffw, b, seq) / 1e6 * slowdown);
-      const double fixed_bw = std::min(lf.backward_ms, fit_size(fbw, b, seq) / 1e6 * slowdown);
-      lf.forward_ms = fixed_fw + (lf.forward_ms - fixed_fw) / static_cast<double>(P.tp);
-      lf.backward_ms = fixed_bw + (lf.backward_ms - fixed_bw) / static_cast<double>(P.tp);
-      lf.grad_bytes /= P.tp;
-      split_grad += l.grad_bytes;
+      if (P.traced_world == 0) {
+        // What every rank still does whole (its kernels' launches), then the divided rest. (Probes that ran as a
+        // tensor-parallel rank computed on its shards already: nothing to divide, only the all-reduces to add.)
+        auto& [ffw, fbw] = fits.fixed_pts[l.layer];
+        const double fixed_fw = std::min(lf.forward_ms, fit_size(ffw, b, seq) / 1e6 * slowdown);
+        const double fixed_bw = std::min(lf.backward_ms, fit_size(fbw, b, seq) / 1e6 * slowdown);
+        lf.forward_ms = fixed_fw + (lf.forward_ms - fixed_fw) / static_cast<double>(P.tp);
+        lf.backward_ms = fixed_bw + (lf.backward_ms - fixed_bw) / static_cast<double>(P.tp);
+        lf.grad_bytes /= P.tp;
+        split_grad += l.grad_bytes;
+      }
       const double bytes = static_cast<double>(l.out_bytes) * act_scale;
       const double us = tp_link ? allreduce_us(bytes, P.tp, *tp_link, T.algorithm) : 0.0;
       tp_bytes[i] = bytes;

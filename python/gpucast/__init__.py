@@ -17,6 +17,7 @@ from . import _auto  # noqa: E402
 from .trackers import log_to  # noqa: E402
 from ._job import describe, predict_job  # noqa: E402
 from ._calibrate import calibrate  # noqa: E402
+from ._ranks import simulated_ranks  # noqa: E402
 
 # The public classes are gpucast's: tracebacks, reprs and pickles name gpucast.OutOfMemoryRisk, not the private
 # module that defines it.
@@ -28,5 +29,5 @@ _auto.maybe_start()
 
 __version__ = __import__("torch").ops.gpucast.version()
 
-__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "gpu_rates", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "trace",
+__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "gpu_rates", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "simulated_ranks", "trace",
            "trace_options", "__version__"]

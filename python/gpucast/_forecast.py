@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from . import _ranks
 from ._errors import error_code
 from ._notes import note
 from ._warnings import warn
@@ -59,6 +60,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     "GPT.blocks.0"; with them the memory forecast follows FSDP2 rank by rank, without them every layer with
     parameters is a unit and the memory is a coarse bound) and reshard_after_forward= (True, False or a number of
     ranks); `batch_size` is global. fc.memory.per_rank lists each group of data-parallel ranks that hold alike.
+    Under gpucast.simulated_ranks(world_size, rank) the probes run as that rank of a job built inside it (DTensor,
+    parallelize_module, fully_shard on a fake process group): its memory is forecast as traced, no parallel rule
+    applied, and `parallel` must describe a world of world_size.
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF and CUBLAS_WORKSPACE_CONFIG are read as PyTorch reads them.
     For a GPU target from CPU probes, convolutions run on cuDNN, whose workspace per call is chosen on the GPU:
     `conv_workspace` (bytes) models one at every convolution; without it CUDNN_CONV_WSCAP_DBG's cap (MiB) is
@@ -120,6 +124,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     # Before any probe runs: cpu, a device table name, or with a capacity any GPU's name (the plugin's one rule).
     target = torch.ops.gpucast.check_target(str(target), capacity or 0)
     modules = _module_paths(model)
+    parallel = _with_traced_rank(parallel)
     parallel_text = _format_parallel(parallel, modules=modules)
     # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
     dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
@@ -142,7 +147,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
                       "state; pass model= and optimizer= to have them restored")
     run = ProbeRun(step, make_batch, model=model, state=state, design=design, iterations=iterations, target=target,
-                   per_rank=per_rank, tp=tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
+                   per_rank=per_rank, tp=1 if "traced_world" in parallel else tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
                    timing_rounds=timing_rounds, conv_workspace=conv_workspace,
                    fits=_fits_on_device(target, float(safety_fraction), state, conv_workspace)).run()
     probe_device, timings, forecaster = run.probe_device, run.timings, run.forecaster
@@ -169,6 +174,19 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+def _with_traced_rank(parallel: dict | None) -> dict:
+    """`parallel` with traced_world and traced_rank added under gpucast.simulated_ranks (the probes run as that
+    rank: its memory is forecast as traced, not rewritten by a parallel rule)."""
+    if parallel is not None and not isinstance(parallel, dict):
+        return parallel  # _format_parallel names the type
+    parallel = dict(parallel or {})
+    traced = _ranks.traced_rank()
+    if traced is not None:
+        parallel.setdefault("traced_world", traced[0])
+        parallel.setdefault("traced_rank", traced[1])
+    return parallel
 
 
 def _probe_design(probes: tuple, seq_len: int | None, probe_seq_lens: Iterable[int] | None) -> list:
@@ -258,6 +276,10 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     probes, priced from the GPU rates table (None, with a warning, where the table has no such GPU)."""
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
+        return None
+    if "traced_world" in parallel and int(parallel.get("pp", 1)) > 1:
+        warn("gpucast.forecast: the probes ran as one pipeline stage (simulated ranks): its memory is forecast, the "
+             "step time of the pipeline is not yet (describe pp with probes of the whole model in one process)")
         return None
     prior_flops, prior_bytes = _prior(target, time_fraction, timings)
 

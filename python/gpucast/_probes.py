@@ -19,8 +19,14 @@ from ._trace import _flatten, mark_iteration_end, trace
 
 
 def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
+    """The data pointers of the storages the tensors in `objs` hold; a tensor subclass that wraps others (a DTensor
+    and its local shard) is read through the tensors it wraps (__tensor_flatten__)."""
     out = []
     for t in _flatten(list(objs), []):
+        inner = _wrapped(t)
+        if inner is not None:
+            out += _storage_ptrs(inner)
+            continue
         try:
             p = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
@@ -28,6 +34,15 @@ def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
         if p:
             out.append(p)
     return out
+
+
+def _wrapped(t: torch.Tensor) -> list | None:
+    """The inner tensors of a wrapper tensor subclass (DTensor: its local tensor), None for a plain tensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, n) for n in names]
 
 
 def _to_cpu(obj: Any) -> Any:

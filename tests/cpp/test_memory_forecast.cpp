@@ -319,6 +319,42 @@ TEST(MemoryForecast, DataParallelRules) {
   EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
 }
 
+// Probes run as one rank of a job (gpucast.simulated_ranks): their memory is that rank's; no rule rewrites it, and
+// per_rank names only the rank traced.
+TEST(MemoryForecast, ProbesTracedAsOneRankAreThatRanksMemory) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2), probe(8, 2)};
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 128;
+  in.parallel = ParallelConfig::parse("");
+  const MemoryForecast single = forecast_memory(in);
+  in.target_batch = 256;  // two data-parallel ranks of 128 each
+  in.parallel = ParallelConfig::parse("dp:2,tp:2,dp_mode:fsdp,traced_world:4,traced_rank:3");
+  const MemoryForecast traced = forecast_memory(in);
+  EXPECT_EQ(traced.per_rank_batch, 128);
+  EXPECT_EQ(traced.peak_allocated_bytes, single.peak_allocated_bytes);
+  ASSERT_EQ(traced.per_rank.size(), 1u);
+  EXPECT_EQ(traced.per_rank[0].ranks, std::vector<int64_t>{3});
+  EXPECT_EQ(count_code(traced.notes, "rank-traced"), 1);
+  EXPECT_EQ(count_code(traced.notes, "model-parallel-rule"), 0);
+  EXPECT_FALSE(traced.approximate);
+  // The same description without traced_world: the coarse tensor-parallel rule and FSDP without units, approximate.
+  in.parallel = ParallelConfig::parse("dp:2,tp:2,dp_mode:fsdp");
+  EXPECT_TRUE(forecast_memory(in).approximate);
+}
+
+TEST(MemoryForecast, TracedWorldMustBeTheDescribedOne) {
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("tp:2,traced_world:4"); }),
+            "parallel: the probes ran as one rank of 4 (traced_world) but dp=1 x tp=2 x pp=1 is a world of 2: "
+            "describe the job the ranks run");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("tp:2,traced_world:2,traced_rank:2"); }),
+            "parallel: traced_rank 2 is not a rank of a world of 2");
+  const ParallelConfig p = ParallelConfig::parse("pp:2,traced_world:2,traced_rank:1");
+  EXPECT_EQ(p.traced_world, 2);
+  EXPECT_EQ(p.traced_rank, 1);
+}
+
 // Parameters of 700, 500, 400 and 300 bytes over two ranks, largest first to the emptier rank: {700, 300} and
 // {500, 400}, so the largest rank holds 1000 of 1900 bytes, and that share of the optimizer state.
 TEST(MemoryForecast, ZeroOneStateFollowsTheParametersPartition) {

@@ -680,6 +680,27 @@ TEST(StepTime, TensorParallelSplitsMatmulsAndAllReducesEachPair) {
   EXPECT_NEAR(f.exposed_comm_ms, 2 * ar, 1e-12);
 }
 
+TEST(StepTime, ProbesTracedAsATensorParallelRankAreNotDividedAgain) {
+  // The same probes taken as one tensor-parallel rank's (simulated ranks): the layers already ran on their shards,
+  // so their times and gradients stand; the row-parallel layer's all-reduces are added as before.
+  const auto probes = probes_with_outputs();
+  StepTimeOptions o;
+  o.batch_size = 8;
+  o.parallel = ParallelConfig::parse("tp:2,traced_world:2");
+  o.topology = Topology::parse("alpha_us:10,bytes_per_us:1000");
+  const StepTimeForecast f = forecast_step_time(probes, o);
+  const double ar = (1048576.0 / 1000.0 + 20.0) / 1e3;
+  EXPECT_NEAR(f.tp_comm_ms, 2 * ar, 1e-12);
+  EXPECT_NEAR(f.forward_ms, 6.0, 1e-9);
+  EXPECT_NEAR(f.backward_ms, 14.0, 1e-9);
+  EXPECT_NEAR(f.optimizer_ms, 500 / 1e6, 1e-15);  // the rank's own parameters, all of them
+  EXPECT_EQ(f.per_layer[0].grad_bytes, 600 << 10);
+  // A pipeline stage traced alone: its step time is refused, naming why.
+  o.parallel = ParallelConfig::parse("pp:2,traced_world:2");
+  EXPECT_NE(err([&] { forecast_step_time(probes, o); }).find("the step time of a pipeline stage traced alone"),
+            std::string::npos);
+}
+
 TEST(StepTime, LayerGraphEdgesCarryTheBytesPassed) {
   const auto probes = probes_with_outputs();
   const IterationTiming& it = probes.back();

@@ -84,3 +84,54 @@ def test_forecast_per_rank_is_exact_and_not_below_the_ranks(strategy, reshard, w
         assert m <= f, (r, m, f)
         if strategy != "fsdp":
             assert f - m <= 0.01 * m, (r, m, f)
+
+
+def test_tensor_parallel_forecast_of_each_simulated_rank_equals_the_real_rank():
+    """Tensor parallelism (parallelize_module: each block's first Linear column-wise, its last row-wise) on 2 gloo
+    ranks: each rank's forecast, its probes run as that rank under gpucast.simulated_ranks, is what the real rank
+    holds in the usual run (DTensor's shards, the all-reduces' outputs), with no parallel rule applied. gloo's worker
+    threads can let go of an all-reduce's tensor late (as for FSDP2): a run then peaks higher by that tensor, a
+    block's output of 16 x 48 floats, which the simulated rank does not show (the note says so)."""
+    forecasts = [forecast("tp", rank, 2) for rank in range(2)]
+    measured = measure("tp", 0, 2)
+    for rank, fc in enumerate(forecasts):
+        assert fc["ranks"] == [[rank]]
+        assert fc["notes"].count("rank-traced") == 1 and not fc["approximate"]
+        assert fc["per_rank"] == [fc["peak"]] == [TP_RANK_BYTES]
+    for m in measured:
+        assert m in (TP_RANK_BYTES, TP_RANK_BYTES + TP_LATE_ALL_REDUCE), measured
+
+
+# What each rank of the tensor-parallel job holds at its peak in the usual run (both alike: the plan splits every
+# block evenly), and the all-reduce output gloo held late in one run of the test under load.
+TP_RANK_BYTES = 200564
+TP_LATE_ALL_REDUCE = 16 * 48 * 4
+
+
+def test_simulated_ranks_refuses_bad_arguments_and_a_second_group():
+    import gpucast
+    import torch.distributed as dist
+    with pytest.raises(ValueError, match="rank 2 is not a rank of a world of 2"):
+        with gpucast.simulated_ranks(2, 2):
+            pass
+    with pytest.raises(ValueError, match="world_size must be an integer of at least 1"):
+        with gpucast.simulated_ranks(0):
+            pass
+    with gpucast.simulated_ranks(4, 3):
+        assert (dist.get_world_size(), dist.get_rank(), dist.get_backend()) == (4, 3, "fake")
+        with pytest.raises(RuntimeError, match="already initialized"):
+            with gpucast.simulated_ranks(2):
+                pass
+    assert not dist.is_initialized()
+
+
+def test_simulated_ranks_parallel_must_describe_the_world():
+    """Probes run as one rank of 2 with parallel= describing a world of 4: an error naming both, before any probe."""
+    import gpucast
+    import torch
+    calls = []
+    with gpucast.simulated_ranks(2):
+        with pytest.raises(ValueError, match=r"one rank of 2 \(traced_world\) but dp=4 x tp=1 x pp=1 is a world of 4"):
+            gpucast.forecast(lambda b: calls.append(b), lambda n: torch.zeros(n), 8, target="cpu",
+                             parallel={"dp": 4})
+    assert calls == []

@@ -34,6 +34,13 @@ struct ParallelConfig {
   // FSDP2's MixedPrecisionPolicy: bytes per element of param_dtype and reduce_dtype (0: not given; reduce_dtype not
   // given reduces in param_dtype, as FSDP2 does). Given as "param_dtype:bfloat16,reduce_dtype:float32".
   int64_t param_dtype_bytes = 0, reduce_dtype_bytes = 0;
+  // The probes ran as rank traced_rank of a world of traced_world processes (gpucast.simulated_ranks: a fake process
+  // group, whose collectives move no data, under which PyTorch's own DDP, FSDP2 and tensor parallelism build and run
+  // what that rank holds). Their memory is then the rank's own: no parallel rule rewrites it, and the step time does
+  // not divide again what the rank already computes on its shards. 0: the probes ran as one process of the whole
+  // job, which the rules above turn into a rank's. Invariant when > 0: dp * tp * pp == traced_world. The step time of a
+  // pipeline stage traced alone is not forecast (step_fit.cpp refuses it).
+  int64_t traced_world = 0, traced_rank = 0;
   // "dp:8,dp_mode:fsdp,micro_batches:4,bucket_cap_mb:50" (the configuration grammar); errors name the key.
   static ParallelConfig parse(const std::string& text);
 };
