@@ -13,6 +13,13 @@ processes of this machine (gloo on loopback, one thread each):
   fsdp_ckpt              every block under torch.utils.checkpoint (use_reentrant=False), then FSDP2
   fsdp_ckpt_wrapper      every block under checkpoint_wrapper, then FSDP2
   llama_ddp, llama_fsdp, llama_fsdp_x4   Llama: DDP; FSDP2 on each decoder layer, then the root (2 / 4 ranks)
+  resnet_ddp, resnet_fsdp   torchvision's ResNet-18 (64 x 64 images, 10 classes): DDP; FSDP2 on its four stages,
+                         then the root (2 ranks)
+  gpt_tp, llama_tp       tensor parallelism (parallelize_module, 2 ranks sharing the batch): the GPT's MLPs, Llama's
+                         attention and MLP (ColwiseParallel / RowwiseParallel, as torchtitan plans a Llama)
+  llama_fsdp_tp          FSDP2 x TP on a 2 x 2 mesh (parallelize_module on "tp", fully_shard on "dp"), 4 ranks
+  pp_gpipe, pp_1f1b      torch.distributed.pipelining, ScheduleGPipe / Schedule1F1B, the GPT's children cut into 2
+                         stages, 4 micro-batches
 Every rank measures its own peak independently of gpucast (which the ranks never import): a counting wrapper around
 c10's CPU allocator (the C++ extension in COUNTER_SOURCE, built once by this parent process with
 torch.utils.cpp_extension.load_inline under ~/.cache/torch_extensions and loaded by the ranks from the built file)
@@ -25,13 +32,15 @@ steps (and the build before them), end_bytes what is held after the last step. E
 time in fresh processes; per rank the min, median and max over the runs are reported. The
 forecast comes from this (parent) process: gpucast.forecast(target="cpu") from single-process probes of the same
 model and step, with parallel= describing the job (dp, dp_mode "ddp" / "zero1" / "fsdp" with fsdp_units and
-reshard_after_forward, DDP's gradient_as_bucket_view); each rank's forecast is its group's in fc.memory.per_rank. A
-case the parallel= keys cannot describe prints "n/a (not expressible yet)", stays out of the error statistics and
+reshard_after_forward, DDP's gradient_as_bucket_view); each rank's forecast is its group's in fc.memory.per_rank.
+The tensor-parallel cases are forecast from probes that run as each rank under gpucast.simulated_ranks (one fresh
+process per rank: the model built and parallelised as that rank does it, parallel= describing the job); the
+pipelines from single-process probes of the whole model with parallel=dict(pp=2, micro_batches=4), the coarse
+rule's one number for every stage. A case the parallel= keys cannot describe prints "n/a (not expressible yet)", stays out of the error statistics and
 has "forecast": null; mixed precision (param_dtype, reduce_dtype) is forecast and marked approximate. Error = (forecast - largest measured peak of the rank over the runs) /
 that peak; the target: every forecast at or above that peak and within 1 %, median |error| <= 0.3 %. Then --confirm
 further fresh runs (10; 2 with --quick) of each case: per rank, how far their largest peak lies above the
-forecast ("confirm %"; the target: no rank above it by more than 0.5 %). Tensor parallelism, FSDP x TP and
-pipelining are listed as not measured. A run whose rank dies or overruns --timeout is killed, reported, and makes
+forecast ("confirm %"; the target: no rank above it by more than 0.5 %). A run whose rank dies or overruns --timeout is killed, reported, and makes
 the exit status 1 (--fail-rank R makes rank R exit during step 2, to check that path). Last line: one JSON object.
 
     python bench/dist_memory.py [--quick] [--cases ddp,fsdp] [--runs 5] [--confirm 10] [--timeout 300]
@@ -66,10 +75,15 @@ STEPS = 3
 @dataclasses.dataclass(frozen=True)
 class Case:
     world: int
-    strategy: str  # "ddp", "zero1" or "fsdp"
+    strategy: str  # "ddp", "zero1", "fsdp", "tp", "fsdp_tp" (a dp x 2 mesh) or "pp"
     options: dict  # how the strategy is set up (see wrap())
     forecastable: bool = True  # whether parallel= can describe it yet
-    model: str = "gpt"  # "gpt": pipeline_live.py's decoder; "llama": transformers' LlamaForCausalLM (build())
+    model: str = "gpt"  # "gpt": pipeline_live.py's decoder; "llama": transformers' LlamaForCausalLM; "resnet"
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each takes GLOBAL_BATCH / dp samples (tensor-parallel ranks share theirs)."""
+        return {"tp": 1, "pp": 1, "fsdp_tp": self.world // 2}.get(self.strategy, self.world)
 
 
 CASES = {
@@ -86,14 +100,17 @@ CASES = {
     "llama_ddp": Case(2, "ddp", {"gradient_as_bucket_view": False}, model="llama"),
     "llama_fsdp": Case(2, "fsdp", {"reshard_after_forward": True}, model="llama"),
     "llama_fsdp_x4": Case(4, "fsdp", {"reshard_after_forward": True}, model="llama"),
+    "resnet_ddp": Case(2, "ddp", {"gradient_as_bucket_view": False}, model="resnet"),
+    "resnet_fsdp": Case(2, "fsdp", {"reshard_after_forward": True}, model="resnet"),
+    "gpt_tp": Case(2, "tp", {}),
+    "llama_tp": Case(2, "tp", {}, model="llama"),
+    "llama_fsdp_tp": Case(4, "fsdp_tp", {}, model="llama"),
+    "pp_gpipe": Case(2, "pp", {"schedule": "ScheduleGPipe"}),
+    "pp_1f1b": Case(2, "pp", {"schedule": "Schedule1F1B"}),
 }
 QUICK = ("ddp", "fsdp")
-NOT_MEASURED = {
-    "tp": "parallelize_module, ColwiseParallel / RowwiseParallel on attention and MLP, 4 ranks",
-    "fsdp_tp": "FSDP x TP on a 2 x 2 mesh, 4 ranks",
-    "pp_gpipe": "torch.distributed.pipelining ScheduleGPipe, 2 stages, 4 micro-batches",
-    "pp_1f1b": "torch.distributed.pipelining Schedule1F1B, 2 stages, 4 micro-batches",
-}
+MICRO_BATCHES = 4  # the pipeline cases'
+
 
 
 class Llama(torch.nn.Module):
@@ -114,8 +131,40 @@ class Llama(torch.nn.Module):
 
 
 def units(model) -> list:
-    """The modules fully_shard is called on before the root: the GPT's top-level children, Llama's decoder layers."""
-    return list(model.lm.model.layers) if isinstance(model, Llama) else list(model)
+    """The modules fully_shard is called on before the root: the GPT's top-level children, Llama's decoder layers,
+    the ResNet's four stages."""
+    if isinstance(model, Llama):
+        return list(model.lm.model.layers)
+    if hasattr(model, "layer4"):
+        return [model.layer1, model.layer2, model.layer3, model.layer4]
+    return list(model)
+
+
+def resnet_case():
+    """torchvision's ResNet-18 (random weights, 10 classes) on 64 x 64 images: (model, make_batch, loss_fn)."""
+    import torch.nn.functional as F
+    import torchvision
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+
+    def make_batch(n):
+        return torch.randn(n, 3, 64, 64, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+    return torchvision.models.resnet18(num_classes=10), make_batch, F.cross_entropy
+
+
+def tp_plan(model) -> dict:
+    """{block: its parallelize_module plan}: Llama's attention (q, k, v column-wise, o row-wise) and MLP (gate and up
+    column-wise, down row-wise), as torchtitan plans a Llama; the GPT's MLPs (its packed q/k/v projection cannot be
+    split by columns without changing what the attention computes)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if isinstance(model, Llama):
+        plan = {f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"}
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                     "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        return {layer: plan for layer in model.lm.model.layers}
+    from examples import zoo
+    return {b: {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()} for b in model if isinstance(b, zoo.Block)}
 
 
 def build(case: Case):
@@ -126,6 +175,8 @@ def build(case: Case):
     if case.model == "llama":
         _, make_batch, loss_fn = make_case("gpt")  # the same tokens (512 ids, 64 long) and loss
         return Llama(), make_batch, loss_fn
+    if case.model == "resnet":
+        return resnet_case()
     model, make_batch, loss_fn = make_case("gpt")
     how = case.options.get("checkpoint")
     for i, child in enumerate(model):
@@ -149,8 +200,18 @@ class Checkpointed(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
-def wrap(case: Case, model):
-    """(module to call, optimizer): the model parallelised as `case` says, on the default process group."""
+def wrap(case: Case, model, loss_fn):
+    """(module, optimizer, step): the model parallelised as `case` says, on the default process group (real or
+    simulated), and one training step of it."""
+    from examples import zoo
+
+    module, opt = _parallelised(case, model)
+    if case.strategy == "pp":
+        return module, opt, pipeline_step(case, module, opt, loss_fn)
+    return module, opt, zoo.make_step(module, opt, loss_fn)
+
+
+def _parallelised(case: Case, model):
     from examples import zoo
 
     if case.strategy == "ddp":
@@ -161,9 +222,27 @@ def wrap(case: Case, model):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    if case.strategy == "pp":
+        stage = pipeline_stage(model)
+        return stage, zoo.make_optimizer("adamw", stage.parameters())
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    from torch.distributed.tensor.parallel import parallelize_module
+    world = torch.distributed.get_world_size()
+    if case.strategy == "tp":
+        mesh = init_device_mesh("cpu", (world,))
+        for block, plan in tp_plan(model).items():
+            parallelize_module(block, mesh, plan)
+        return model, zoo.make_optimizer("adamw", model.parameters())
+    if case.strategy == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for block, plan in tp_plan(model).items():
+            parallelize_module(block, mesh["tp"], plan)
+        for child in units(model):
+            fully_shard(child, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model, zoo.make_optimizer("adamw", model.parameters())
+    mesh = init_device_mesh("cpu", (world,))
     kw = {"mesh": mesh, "reshard_after_forward": case.options["reshard_after_forward"]}
     if case.options.get("bf16"):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -171,6 +250,36 @@ def wrap(case: Case, model):
         fully_shard(child, **kw)
     fully_shard(model, **kw)
     return model, zoo.make_optimizer("adamw", model.parameters())
+
+
+def pipeline_stage(model):
+    """This rank's stage of the GPT (an nn.Sequential): its children cut in two halves, as a user splits a
+    Sequential by hand (stage 0: embedding and the first blocks; stage 1: the rest, the head included)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cut = [len(model) * s // world for s in range(world + 1)]
+    return torch.nn.Sequential(*list(model)[cut[rank]:cut[rank + 1]])
+
+
+def pipeline_step(case: Case, stage_module, opt, loss_fn):
+    """One step of torch.distributed.pipelining's schedule over MICRO_BATCHES micro-batches: the first stage feeds
+    the tokens, the last computes the loss on the targets; every stage steps its optimizer."""
+    from torch.distributed import pipelining
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = getattr(pipelining, case.options["schedule"])(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+
+    def step(batch):
+        inputs, targets = batch
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(inputs)
+        elif rank == world - 1:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()
+        opt.step()
+
+    return step
 
 
 COUNTER_SOURCE = r"""
@@ -323,12 +432,12 @@ def worker(args) -> None:
     start = counter.held()  # 0: nothing counted yet
     counter.reset_peak()
     model, make_batch, loss_fn = build(case)
-    module, opt = wrap(case, model)
-    step = zoo.make_step(module, opt, loss_fn)
+    module, opt, step = wrap(case, model, loss_fn)
+    del model
     for i in range(STEPS):
         if rank == args.fail_rank and i == 1:
             os._exit(3)  # the failure path's check: a rank that dies mid-run
-        b = make_batch(GLOBAL_BATCH // world)
+        b = make_batch(GLOBAL_BATCH // case.dp)
         step(b)
         del b
     print(json.dumps({"rank": rank, "peak_bytes": counter.peak() - start, "end_bytes": counter.held() - start}),
@@ -437,6 +546,10 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
     if not case.forecastable:
         return None, 0.0
     torch.set_num_threads(1)
+    if case.strategy in ("tp", "fsdp_tp"):
+        return forecast_ranks(name)
+    if case.strategy == "pp":
+        return forecast_pipeline(case)
     model, make_batch, loss_fn = build(case)
     opt = zoo.make_optimizer("adamw", model.parameters())
     step = zoo.make_step(model, opt, loss_fn)
@@ -457,9 +570,68 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
     return [by_rank[r] for r in range(case.world)], time.perf_counter() - t0
 
 
+def forecast_pipeline(case: Case) -> tuple[list[int], float]:
+    """A pipeline's forecast: single-process probes of the whole model, one micro-batch per step, and parallel=
+    describing the stages (the coarse rule: one number for every stage). On a simulated group pipelining cannot
+    infer a stage's shapes; given ahead, they change with every probe's batch, and the probes' structures differ."""
+    import warnings
+    import gpucast
+    from examples import zoo
+
+    model, make_batch, loss_fn = build(case)
+    opt = zoo.make_optimizer("adamw", model.parameters())
+    step = zoo.make_step(model, opt, loss_fn)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no link, and the rule is approximate: both said in the row
+        fc = gpucast.forecast(step, make_batch, GLOBAL_BATCH, model=model, optimizer=opt, target="cpu",
+                              parallel={"pp": case.world, "micro_batches": MICRO_BATCHES}, timing_rounds=1)
+    return [fc.memory.peak_allocated_bytes] * case.world, time.perf_counter() - t0
+
+
+def described(case: Case) -> dict:
+    """parallel= for a case whose probes run as one of its ranks."""
+    if case.strategy == "tp":
+        return {"tp": case.world}
+    return {"dp": case.dp, "tp": 2, "dp_mode": "fsdp"}
+
+
+def forecast_ranks(name: str) -> tuple[list[int], float]:
+    """forecast()'s answer for a job whose probes run as each of its ranks under gpucast.simulated_ranks, one fresh
+    process per rank (one simulated world per process, as simulated_ranks asks)."""
+    t0, peaks = time.perf_counter(), []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'python'}:{ROOT}")
+    for rank in range(CASES[name].world):
+        out = subprocess.run([sys.executable, __file__, "--forecast-rank", f"{name}:{rank}"], env=env, text=True,
+                             capture_output=True, timeout=900)
+        if out.returncode != 0:
+            raise RuntimeError(f"rank {rank}'s forecast: {(out.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+        peaks.append(json.loads(out.stdout.strip().splitlines()[-1])["peak_allocated_bytes"])
+    return peaks, time.perf_counter() - t0
+
+
+def forecast_rank(name: str, rank: int) -> None:
+    """In a fresh process: the case built and parallelised by wrap() as rank `rank` does it, on a simulated process
+    group, and gpucast's forecast of it; its peak printed as JSON."""
+    import warnings
+    import gpucast
+
+    case = CASES[name]
+    torch.set_num_threads(1)
+    with gpucast.simulated_ranks(case.world, rank):
+        model, make_batch, loss_fn = build(case)
+        module, opt, step = wrap(case, model, loss_fn)
+        del model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no link: the step time's concern, not memory's
+            fc = gpucast.forecast(step, make_batch, GLOBAL_BATCH, model=module, optimizer=opt, target="cpu",
+                                  parallel=described(case), timing_rounds=1)
+    print(json.dumps({"rank": rank, "peak_allocated_bytes": fc.memory.peak_allocated_bytes}), flush=True)
+
+
 def describe(case: Case) -> str:
     text = _describe(case)
-    return f"Llama (transformers), {text}" if case.model == "llama" else text
+    return {"llama": f"Llama (transformers), {text}", "resnet": f"ResNet-18 (torchvision), {text}"}.get(case.model, text)
 
 
 def _describe(case: Case) -> str:
@@ -468,6 +640,13 @@ def _describe(case: Case) -> str:
         return f"DDP, gradient_as_bucket_view={o['gradient_as_bucket_view']}"
     if case.strategy == "zero1":
         return "ZeroRedundancyOptimizer over DDP"
+    if case.strategy == "tp":
+        return "tensor parallel (parallelize_module: attention and MLP)" if case.model == "llama" else \
+            "tensor parallel (parallelize_module: MLP)"
+    if case.strategy == "fsdp_tp":
+        return f"FSDP2 x tensor parallel ({case.dp} x 2 mesh)"
+    if case.strategy == "pp":
+        return f"pipelining {case.options['schedule']}, {case.world} stages, {MICRO_BATCHES} micro-batches"
     extra = {"utils": ", torch.utils.checkpoint", "wrapper": ", checkpoint_wrapper"}.get(o.get("checkpoint"), "")
     return f"FSDP2, reshard_after_forward={o['reshard_after_forward']}{', bf16/fp32' if o.get('bf16') else ''}{extra}"
 
@@ -530,7 +709,7 @@ def summary(rows: list[dict]) -> dict:
             "confirm_over_0_5_pct": sum(1 for o in overs if o > 0.5),
             "failed_runs": sum(len(row["failed_runs"]) for row in rows),
             "failed_forecasts": sum(1 for row in rows if "forecast_error" in row),
-            "not_measured": [{"case": k, "strategy": v} for k, v in NOT_MEASURED.items()], "cases": rows}
+            "cases": rows}
 
 
 def main() -> int:
@@ -545,10 +724,16 @@ def main() -> int:
     ap.add_argument("--measured", help="a previous run's output (its last line): reuse its measured runs and "
                                        "forecast again (the measurements do not depend on gpucast)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--counter", help=argparse.SUPPRESS)  # the built counter's file, for the ranks
+    ap.add_argument("--counter", help=argparse.SUPPRESS)
+    ap.add_argument("--forecast-rank", help=argparse.SUPPRESS)  # CASE:RANK, in a fresh process
+    ap.add_argument("--fake-world", type=int, default=0, help=argparse.SUPPRESS)  # the built counter's file, for the ranks
     args = ap.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.forecast_rank:
+        name, rank = args.forecast_rank.split(":")
+        forecast_rank(name, int(rank))
         return 0
     names = list(QUICK) if args.quick else args.cases.split(",")
     if args.quick:
@@ -580,8 +765,6 @@ def main() -> int:
             confirm = measure(name, args, args.confirm)
         rows.append(row_of(name, measured, fc, fc_s, confirm))
         print_row(rows[-1])
-    for k, v in NOT_MEASURED.items():
-        print(f"{k:<18} not measured: {v}")
     out = summary(rows)
     print(f"median |error| {out['median_abs_err_pct']} %, max {out['max_abs_err_pct']} % over "
           f"{out['compared_ranks']} ranks; under-estimates: {out['underestimates']}; confirmation runs: largest "
