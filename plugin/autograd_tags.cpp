@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "gpucast/storage_identity.h"
 #include "gpucast/tracer.h"
 
 namespace gpucast {
@@ -16,7 +17,7 @@ namespace {
 
 int64_t block_of(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return 0;
-  return reinterpret_cast<int64_t>(t.storage().data_ptr().get());
+  return static_cast<int64_t>(storage_identity(t.storage()));
 }
 
 void tag_by_device(const std::map<std::string, std::vector<int64_t>>& blocks, Category category) {

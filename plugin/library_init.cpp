@@ -39,6 +39,7 @@ bool load() noexcept {
     // install only means no CPU memory events (a trace notes it).
     std::string why;
     install_cpu_allocator_hook(&why);
+    install_meta_allocator_hook(&why);
     static torch::Library library(torch::Library::DEF, "gpucast", std::nullopt, __FILE__, __LINE__);
     register_ops(library);
     register_step_gnn_ops(library);

@@ -33,6 +33,7 @@
 #include "gpucast/step_gnn.h"
 #include "gpucast/step_time.h"
 #include "gpucast/step_timeline.h"
+#include "gpucast/storage_identity.h"
 #include "gpucast/trace_json.h"
 #include "gpucast/trace_summary.h"
 #include "gpucast/tracer.h"
@@ -173,8 +174,8 @@ void tag_tensors(const std::vector<std::optional<at::Tensor>>& tensors, const st
     for (const auto& t : tensors) {
       if (!t || !t->defined() || !t->has_storage()) continue;
       try {
-        const void* p = t->storage().data_ptr().get();
-        if (p != nullptr) by_device[t->device().str()].push_back(reinterpret_cast<int64_t>(p));
+        const uint64_t p = storage_identity(t->storage());
+        if (p != 0) by_device[t->device().str()].push_back(static_cast<int64_t>(p));
       } catch (const std::exception&) {
         // A tensor subclass without a real storage (fake, functional): nothing to tag.
       }

@@ -16,6 +16,8 @@ bool memory_recording() noexcept;
 
 // Live CPU blocks the CPU allocator wrapper knows (for the baseline).
 std::vector<BaselineBlock> cpu_live_blocks();
+// Live meta storages the meta allocator wrapper knows (for the baseline), device "meta".
+std::vector<BaselineBlock> meta_live_blocks();
 // CUDA: each device's bytes allocated at the trace's start, and the live blocks (the caching allocator's
 // snapshot, in address order within each segment) appended to `blocks`.
 void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,

@@ -18,6 +18,7 @@
 
 #include "gpucast/device_timer.h"
 #include "gpucast/error.h"
+#include "gpucast/storage_identity.h"
 #include "gpucast/timed_layers.h"
 #include "memory_sink.h"
 
@@ -300,7 +301,7 @@ void fill_tensor(ThreadState& ts, RawValue& r, const at::Tensor& t) {
       ts.rec.dims.push_back(strides[i].is_heap_allocated() ? -1 : strides[i].as_int_unchecked());
     }
   }
-  if (t.has_storage()) r.storage = reinterpret_cast<uint64_t>(t.storage().data_ptr().get());
+  if (t.has_storage()) r.storage = storage_identity(t.storage());
 }
 
 // Appends one value (a tensor list: its header, then its elements) to the thread's arena.
@@ -575,6 +576,15 @@ void prepare_recording(TracerState& s) {
       s.baseline["cpu"] = b;
     } else {
       s.notes.push_back(Note{"cpu-allocator-hook-unavailable", "CPU allocator hook unavailable: CPU memory events not recorded"});
+    }
+    if (meta_allocator_hook_installed()) {
+      std::vector<BaselineBlock> meta = detail::meta_live_blocks();
+      if (!meta.empty()) {
+        DeviceBaseline b{0, true};
+        for (const BaselineBlock& blk : meta) b.bytes += blk.block_bytes;
+        s.baseline["meta"] = b;
+        s.baseline_blocks.insert(s.baseline_blocks.end(), meta.begin(), meta.end());
+      }
     }
     std::string why;
     if (install_cuda_allocator_hook(&why)) {

@@ -17,7 +17,7 @@ from . import _ranks
 from ._errors import error_code
 from ._notes import note
 from ._warnings import warn
-from ._probes import (_REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
+from ._probes import (_META_PROBES, _REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
 from ._results import Forecast, MemoryForecast, TimeForecast
 from ._settings import (env_text, _buffer_bytes, _correction, _default_link, _format_link, _format_parallel, _gpu_pricing,
                         _module_paths, _note_default_link, _optimizer_list, _optimizer_name, _prior, _time_on_target)
@@ -141,6 +141,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
 
+    if isinstance(model, torch.nn.Module) and any(p.is_meta for p in model.parameters()):
+        raise ValueError(_META_PROBES)
     optimizers = _optimizer_list(optimizer)
     state = _State(model, optimizers)
     if model is None or not optimizers:

@@ -55,6 +55,13 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+# Meta tensors are traced (each storage with its bytes), but the meta device runs other kernels than the CPU: ops
+# without a C++ meta function run decompositions that allocate temporaries the CPU kernels do not (addmm as mm, mul
+# and add), and nothing there takes a workspace. Forecasts from meta probes are refused until they are matched.
+_META_PROBES = ("forecast: probes on the meta device are not supported yet (its kernels allocate otherwise than the "
+                "CPU's, so its memory is not yet the job's); build the model and batches on the CPU")
+
+
 class _State:
     """The model's and optimizer's state (and the RNG's), saved before the probes and restored after."""
 
@@ -335,6 +342,8 @@ class ProbeRun:
         """An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls (optimizer
         defaults, kernels' scratch) would otherwise make the first probe differ from the others."""
         warm = self.make_batch(*[x for x in self.design[0] if x is not None])
+        if _device_of(warm) == "meta":
+            raise ValueError(_META_PROBES)
         for _ in range(self.iterations):
             try:
                 self.step(warm)

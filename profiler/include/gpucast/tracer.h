@@ -116,6 +116,10 @@ void tag_blocks(const std::vector<int64_t>& ptrs, const std::string& device, Cat
 // `why`) when another allocator with a higher priority holds the CPU slot.
 bool install_cpu_allocator_hook(std::string* why);
 bool cpu_allocator_hook_installed();
+// The meta allocator wrapper (meta_allocator_hook.cpp), installed when the library loads: each meta storage gets a
+// token that identifies it, and its allocation and free are memory events on device "meta" during a trace.
+bool install_meta_allocator_hook(std::string* why);
+bool meta_allocator_hook_installed();
 // The calling thread's next allocation, through the CPU allocator wrapper or on the CUDA caching allocator, throws
 // a c10::Error with `message` (once): how auto mode stops a job (on_risk:raise) where no Python hook can raise
 // (gpucast/allocation_refusal.h). Cleared by an empty message.
