@@ -2,7 +2,6 @@
 // oneDNN's raw allocations, passes through here. It keeps the size of each live block (so that frees
 // of blocks allocated before a trace are seen with their size) and forwards events to the tracer only
 // while a trace runs. The DataPtr it returns has context == data, as raw_allocate requires.
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <mutex>
@@ -103,11 +102,7 @@ class CpuAllocatorHook final : public c10::Allocator {
                                                     static_cast<int64_t>(b.bytes), "cpu"});
       }
     }
-    std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<BaselineBlock> out;
-    out.reserve(ordered.size());
-    for (auto& [order, block] : ordered) out.push_back(std::move(block));
-    return out;
+    return detail::oldest_first(std::move(ordered));
   }
 
  private:
@@ -132,20 +127,10 @@ CpuAllocatorHook* g_hook = nullptr;
 }  // namespace
 
 bool install_cpu_allocator_hook(std::string* why) {
-  std::lock_guard<std::mutex> g(g_install_mu);
-  if (g_hook != nullptr) return true;
-  c10::Allocator* current = c10::GetCPUAllocator();
-  auto* hook = new CpuAllocatorHook(current);  // lives for the process: tensors may hold its deleter
-  c10::SetCPUAllocator(hook, /*priority=*/0);
-  if (c10::GetCPUAllocator() != hook) {
-    if (why != nullptr) {
-      *why = "another CPU allocator was registered with a higher priority; gpucast records no CPU memory events";
-    }
-    delete hook;
-    return false;
-  }
-  g_hook = hook;
-  return true;
+  return detail::install_allocator_hook<CpuAllocatorHook>(
+      g_install_mu, g_hook, [] { return c10::GetCPUAllocator(); },
+      [](c10::Allocator* a, uint8_t priority) { c10::SetCPUAllocator(a, priority); },
+      "another CPU allocator was registered with a higher priority; gpucast records no CPU memory events", why);
 }
 
 bool cpu_allocator_hook_installed() {

@@ -1,8 +1,14 @@
 // Internal: how allocator hooks hand events to the tracer.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
+
+#include <c10/core/Allocator.h>
 
 #include <c10/core/Device.h>
 
@@ -13,6 +19,34 @@ namespace gpucast::detail {
 // Called by allocator hooks on the allocating/freeing thread. Cheap when no trace runs.
 void record_memory_event(const void* ptr, int64_t bytes, int64_t block_bytes, c10::Device device) noexcept;
 bool memory_recording() noexcept;
+
+// The blocks an allocator wrapper holds, each with its allocation order, listed oldest first (as baselines list them).
+inline std::vector<BaselineBlock> oldest_first(std::vector<std::pair<uint64_t, BaselineBlock>> ordered) {
+  std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<BaselineBlock> out;
+  out.reserve(ordered.size());
+  for (auto& [order, block] : ordered) out.push_back(std::move(block));
+  return out;
+}
+
+// Installs a wrapper of the allocator `get()` returns, through `set` at priority 0, once per process (`slot` holds
+// it, under `mu`). False, with `refused` in `why`, where another allocator of a higher priority keeps the slot. The
+// wrapper is never deleted once installed: tensors may hold its deleter until the process ends.
+template <class Hook>
+bool install_allocator_hook(std::mutex& mu, Hook*& slot, c10::Allocator* (*get)(), void (*set)(c10::Allocator*, uint8_t),
+                            const char* refused, std::string* why) {
+  std::lock_guard<std::mutex> g(mu);
+  if (slot != nullptr) return true;
+  auto* hook = new Hook(get());
+  set(hook, /*priority=*/0);
+  if (get() != hook) {
+    if (why != nullptr) *why = refused;
+    delete hook;
+    return false;
+  }
+  slot = hook;
+  return true;
+}
 
 // Live CPU blocks the CPU allocator wrapper knows (for the baseline).
 std::vector<BaselineBlock> cpu_live_blocks();

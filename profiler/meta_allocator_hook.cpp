@@ -8,7 +8,6 @@
 // the meta device are traced as CPU probes are.
 //
 // Invariants: every token handed out is in the table until its deleter runs; the deleter runs once per token.
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <mutex>
@@ -83,11 +82,7 @@ class MetaAllocatorHook final : public c10::Allocator {
                                                          static_cast<int64_t>(token->bytes), "meta"});
       }
     }
-    std::sort(ordered.begin(), ordered.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<BaselineBlock> out;
-    out.reserve(ordered.size());
-    for (auto& [order, block] : ordered) out.push_back(std::move(block));
-    return out;
+    return detail::oldest_first(std::move(ordered));
   }
 
  private:
@@ -107,20 +102,10 @@ MetaAllocatorHook* g_meta_hook = nullptr;
 }  // namespace
 
 bool install_meta_allocator_hook(std::string* why) {
-  std::lock_guard<std::mutex> g(g_meta_install_mu);
-  if (g_meta_hook != nullptr) return true;
-  c10::Allocator* current = c10::GetAllocator(c10::kMeta);
-  auto* hook = new MetaAllocatorHook(current);  // lives for the process: tensors may hold its deleter
-  c10::SetAllocator(c10::kMeta, hook, /*priority=*/0);
-  if (c10::GetAllocator(c10::kMeta) != hook) {
-    if (why != nullptr) {
-      *why = "another meta allocator was registered with a higher priority; gpucast records no meta memory events";
-    }
-    delete hook;
-    return false;
-  }
-  g_meta_hook = hook;
-  return true;
+  return detail::install_allocator_hook<MetaAllocatorHook>(
+      g_meta_install_mu, g_meta_hook, [] { return c10::GetAllocator(c10::kMeta); },
+      [](c10::Allocator* a, uint8_t priority) { c10::SetAllocator(c10::kMeta, a, priority); },
+      "another meta allocator was registered with a higher priority; gpucast records no meta memory events", why);
 }
 
 bool meta_allocator_hook_installed() {
