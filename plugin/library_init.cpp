@@ -37,9 +37,9 @@ bool load() noexcept {
     }
     // Installed at load so that frees of blocks allocated before a trace are seen with their size. Failing to
     // install only means no CPU memory events (a trace notes it).
-    std::string why;
+    std::string why, meta_why;
     install_cpu_allocator_hook(&why);
-    install_meta_allocator_hook(&why);
+    install_meta_allocator_hook(&meta_why);
     static torch::Library library(torch::Library::DEF, "gpucast", std::nullopt, __FILE__, __LINE__);
     register_ops(library);
     register_step_gnn_ops(library);

@@ -42,9 +42,22 @@ ParallelConfig ParallelConfig::parse(const std::string& text) {
   p.micro_batches = cfg.get_int("micro_batches");
   p.traced_world = cfg.get_int("traced_world");
   p.traced_rank = cfg.get_int("traced_rank");
-  if (p.traced_world > 0 && p.dp * p.tp * p.pp != p.traced_world) {
+  if (p.traced_world == 0 && cfg.was_set("traced_rank")) {
+    GPUCAST_USER_ERROR("parallel: traced_rank {} without traced_world: the rank of which world?", p.traced_rank);
+  }
+  int64_t world = 0;
+  if (__builtin_mul_overflow(p.dp, p.tp, &world) || __builtin_mul_overflow(world, p.pp, &world)) {
+    GPUCAST_USER_ERROR("parallel: dp={} x tp={} x pp={} is more ranks than can be counted", p.dp, p.tp, p.pp);
+  }
+  if (p.traced_world > 0 && world != p.traced_world) {
     GPUCAST_USER_ERROR("parallel: the probes ran as one rank of {} (traced_world) but dp={} x tp={} x pp={} is a world "
-                       "of {}: describe the job the ranks run", p.traced_world, p.dp, p.tp, p.pp, p.dp * p.tp * p.pp);
+                       "of {}: describe the job the ranks run", p.traced_world, p.dp, p.tp, p.pp, world);
+  }
+  if (p.traced_world > 0 && p.pp > 1 && p.micro_batches > 1) {
+    // A traced stage's step is the schedule's whole step: it splits the batch into its micro-batches itself.
+    GPUCAST_USER_ERROR("parallel: micro_batches={} with a pipeline stage traced as one rank: its schedule splits each "
+                       "step's batch into micro-batches itself; give them to the schedule, not to parallel",
+                       p.micro_batches);
   }
   if (p.traced_world > 0 && p.traced_rank >= p.traced_world) {
     GPUCAST_USER_ERROR("parallel: traced_rank {} is not a rank of a world of {}", p.traced_rank, p.traced_world);

@@ -243,10 +243,13 @@ StepFits fit_probes(const std::vector<IterationTiming>& traced, const StepTimeOp
                                    return fits.tokens(x) < fits.tokens(y);
                                  }) - probes.begin());
   const IterationTiming& ref = fits.largest();
-  if (P.pp > 1 && P.traced_world > 0) {
-    GPUCAST_USER_ERROR("parallel: pp={} with probes traced as one rank (traced_world {}): the step time of a pipeline "
-                       "stage traced alone is not forecast yet; trace the whole model in one process and describe pp",
-                       P.pp, P.traced_world);
+  if (P.traced_world > 0 && (P.pp > 1 || P.dp > 1)) {
+    // The probes' timings already hold the rank's data-parallel hooks, shards and (fake) collectives, which the
+    // schedules below would add again: only tensor parallelism is forecast from a traced rank.
+    GPUCAST_USER_ERROR("parallel: dp={} pp={} with probes traced as one rank (traced_world {}): the step time of a "
+                       "rank traced with data or pipeline parallelism is not forecast yet (the step time of a pipeline "
+                       "stage traced alone, or of a data-parallel rank); trace the whole model in one process and "
+                       "describe them", P.dp, P.pp, P.traced_world);
   }
   if (P.pp > 1 && P.pp > static_cast<int64_t>(ref.layers.size())) {
     GPUCAST_USER_ERROR("parallel: 'pp' {} is more than the {} layers the probes found: every stage needs a layer", P.pp,

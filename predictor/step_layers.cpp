@@ -193,7 +193,7 @@ void stages_and_optimizer(StepSchedule& s, const StepFits& fits, const LayerTota
   double share = total_grad > 0 ? (static_cast<double>(total_grad - split_grad) +
                                    static_cast<double>(split_grad) / static_cast<double>(P.tp)) /
                                       static_cast<double>(total_grad)
-                                : 1.0 / static_cast<double>(P.tp);
+                                : P.traced_world > 0 ? 1.0 : 1.0 / static_cast<double>(P.tp);
 
   // Pipeline stages.
   std::vector<double> cost;

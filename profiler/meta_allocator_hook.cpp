@@ -53,8 +53,15 @@ class MetaAllocatorHook final : public c10::Allocator {
     return {nullptr, token, &release, c10::Device(c10::kMeta)};
   }
 
-  // No raw allocations: a raw block's context must be its data, and a meta block has none.
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  // No raw allocations of bytes (c10's meta allocator allows them, handing out nullptr for both data and context):
+  // a raw block's context must be its data, and a token is not. The wrapped deleter serves zero-byte ones.
+  c10::DeleterFnPtr raw_deleter() const override { return wrapped_->raw_deleter(); }
+
+  // A token's DataPtr is simple (one storage, no view into another's memory), though its context is not its data:
+  // copy-on-write clones of meta tensors (torch._lazy_clone) wrap it as they wrap c10's own meta DataPtr.
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+    return data_ptr.get_deleter() == &release || data_ptr.get() == data_ptr.get_context();
+  }
 
   void copy_data(void* /*dest*/, const void* /*src*/, std::size_t /*count*/) const override {}
 

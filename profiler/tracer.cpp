@@ -577,7 +577,10 @@ void prepare_recording(TracerState& s) {
     } else {
       s.notes.push_back(Note{"cpu-allocator-hook-unavailable", "CPU allocator hook unavailable: CPU memory events not recorded"});
     }
-    if (meta_allocator_hook_installed()) {
+    if (!meta_allocator_hook_installed()) {
+      s.notes.push_back(Note{"meta-allocator-hook-unavailable",
+                             "meta allocator hook unavailable: meta storages not recorded"});
+    } else {
       std::vector<BaselineBlock> meta = detail::meta_live_blocks();
       if (!meta.empty()) {
         DeviceBaseline b{0, true};

@@ -141,7 +141,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
 
-    if isinstance(model, torch.nn.Module) and any(p.is_meta for p in model.parameters()):
+    if isinstance(model, torch.nn.Module) and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError(_META_PROBES)
     optimizers = _optimizer_list(optimizer)
     state = _State(model, optimizers)
@@ -149,7 +149,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
         warn("gpucast.forecast: the probes ran training steps and changed the model's and optimizer's "
                       "state; pass model= and optimizer= to have them restored")
     run = ProbeRun(step, make_batch, model=model, state=state, design=design, iterations=iterations, target=target,
-                   per_rank=per_rank, tp=1 if "traced_world" in parallel else tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
+                   per_rank=per_rank, tp=1 if _traced(parallel) else tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
                    timing_rounds=timing_rounds, conv_workspace=conv_workspace,
                    fits=_fits_on_device(target, float(safety_fraction), state, conv_workspace)).run()
     probe_device, timings, forecaster = run.probe_device, run.timings, run.forecaster
@@ -172,10 +172,15 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                   context=context, time=time_fc, timings=timings if time_fc is not None else [],
                   timing_rounds=run.rounds if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes,
-                  modules=modules)
+                  modules=modules, traced={k: parallel[k] for k in ("traced_world", "traced_rank") if k in parallel})
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+def _traced(parallel: dict) -> bool:
+    """Whether `parallel` says the probes ran as one rank (traced_world > 0)."""
+    return int(parallel.get("traced_world", 0) or 0) > 0
 
 
 def _with_traced_rank(parallel: dict | None) -> dict:
@@ -279,9 +284,10 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
     pricing = _gpu_pricing(target, probe_device)
     if not timings or not (pricing or _time_on_target(target, probe_device)):
         return None
-    if "traced_world" in parallel and int(parallel.get("pp", 1)) > 1:
-        warn("gpucast.forecast: the probes ran as one pipeline stage (simulated ranks): its memory is forecast, the "
-             "step time of the pipeline is not yet (describe pp with probes of the whole model in one process)")
+    if _traced(parallel) and (int(parallel.get("pp", 1)) > 1 or int(parallel.get("dp", 1)) > 1):
+        warn("gpucast.forecast: the probes ran as one rank of a data-parallel or pipelined job (simulated ranks): "
+             "its memory is forecast, its step time is not yet (the probes' own hooks, shards and collectives are "
+             "not told apart from what the step-time model adds)")
         return None
     prior_flops, prior_bytes = _prior(target, time_fraction, timings)
 

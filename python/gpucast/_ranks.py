@@ -46,7 +46,8 @@ def simulated_ranks(world_size: int, rank: int = 0) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the body may have destroyed it
+            dist.destroy_process_group()
 
 
 def traced_rank() -> tuple[int, int] | None:

@@ -131,6 +131,8 @@ class Forecast:
     buffer_bytes: int = 0  # the model's buffers (what DDP broadcasts every step)
     # The model's modules by path and class (_module_paths): what parallel's fsdp_units names resolve to
     modules: dict = field(default_factory=dict, repr=False, compare=False)
+    # Under gpucast.simulated_ranks: {"traced_world": n, "traced_rank": r}, kept in every parallel= of step_time()
+    traced: dict = field(default_factory=dict, repr=False, compare=False)
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",
@@ -155,7 +157,9 @@ class Forecast:
         every = time_fraction is not None or time_budget is not None
         prior_flops, prior_bytes = _prior(self.target, min(fraction, budget), self.timings, every)
         text = torch.ops.gpucast.forecast_step_time(
-            self.timings, batch_size, parallel=_format_parallel(parallel, self.buffer_bytes, self.modules),
+            self.timings, batch_size,
+            parallel=_format_parallel({**(parallel or {}), **self.traced} if self.traced else parallel,
+                                      self.buffer_bytes, self.modules),
             link=_format_link(_default_link(link, self.target)), time_scale=float(time_scale), time_fraction=fraction,
             design=str(design), prior_flops_per_s=prior_flops, prior_bytes_per_s=prior_bytes,
             **_gpu_pricing(self.target, self.probe_device), seq_len=int(length or 0), every_layer=every,

@@ -350,6 +350,13 @@ TEST(MemoryForecast, TracedWorldMustBeTheDescribedOne) {
             "describe the job the ranks run");
   EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("tp:2,traced_world:2,traced_rank:2"); }),
             "parallel: traced_rank 2 is not a rank of a world of 2");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("tp:2,traced_rank:1"); }),
+            "parallel: traced_rank 1 without traced_world: the rank of which world?");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("pp:2,micro_batches:4,traced_world:2"); }),
+            "parallel: micro_batches=4 with a pipeline stage traced as one rank: its schedule splits each step's batch "
+            "into micro-batches itself; give them to the schedule, not to parallel");
+  EXPECT_EQ(test_util::user_error([] { ParallelConfig::parse("dp:4294967296,tp:4294967296"); }),
+            "parallel: dp=4294967296 x tp=4294967296 x pp=1 is more ranks than can be counted");
   const ParallelConfig p = ParallelConfig::parse("pp:2,traced_world:2,traced_rank:1");
   EXPECT_EQ(p.traced_world, 2);
   EXPECT_EQ(p.traced_rank, 1);

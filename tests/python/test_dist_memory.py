@@ -125,6 +125,35 @@ def test_simulated_ranks_refuses_bad_arguments_and_a_second_group():
     assert not dist.is_initialized()
 
 
+def test_a_traced_forecast_keeps_its_rank_in_later_step_times():
+    """fc.step_time() at another batch reads the probes as the traced rank's too: its layers are not divided by tp
+    again, and another world is refused."""
+    import warnings
+    import gpucast
+    import torch
+    with gpucast.simulated_ranks(2, 0):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        parallelize_module(mlp, init_device_mesh("cpu", (2,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+
+        def step(x):
+            opt.zero_grad()
+            mlp(x).sum().backward()
+            opt.step()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fc = gpucast.forecast(step, lambda n: torch.randn(n, 32), 16, model=mlp, optimizer=opt, target="cpu",
+                                  parallel=dict(tp=2), timing_rounds=1, gnn=None)
+    assert fc.traced == {"traced_world": 2, "traced_rank": 0}
+    again = fc.step_time(16, parallel=dict(tp=2), gnn=None)
+    assert again.per_layer == fc.time.per_layer
+    with pytest.raises(ValueError, match="one rank of 2 \\(traced_world\\) but dp=1 x tp=4"):
+        fc.step_time(16, parallel=dict(tp=4))
+
+
 def test_simulated_ranks_parallel_must_describe_the_world():
     """Probes run as one rank of 2 with parallel= describing a world of 4: an error naming both, before any probe."""
     import gpucast
