@@ -26,18 +26,20 @@ json frames_of(const Trace& t, int64_t op) {
 }  // namespace
 
 std::string trace_to_memory_snapshot_json(const Trace& t) {
-  // Device order: cuda:0..n-1, then cpu.
-  std::map<std::string, int> index;
+  // Device order: cuda:0..n-1, then meta where the trace holds meta storages, then cpu (always last). Meta has a
+  // trace of its own: its blocks are named by tokens, not addresses, and would overlap the CPU's in a segment.
   int max_cuda = -1;
-  auto note = [&](const std::string& dev) {
-    if (dev.rfind("cuda:", 0) == 0) max_cuda = std::max(max_cuda, std::stoi(dev.substr(5)));
-  };
-  for (const Allocation& a : t.allocations) note(a.device);
+  bool meta = false;
+  for (const Allocation& a : t.allocations) {
+    if (a.device.rfind("cuda:", 0) == 0) max_cuda = std::max(max_cuda, std::stoi(a.device.substr(5)));
+    meta = meta || a.device == "meta";
+  }
   auto device_index = [&](const std::string& dev) {
     if (dev.rfind("cuda:", 0) == 0) return std::stoi(dev.substr(5));
-    return max_cuda + 1;
+    if (dev == "meta") return max_cuda + 1;
+    return max_cuda + (meta ? 2 : 1);
   };
-  const int n_devices = max_cuda + 2;
+  const int n_devices = max_cuda + (meta ? 3 : 2);
   json traces = json::array();
   for (int i = 0; i < n_devices; ++i) traces.push_back(json::array());
   for (const Allocation& a : t.allocations) {

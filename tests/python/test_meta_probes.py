@@ -50,6 +50,25 @@ def test_meta_tensors_still_clone_lazily():
     assert y.is_meta and y.shape == (8, 8)
 
 
+def test_memory_snapshot_gives_meta_storages_a_trace_of_their_own():
+    """Meta blocks are named by tokens, not addresses: in PyTorch's snapshot format they are a device of their own,
+    before the CPU (which stays last), so that no segment mixes them with CPU blocks."""
+    keep = torch.empty(1000, device="meta")
+    with gpucast.trace() as t:
+        a = torch.empty(100, device="meta")  # 400 bytes, live at the end
+        b = torch.ones(50)  # 200 CPU bytes, live at the end
+    snap = t.result.memory_snapshot()
+    meta_trace, cpu_trace = snap["device_traces"][-2], snap["device_traces"][-1]
+    assert [e["size"] for e in meta_trace if e["action"] == "alloc"][-1] == 400
+    assert all(e["size"] != 400 for e in cpu_trace if e["action"] == "alloc")
+    meta_index = len(snap["device_traces"]) - 2
+    meta_live = [blk["size"] for s in snap["segments"] if s["device"] == meta_index for blk in s["blocks"]
+                 if blk["state"] == "active_allocated"]
+    expected = [al.block_bytes for al in t.result.allocations if al.device == "meta" and al.free_event < 0]
+    assert sorted(meta_live) == sorted(expected) and 400 in meta_live and 4000 in meta_live
+    del keep, a, b
+
+
 def test_forecast_refuses_meta_probes_before_any_probe_runs():
     """Meta storages are traced, but forecasts from them are not yet the job's: refused, with what to do."""
     calls = []

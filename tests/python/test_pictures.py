@@ -50,11 +50,12 @@ def test_memory_snapshot_loads_with_pytorch_memory_viz(tmp_path):
     t.save_memory_snapshot(str(path))
     with open(path, "rb") as f:
         snap = pickle.load(f)
-    cpu_trace = snap["device_traces"][-1]
+    cpu_trace = snap["device_traces"][-1]  # the CPU's is the last (meta storages, if any, have their own before it)
     allocs = [e for e in cpu_trace if e["action"] == "alloc"]
     frees = [e for e in cpu_trace if e["action"] == "free_requested"]
-    assert len(allocs) == sum(1 for a in t.allocations if a.baseline) + sum(1 for e in t.events if e.bytes > 0)
-    assert len(frees) == sum(1 for e in t.events if e.bytes < 0)
+    assert len(allocs) == (sum(1 for a in t.allocations if a.baseline and a.device == "cpu")
+                           + sum(1 for e in t.events if e.bytes > 0 and e.device == "cpu"))
+    assert len(frees) == sum(1 for e in t.events if e.bytes < 0 and e.device == "cpu")
     text = memory_viz.trace(snap)
     assert text.startswith(f"Device {len(snap['device_traces']) - 1} ----------------\n{len(cpu_trace)} entries")
     assert "total_reserved" in memory_viz.segsum(snap)
