@@ -61,12 +61,23 @@ std::string trace_to_memory_snapshot_json(const Trace& t) {
       }
     }
   }
-  // Segments: per device, one range from the lowest to the highest live block at the end.
+  // Segments: per device, one range from the lowest to the highest live block at the end; on meta, whose tokens are
+  // not addresses of the bytes they stand for (their ranges overlap), one segment per block.
   std::map<int, std::vector<const Allocation*>> live;
   for (const Allocation& a : t.allocations) {
     if (a.free_event < 0) live[device_index(a.device)].push_back(&a);
   }
   json segments = json::array();
+  if (meta) {
+    for (const Allocation* a : live[max_cuda + 1]) {
+      segments.push_back({{"device", max_cuda + 1}, {"address", a->ptr}, {"total_size", a->block_bytes},
+                          {"allocated_size", a->block_bytes}, {"stream", 0}, {"segment_type", "large"},
+                          {"blocks", json::array({json{{"size", a->block_bytes}, {"state", "active_allocated"},
+                                                       {"requested_size", a->bytes},
+                                                       {"frames", frames_of(t, a->alloc_op)}}})}});
+    }
+    live.erase(max_cuda + 1);
+  }
   for (auto& [d, blocks] : live) {
     std::sort(blocks.begin(), blocks.end(), [](const Allocation* x, const Allocation* y) { return x->ptr < y->ptr; });
     const uint64_t base = blocks.front()->ptr;
