@@ -548,12 +548,15 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
     torch.set_num_threads(1)
     if case.strategy in ("tp", "fsdp_tp"):
         return forecast_ranks(name)
-    if case.strategy == "pp":
-        return forecast_pipeline(case)
     model, make_batch, loss_fn = build(case)
     opt = zoo.make_optimizer("adamw", model.parameters())
     step = zoo.make_step(model, opt, loss_fn)
     parallel = {"dp": case.world, "dp_mode": case.strategy}
+    if case.strategy == "pp":
+        # The whole model in one process, one micro-batch per step, and the coarse rule's one number for every
+        # stage: on a simulated group pipelining cannot infer a stage's shapes; given ahead, they change with every
+        # probe's batch, and the probes' structures differ.
+        parallel = {"pp": case.world, "micro_batches": MICRO_BATCHES}
     if case.strategy == "ddp":
         parallel["gradient_as_bucket_view"] = case.options["gradient_as_bucket_view"]
     if case.strategy == "fsdp":
@@ -566,27 +569,10 @@ def forecast(name: str) -> tuple[list[int] | None, float]:
         warnings.simplefilter("ignore")  # a parallel forecast without a link: the step time's concern, not memory's
         fc = gpucast.forecast(step, make_batch, GLOBAL_BATCH, model=model, optimizer=opt, target="cpu",
                               parallel=parallel, timing_rounds=1)
+    if case.strategy == "pp":
+        return [fc.memory.peak_allocated_bytes] * case.world, time.perf_counter() - t0
     by_rank = {r: g["peak_allocated_bytes"] for g in fc.memory.per_rank for r in g["ranks"]}
     return [by_rank[r] for r in range(case.world)], time.perf_counter() - t0
-
-
-def forecast_pipeline(case: Case) -> tuple[list[int], float]:
-    """A pipeline's forecast: single-process probes of the whole model, one micro-batch per step, and parallel=
-    describing the stages (the coarse rule: one number for every stage). On a simulated group pipelining cannot
-    infer a stage's shapes; given ahead, they change with every probe's batch, and the probes' structures differ."""
-    import warnings
-    import gpucast
-    from examples import zoo
-
-    model, make_batch, loss_fn = build(case)
-    opt = zoo.make_optimizer("adamw", model.parameters())
-    step = zoo.make_step(model, opt, loss_fn)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # no link, and the rule is approximate: both said in the row
-        fc = gpucast.forecast(step, make_batch, GLOBAL_BATCH, model=model, optimizer=opt, target="cpu",
-                              parallel={"pp": case.world, "micro_batches": MICRO_BATCHES}, timing_rounds=1)
-    return [fc.memory.peak_allocated_bytes] * case.world, time.perf_counter() - t0
 
 
 def described(case: Case) -> dict:
