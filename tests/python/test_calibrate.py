@@ -237,8 +237,11 @@ def test_a_backend_without_reduce_scatter_keeps_the_rest(tmp_path):
     assert "error" not in r, r["error"]
     assert "reduce_scatter_samples" not in r
     assert [s["bytes"] for s in r["all_gather_samples"]] == [2**16, 2**18, 2**20, 2**22]
-    assert r["warned"] == ["gpucast.calibrate: a reduce-scatter cannot run on this process group (reduce_scatter_tensor "
-                           "is not supported here); FSDP's and ZeRO's reduce-scatters are priced as half an all-reduce"]
+    # A loaded host may add the samples-do-not-grow warning (timings, not this test's subject); nothing else.
+    noisy = "gpucast.calibrate: the all-reduce samples do not grow with the size"
+    assert [w for w in r["warned"] if not w.startswith(noisy)] == [
+        "gpucast.calibrate: a reduce-scatter cannot run on this process group (reduce_scatter_tensor "
+        "is not supported here); FSDP's and ZeRO's reduce-scatters are priced as half an all-reduce"]
 
 
 def test_without_a_process_group():
