@@ -571,6 +571,30 @@ void register_trace_ops(torch::Library& m) {
     return gpucast::Config("gpucast.trace() options", gpucast::trace_config_keys()).describe();
   });
   m.def("owned_storages() -> int[]", [] { return gpucast::owned_storages(); });
+  // Whether meta probes run the operator ("aten::_safe_softmax", "aten::add.Tensor") as its CompositeExplicitAutograd
+  // kernel (profiler/meta_kernels.cpp).
+  m.def("meta_runs_composite(str op) -> bool", [](const std::string& op) {
+    const size_t ns = op.find("::");
+    const size_t dot = op.find('.', ns == std::string::npos ? 0 : ns + 2);
+    return gpucast::meta_runs_composite(op.substr(0, dot),
+                                                dot == std::string::npos ? std::string() : op.substr(dot + 1));
+  });
+  // How a trace names each tensor's storage (storage_identity.h: a meta storage by its token); 0 for an undefined
+  // tensor or one without a storage.
+  m.def("storage_identities(Tensor?[] tensors) -> int[]", [](const std::vector<std::optional<at::Tensor>>& tensors) {
+    std::vector<int64_t> out;
+    out.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      uint64_t p = 0;
+      try {
+        if (t && t->defined() && t->has_storage()) p = gpucast::storage_identity(t->storage());
+      } catch (const std::exception&) {
+        p = 0;  // a tensor subclass without a real storage (fake, functional)
+      }
+      out.push_back(static_cast<int64_t>(p));
+    }
+    return out;
+  });
   // The C allocator in the state of a process that has run a while: glibc's malloc serves a block above its mmap
   // threshold (128 KiB at the start) with fresh pages and returns it on free, and when such a block of at most
   // 32 MiB is freed it raises that threshold to the block's size and its heap-trimming threshold to twice it, so a

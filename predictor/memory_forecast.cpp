@@ -158,6 +158,59 @@ std::unordered_set<int64_t> freed_in_their_call(const std::vector<Entry>& entrie
   return out;
 }
 
+// For each op of `ops`, the outermost op it runs in (itself included) for which is_call holds; kNone outside any.
+// Each op's answer comes from its parent's, in whatever order the ops are held: walk up to an op already answered,
+// then answer the ops on the way down; is_call is asked once per op.
+template <class IsCall>
+std::vector<int64_t> outermost_calls(const std::vector<OpRecord>& ops, IsCall is_call) {
+  const int64_t n = static_cast<int64_t>(ops.size());
+  std::vector<int64_t> out(ops.size(), kNone);
+  std::vector<char> done(ops.size(), 0);
+  std::vector<int64_t> chain;
+  for (int64_t i = 0; i < n; ++i) {
+    chain.clear();
+    for (int64_t j = i; j >= 0 && j < n && !done[j] && static_cast<int64_t>(chain.size()) <= n; j = ops[j].parent) {
+      chain.push_back(j);
+    }
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      const int64_t j = *it, parent = ops[j].parent;
+      const int64_t above = parent >= 0 && parent < n && done[parent] ? out[parent] : kNone;
+      out[j] = above != kNone ? above : is_call(ops[j]) ? j : kNone;
+      done[j] = 1;
+    }
+  }
+  return out;
+}
+
+// Ops that only allocate, cast, copy, fill or view: what a kernel calls through ATen for its outputs and scratch
+// (kernel_call_of in the forecaster).
+bool kernel_primitive(const std::string& name) {
+  static const std::unordered_set<std::string> kNames = {
+      "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
+      "aten::zeros", "aten::zeros_like", "aten::new_zeros", "aten::scalar_tensor", "aten::resize_", "aten::to",
+      "aten::_to_copy", "aten::copy_", "aten::fill_", "aten::zero_", "aten::as_strided", "aten::view",
+      "aten::_reshape_alias", "aten::transpose", "aten::t", "aten::permute", "aten::expand", "aten::select",
+      "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::alias", "aten::contiguous"};
+  return kNames.count(name) != 0;
+}
+
+// Whether op `outer` is op `inner` or encloses it (64: a chosen guard, deeper than any nesting a trace holds).
+bool encloses(const std::vector<OpRecord>& ops, int64_t outer, int64_t inner) {
+  const auto n = static_cast<int64_t>(ops.size());
+  for (int depth = 0; inner >= 0 && inner < n && depth < 64; ++depth) {
+    if (inner == outer) return true;
+    inner = ops[static_cast<size_t>(inner)].parent;
+  }
+  return false;
+}
+
+// Whether a block on device `on` is in the stream of probes on `probe_device`. Meta probes: a meta job's CPU
+// tensors (AdamW's step counts, made on the CPU whatever the parameters' device: torch/optim/adam.py
+// _init_group) are recorded beside its meta ones, as CPU probes record both on the CPU: the stream holds both.
+bool in_probe_stream(const std::string& on, const std::string& probe_device) {
+  return on == probe_device || (probe_device == "meta" && on == "cpu");
+}
+
 Stream extract(const Trace& t, const std::string& device, const std::unordered_set<uint64_t>& exclude) {
   Stream s;
   // Iteration boundaries: the end of each optimizer step.
@@ -184,7 +237,7 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
   std::vector<int64_t> position(t.allocations.size(), kUnplaced);
   for (size_t a = 0; a < t.allocations.size(); ++a) {
     const Allocation& al = t.allocations[a];
-    if (!al.baseline || al.device != device || exclude.count(al.ptr) != 0) continue;
+    if (!al.baseline || !in_probe_stream(al.device, device) || exclude.count(al.ptr) != 0) continue;
     position[a] = initial_ref(s.initial_bytes.size());
     s.initial_bytes.push_back(al.block_bytes);
     s.initial_category.push_back(al.category);
@@ -204,7 +257,7 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
   // Sized exactly up front: a vector grown by doubling holds up to twice its entries, and both copies while it grows.
   size_t entries = 0, allocations = 0;
   for (const MemEvent& e : t.events) {
-    if (e.device != device || e.allocation < 0) continue;
+    if (!in_probe_stream(e.device, device) || e.allocation < 0) continue;
     ++entries;
     if (e.bytes > 0) ++allocations;
   }
@@ -212,7 +265,7 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
   s.ptr_of.reserve(allocations);
   int64_t next = 0;
   for (const MemEvent& e : t.events) {
-    if (e.device != device || e.allocation < 0) continue;
+    if (!in_probe_stream(e.device, device) || e.allocation < 0) continue;
     const Allocation& al = t.allocations[e.allocation];
     Entry en;
     en.alloc = e.bytes > 0;
@@ -754,6 +807,10 @@ class Forecaster {
 
   void validate() {
     if (in_.probes.empty()) GPUCAST_USER_ERROR("forecast: no probe traces given");
+    if (in_.probe_device == "meta" && in_.target == "cpu") {
+      GPUCAST_USER_ERROR("forecast: probes on the meta device forecast a GPU target (target='H100-80GB', ...); "
+                         "target 'cpu' is forecast from probes on the CPU");
+    }
     if (in_.probes.size() != in_.probe_batch.size()) {
       GPUCAST_USER_ERROR("forecast: {} probe traces but {} probe batch sizes", in_.probes.size(), in_.probe_batch.size());
     }
@@ -864,7 +921,7 @@ class Forecaster {
     // GPU probes list the blocks held at the start in address order (the caching allocator's snapshot), which
     // differs between probes wherever a probe's batch landed: there they are put in one order, by category and
     // then by size, block by block (a block keeps its own pool and segment in the simulation).
-    if (in_.probe_device != "cpu") {
+    if (!host_probes()) {
       for (size_t i : usable) order_initial(streams_[i]);
     }
     bool same_initial = true;
@@ -1065,7 +1122,7 @@ class Forecaster {
     if (s.iterations < 2) synthesize_steady_iteration(p, s);
     apply_parallel(p, par);
     if (!gpu && batch == in_.op_workspace_batch && !in_.op_workspaces.empty()) replace_op_scratch(p);
-    if (gpu && in_.probe_device == "cpu") add_device_allocations(p, s);
+    if (gpu && host_probes()) add_device_allocations(p, s);
     else if (gpu) mark_conv_calls(p);
     return p;
   }
@@ -1563,27 +1620,69 @@ class Forecaster {
   // The outermost convolution op (forward: aten::conv2d, aten::convolution...; backward:
   // aten::convolution_backward) each op of the reference trace runs in; kNone outside convolutions.
   const std::vector<int64_t>& conv_call_of() {
-    if (!conv_call_of_.empty() || model_.trace->ops.empty()) return conv_call_of_;
-    const std::vector<OpRecord>& ops = model_.trace->ops;
-    const int64_t n = static_cast<int64_t>(ops.size());
-    conv_call_of_.assign(ops.size(), kNone);
-    // Each op's answer from its parent's (the outermost convolution wins), in whatever order the trace holds
-    // them: walk up to an op already answered, then answer the ops on the way down. Each op's kind is read once.
-    std::vector<char> done(ops.size(), 0);
-    std::vector<int64_t> chain;
-    for (int64_t i = 0; i < n; ++i) {
-      chain.clear();
-      for (int64_t j = i; j >= 0 && j < n && !done[j] && static_cast<int64_t>(chain.size()) <= n; j = ops[j].parent) {
-        chain.push_back(j);
-      }
-      for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-        const int64_t j = *it, parent = ops[j].parent;
-        const int64_t above = parent >= 0 && parent < n && done[parent] ? conv_call_of_[parent] : kNone;
-        conv_call_of_[j] = above != kNone ? above : op_cost_kind(ops[j].name) == "conv" ? j : kNone;
-        done[j] = 1;
-      }
+    if (conv_call_of_.empty()) {
+      conv_call_of_ = outermost_calls(model_.trace->ops, [](const OpRecord& op) { return op_cost_kind(op.name) == "conv"; });
     }
     return conv_call_of_;
+  }
+
+  // Per op of the reference trace: the kernel call it runs in (kNone: none). A kernel call is the outermost op
+  // whose ops inside, if any, only allocate, cast, copy or view (kernel_primitive): one CPU kernel with the
+  // allocations it makes through ATen (aten::native_batch_norm and its aten::empty scratch; aten::mul_ and the cast
+  // TensorIterator makes of a double scalar; the CPU's flash attention and its per-thread buffers).
+  const std::vector<int64_t>& kernel_call_of() {
+    const std::vector<OpRecord>& ops = model_.trace->ops;
+    if (!kernel_call_of_.empty() || ops.empty()) return kernel_call_of_;
+    const auto n = static_cast<int64_t>(ops.size());
+    std::vector<char> pure(ops.size(), 1);  // every op inside is a primitive
+    for (int64_t i = 0; i < n; ++i) {
+      if (kernel_primitive(ops[static_cast<size_t>(i)].name)) continue;
+      // 64: a chosen guard, deeper than any nesting a trace holds; each step goes to an enclosing op.
+      int64_t o = ops[static_cast<size_t>(i)].parent;
+      for (int depth = 0; o >= 0 && o < n && pure[static_cast<size_t>(o)] && depth < 64; ++depth) {
+        pure[static_cast<size_t>(o)] = 0;
+        o = ops[static_cast<size_t>(o)].parent;
+      }
+    }
+    kernel_call_of_ = outermost_calls(ops, [&](const OpRecord& op) {
+      return op.scope == Scope::Function && pure[static_cast<size_t>(op.id)];
+    });
+    return kernel_call_of_;
+  }
+
+  // GPU target from host probes: what a CPU kernel allocates and frees before it returns is that kernel's own
+  // scratch, never what the CUDA kernel allocates: batch norm's statistics buffers, oneDNN's scratchpads, the CPU
+  // flash attention's per-thread buffers (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), and the input
+  // casts TensorIterator makes only where an op runs on the CPU (aten/src/ATen/TensorIterator.cpp, compute_types:
+  // "Creates temporaries for CPU operations", under common_device == kCPU; a CUDA kernel casts as it reads). Such
+  // blocks are left out. A meta kernel allocates its outputs only (Python ones folded so: trace_assembly.h), so
+  // host probes of either device come to the same stream. Convolutions keep their own rule
+  // (replace_conv_scratch), which puts cuDNN's workspace in their scratch's place.
+  void drop_cpu_kernel_scratch(Planned& p) {
+    const std::vector<int64_t>& call = kernel_call_of();
+    const std::vector<int64_t>& conv = conv_call_of();
+    if (call.empty()) return;
+    auto call_of = [&](const Entry& e) {
+      if (e.op < 0 || e.op >= static_cast<int64_t>(call.size()) || conv[static_cast<size_t>(e.op)] != kNone) return kNone;
+      return call[static_cast<size_t>(e.op)];
+    };
+    std::unordered_set<int64_t> scratch = freed_in_their_call(p.entries, kNone, call_of);
+    // Wrapped numbers: a Python or C++ scalar an op takes as a tensor is a one-element tensor on the CPU whatever
+    // the op's device (aten/src/ATen/ScalarOps.h, wrapped_scalar_tensor; the Python argument parser's
+    // scalar_to_tensor), so in a GPU job it is never GPU memory. In host probes such a block is one element (at most
+    // 8 bytes) freed in the op it was made in (or the scope around ops that made it, when made before dispatch).
+    // A device's own one-element temporary made and freed inside one op is left out with them: 8 bytes, one
+    // 512-byte block of the caching allocator each.
+    const std::vector<OpRecord>& ops = model_.trace->ops;
+    std::unordered_map<int64_t, int64_t> small;  // ref -> the op that made it
+    for (const Entry& e : p.entries) {
+      if (e.alloc && e.bytes > 0 && e.bytes <= 8 && e.op >= 0) small[e.ref] = e.op;
+    }
+    for (const Entry& e : p.entries) {
+      auto it = e.alloc ? small.end() : small.find(e.ref);
+      if (it != small.end() && e.op >= 0 && encloses(ops, it->second, e.op)) scratch.insert(e.ref);
+    }
+    if (!scratch.empty()) std::erase_if(p.entries, [&](const Entry& e) { return scratch.count(e.ref) != 0; });
   }
 
   // Convolutions on CUDA (cuDNN, aten/src/ATen/native/cudnn/Conv_v8.cpp): what the CPU kernels allocate and
@@ -1737,6 +1836,7 @@ class Forecaster {
     // torch/optim/adam.py:762 (torch 2.14.1, _multi_tensor_adam): torch._foreach_sqrt(device_exp_avg_sqs).
     adam_bytes /= 2;  // exp_avg_sq only: foreach sqrt makes one temporary list of that size
     const int64_t sdpa_changed = adjust_attention(p);
+    drop_cpu_kernel_scratch(p);
     replace_conv_scratch(p);
     int last_optimizer_iteration = 0;
     const std::vector<char>& matmul = matmul_ops();
@@ -1760,8 +1860,10 @@ class Forecaster {
         const int64_t ref = kWorkspaceRef + 2 + e.iteration;
         adds.emplace_back(i, Entry::made(true, ref, adam_bytes, Category::Temporary, Phase::Optimizer, e.op,
                                          e.iteration));
-        adds.emplace_back(i + 1, Entry::made(false, ref, 0, Category::Temporary, Phase::Optimizer, e.op,
-                                             e.iteration));
+        // Held over the step's start only, not across its first entry: in host probes that entry is whatever the
+        // CPU's single-tensor path allocates first (a parameter's denominator), which the GPU's foreach path
+        // does not allocate beside this temporary.
+        adds.emplace_back(i, Entry::made(false, ref, 0, Category::Temporary, Phase::Optimizer, e.op, e.iteration));
       }
     }
     insert_before(p.entries, adds);
@@ -1791,7 +1893,9 @@ class Forecaster {
     }
   }
 
-  bool gpu_probes() const { return in_.target != "cpu" && in_.probe_device != "cpu"; }
+  bool gpu_probes() const { return in_.target != "cpu" && !host_probes(); }
+  // Probes on the host: the CPU, or the meta device (whose blocks are what the same tensors take on the CPU).
+  bool host_probes() const { return in_.probe_device == "cpu" || in_.probe_device == "meta"; }
 
   size_t largest_probe() const {
     size_t ref = 0;
@@ -1901,6 +2005,7 @@ class Forecaster {
   bool notes_added_ = false;
   int64_t conv_workspace_ = -1;           // cuDNN workspace per convolution call; -1 unknown
   std::vector<int64_t> conv_call_of_;     // per op of the reference trace (conv_call_of())
+  std::vector<int64_t> kernel_call_of_;   // per op of the reference trace (kernel_call_of())
   std::unordered_map<uint64_t, double> attention_factors_;  // attention_factors()
   bool attention_factors_found_ = false;
   detail::FsdpLayout fsdp_layout_;        // fsdp_layout()

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <cstdint>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +54,10 @@ bool install_allocator_hook(std::mutex& mu, Hook*& slot, c10::Allocator* (*get)(
 std::vector<BaselineBlock> cpu_live_blocks();
 // Live meta storages the meta allocator wrapper knows (for the baseline), device "meta".
 std::vector<BaselineBlock> meta_live_blocks();
+// Whether the meta kernel the dispatcher runs for an op is written in Python where the CPU and GPU run a kernel
+// of their own (meta_kernels.cpp), answered now for the operators `ops` (name, overload) and kept: false for any
+// other and for what is not an operator.
+std::function<bool(const OpRecord&)> meta_kernel_in_python(const std::set<std::pair<std::string, std::string>>& ops);
 // CUDA: each device's bytes allocated at the trace's start, and the live blocks (the caching allocator's
 // snapshot, in address order within each segment) appended to `blocks`.
 void cuda_baseline(std::map<std::string, DeviceBaseline>& out, std::vector<BaselineBlock>& blocks,

@@ -171,6 +171,149 @@ void assign_categories(Trace& trace, const std::vector<Tag>& tags, bool optimize
   }
 }
 
+namespace {
+
+bool touches_meta(const OpRecord& op) {
+  for (const std::vector<Value>* values : {&op.inputs, &op.outputs}) {
+    for (const Value& v : *values) {
+      for (const TensorMeta& t : v.tensors) {
+        if (t.device == "meta") return true;
+      }
+    }
+  }
+  return false;
+}
+
+// root[i]: the outermost folded op op i is in (itself included), -1 outside any.
+std::vector<int64_t> fold_roots(const RawThread& t, const std::function<bool(const OpRecord&)>& in_python) {
+  const int64_t n = static_cast<int64_t>(t.ops.size());
+  std::vector<char> meta_inside(t.ops.size(), 0);
+  for (const MemEvent& e : t.events) {
+    if (e.device != "meta") continue;
+    // Up the chain of enclosing ops; each step goes to an earlier op, so the walk ends.
+    for (int64_t o = e.op; o >= 0 && o < n && !meta_inside[o]; o = t.ops[o].parent < o ? t.ops[o].parent : -1) {
+      meta_inside[o] = 1;
+    }
+  }
+  std::vector<int64_t> root(t.ops.size(), -1);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = t.ops[i].parent;
+    if (p >= 0 && p < i && root[p] >= 0) {
+      root[i] = root[p];
+    } else if ((meta_inside[i] || touches_meta(t.ops[i])) && in_python(t.ops[i])) {
+      root[i] = i;
+    }
+  }
+  return root;
+}
+
+// Marks the events of blocks allocated and freed inside one folded op (root) on this thread.
+std::vector<char> fold_temporaries(const RawThread& t, const std::vector<int64_t>& root) {
+  auto root_of = [&](int64_t op) { return op >= 0 && op < static_cast<int64_t>(root.size()) ? root[op] : -1; };
+  std::vector<char> drop(t.events.size(), 0);
+  std::unordered_map<PtrKey, size_t, PtrKeyHash> open;  // block -> its allocation event, made inside a folded op
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    const MemEvent& e = t.events[i];
+    const PtrKey key{e.ptr, e.device};
+    const int64_t r = root_of(e.op);
+    if (e.bytes > 0) {
+      if (r >= 0) open[key] = i;
+      else open.erase(key);
+      continue;
+    }
+    auto it = open.find(key);
+    if (it == open.end()) continue;
+    if (r >= 0 && root_of(t.events[it->second].op) == r) drop[it->second] = drop[i] = 1;
+    open.erase(it);
+  }
+  return drop;
+}
+
+// The blocks each folded op allocated and kept, in the order of its outputs (their storages), then the rest in
+// the order they came: a CPU or GPU kernel allocates its outputs first, in order (a structured kernel's meta
+// function sets output 0, then 1...; native_layer_norm's CPU kernel allocates the result, then mean, then rstd),
+// where a Python meta kernel may allocate them in any order (its decomposition computes mean and rstd first). Each
+// event slot keeps its place in the order of events (seq, time); the blocks move between the slots.
+void order_as_outputs(std::vector<MemEvent>& events, const std::vector<OpRecord>& ops,
+                      const std::vector<char>& folded) {
+  std::unordered_map<int64_t, std::vector<size_t>> slots;  // folded op -> its allocation events
+  for (size_t i = 0; i < events.size(); ++i) {
+    const int64_t op = events[i].op;
+    if (events[i].bytes > 0 && op >= 0 && folded[static_cast<size_t>(op)]) slots[op].push_back(i);
+  }
+  for (auto& [op, at] : slots) {
+    if (at.size() < 2) continue;
+    std::unordered_map<uint64_t, size_t> rank;  // storage -> position among the outputs
+    for (const Value& v : ops[static_cast<size_t>(op)].outputs) {
+      for (const TensorMeta& t : v.tensors) {
+        if (t.storage != 0) rank.emplace(t.storage, rank.size());
+      }
+    }
+    std::vector<MemEvent> moved;
+    moved.reserve(at.size());
+    for (size_t i : at) moved.push_back(events[i]);
+    std::stable_sort(moved.begin(), moved.end(), [&](const MemEvent& a, const MemEvent& b) {
+      auto ra = rank.find(a.ptr), rb = rank.find(b.ptr);
+      return (ra == rank.end() ? rank.size() : ra->second) < (rb == rank.end() ? rank.size() : rb->second);
+    });
+    for (size_t k = 0; k < at.size(); ++k) {
+      MemEvent& slot = events[at[k]];
+      const uint64_t seq = slot.seq;
+      const int64_t time = slot.time_ns;
+      slot = std::move(moved[k]);
+      slot.seq = seq;
+      slot.time_ns = time;
+    }
+  }
+}
+
+}  // namespace
+
+MetaFold fold_meta_kernels(RawThread& t, const std::function<bool(const OpRecord&)>& in_python) {
+  MetaFold out;
+  if (!in_python || t.ops.empty()) return out;
+  const std::vector<int64_t> root = fold_roots(t, in_python);
+  const std::vector<char> drop = fold_temporaries(t, root);
+  // New index of each kept op (outside any folded op, or a folded op itself).
+  std::vector<int64_t> index(t.ops.size(), -1);
+  std::vector<OpRecord> kept;
+  kept.reserve(t.ops.size());
+  for (size_t i = 0; i < t.ops.size(); ++i) {
+    if (root[i] >= 0 && root[i] != static_cast<int64_t>(i)) {
+      ++out.ops;
+      continue;
+    }
+    if (root[i] >= 0) ++out.kernels;
+    index[i] = static_cast<int64_t>(kept.size());
+    kept.push_back(std::move(t.ops[i]));
+  }
+  auto remap = [&](int64_t op) {
+    if (op < 0 || op >= static_cast<int64_t>(index.size())) return int64_t{-1};
+    return index[root[op] >= 0 ? root[op] : op];
+  };
+  for (OpRecord& op : kept) {
+    op.parent = remap(op.parent);
+    op.bwd_node = remap(op.bwd_node);
+  }
+  std::vector<MemEvent> events;
+  events.reserve(t.events.size());
+  for (size_t i = 0; i < t.events.size(); ++i) {
+    if (drop[i]) continue;
+    MemEvent e = std::move(t.events[i]);
+    e.op = remap(e.op);
+    events.push_back(std::move(e));
+  }
+  out.temporaries = static_cast<int64_t>(t.events.size() - events.size()) / 2;
+  std::vector<char> folded(kept.size(), 0);
+  for (size_t i = 0; i < root.size(); ++i) {
+    if (root[i] == static_cast<int64_t>(i)) folded[static_cast<size_t>(index[i])] = 1;
+  }
+  order_as_outputs(events, kept, folded);
+  t.ops = std::move(kept);
+  t.events = std::move(events);
+  return out;
+}
+
 }  // namespace detail
 
 Trace assemble_trace(AssemblyInput input) {
@@ -184,6 +327,21 @@ Trace assemble_trace(AssemblyInput input) {
   trace.timing_source = std::move(input.timing_source);
   trace.timed_layers = std::move(input.timed_layers);
   trace.counters.threads = 0;
+
+  detail::MetaFold folded;
+  for (RawThread& t : input.threads) {
+    const detail::MetaFold f = detail::fold_meta_kernels(t, input.meta_kernel_in_python);
+    folded.kernels += f.kernels;
+    folded.ops += f.ops;
+    folded.temporaries += f.temporaries;
+  }
+  if (folded.kernels > 0) {
+    trace.notes.push_back(Note{"meta-kernels-folded",
+                               std::to_string(folded.kernels) + " meta ops run by PyTorch's Python meta kernels are "
+                               "recorded as the CPU and GPU run them, one kernel each: " +
+                               std::to_string(folded.ops) + " ops inside them and " +
+                               std::to_string(folded.temporaries) + " temporaries of theirs left out"});
+  }
 
   // Global op order: by start sequence.
   struct Ref { size_t thread; size_t local; uint64_t seq; };

@@ -7,6 +7,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <set>
 #include <string_view>
 #include <thread>
 #include <unordered_map>
@@ -864,6 +865,25 @@ const Trace& RecordedTrace::trace() {
   return raw_->trace;
 }
 
+namespace {
+
+// For a trace that recorded meta storages: which of its operators run a Python meta kernel (the fold of
+// trace_assembly.h), asked now; empty otherwise.
+std::function<bool(const OpRecord&)> meta_kernels_of(const std::vector<RawThreadRecords>& threads) {
+  std::set<std::pair<std::string, std::string>> ops;
+  for (const RawThreadRecords& r : threads) {
+    const bool meta = std::any_of(r.rec.events.begin(), r.rec.events.end(),
+                                  [](const RawEvent& e) { return e.device_type == c10::DeviceType::Meta; });
+    if (!meta) continue;
+    auto name = [&](int32_t i) { return i >= 0 && static_cast<size_t>(i) < r.names.size() ? r.names[i] : std::string(); };
+    for (const RawOp& op : r.rec.ops) ops.emplace(name(op.name), name(op.overload));
+  }
+  if (ops.empty()) return {};
+  return detail::meta_kernel_in_python(ops);
+}
+
+}  // namespace
+
 RecordedTrace stop_recording() {
   TracerState& s = state();
   std::unique_lock<std::mutex> g(s.mu);
@@ -908,6 +928,7 @@ RecordedTrace stop_recording() {
     ts->reset(gen);
     raw.threads.push_back(std::move(r));
   }
+  raw.in.meta_kernel_in_python = meta_kernels_of(raw.threads);
   g.lock();
   raw.in.baseline_blocks = std::move(s.baseline_blocks);
   raw.in.baseline = std::move(s.baseline);

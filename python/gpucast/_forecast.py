@@ -17,7 +17,7 @@ from . import _ranks
 from ._errors import error_code
 from ._notes import note
 from ._warnings import warn
-from ._probes import (_META_PROBES, _REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
+from ._probes import (_REACH, _REACH_BUDGET_S, _REACH_MEMORY_SHARE, ProbeRun, _probe_fits, _State)
 from ._results import Forecast, MemoryForecast, TimeForecast
 from ._settings import (env_text, _buffer_bytes, _correction, _default_link, _format_link, _format_parallel, _gpu_pricing,
                         _module_paths, _note_default_link, _optimizer_list, _optimizer_name, _prior, _time_on_target)
@@ -141,8 +141,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
 
-    if isinstance(model, torch.nn.Module) and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        raise ValueError(_META_PROBES)
+    meta = _on_meta(model, target)
     optimizers = _optimizer_list(optimizer)
     state = _State(model, optimizers)
     if model is None or not optimizers:
@@ -151,7 +150,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     run = ProbeRun(step, make_batch, model=model, state=state, design=design, iterations=iterations, target=target,
                    per_rank=per_rank, tp=1 if _traced(parallel) else tp, time_fraction=float(time_fraction), time_budget=float(time_budget),
                    timing_rounds=timing_rounds, conv_workspace=conv_workspace,
-                   fits=_fits_on_device(target, float(safety_fraction), state, conv_workspace)).run()
+                   fits=_fits_on_device(target, float(safety_fraction), state, conv_workspace), meta=meta).run()
     probe_device, timings, forecaster = run.probe_device, run.timings, run.forecaster
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
@@ -176,6 +175,30 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+def _on_meta(model: torch.nn.Module | None, target: str) -> bool:
+    """Whether the probes run on the meta device (the model's parameters and buffers there); ValueError for a model
+    partly there, or for target "cpu" (meta probes forecast a GPU)."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    where = {t.is_meta for t in (*model.parameters(), *model.buffers())}
+    if where == {True, False}:
+        raise ValueError("forecast: some of the model's parameters or buffers are on the meta device and some are "
+                         "not; build the whole model on meta (with torch.device('meta'): ...) or on the CPU")
+    if True not in where:
+        return False
+    if target == "cpu":
+        raise ValueError("forecast: probes on the meta device forecast a GPU target (target='H100-80GB', ...); "
+                         "target 'cpu' is forecast from probes on the CPU")
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.RNNBase):
+            # aten::lstm is composite: on meta it runs step by step (a matrix multiply and its gates per time step),
+            # where the CPU runs oneDNN's fused layer and a GPU cuDNN's: other memory and other work.
+            raise ValueError(f"forecast: {type(m).__name__} {name!r} runs step by step on the meta device where the "
+                             f"CPU and the GPU run one fused kernel, so its memory is not forecast from meta "
+                             f"probes yet; probe it on the CPU (at a smaller size) or on the GPU")
+    return True
 
 
 def _traced(parallel: dict) -> bool:
@@ -327,7 +350,7 @@ def _forecast_time(timings: list, batch_size: int, target: str, probe_device: st
                "nearest the batch in size, not scaled to the batch")
         tf.notes.insert(0, note("layers-in-optimizer", msg))
         warn(f"gpucast.forecast: {msg}")
-    if probe_device != "cpu" and any(json.loads(t).get("clock") == "cpu" for t in timings):
+    if probe_device not in ("cpu", "meta") and any(json.loads(t).get("clock") == "cpu" for t in timings):
         # No device timer recorded the probes' kernels (the trace's notes say why): their host clocks measure
         # the launches, which on a GPU neither scale with the batch nor add up to the kernels' time.
         msg = (f"the probes on {probe_device} carry host clock times only (no device timer recorded their "

@@ -4,6 +4,7 @@ saved before and restored after. Python runs them because it owns the step, the 
 record is forecast in C++."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -14,26 +15,32 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import _meta
 from ._settings import _time_on_target
 from ._trace import _flatten, mark_iteration_end, trace
 
 
 def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
-    """The data pointers of the storages the tensors in `objs` hold; a tensor subclass that wraps others (a DTensor
-    and its local shard) is read through the tensors it wraps (__tensor_flatten__)."""
-    out = []
+    """How a trace names the storages the tensors in `objs` hold (torch.ops.gpucast.storage_identities: the data
+    pointer, a meta storage's token); a tensor subclass that wraps others (a DTensor and its local shard) is read
+    through the tensors it wraps (__tensor_flatten__)."""
+    plain, out = [], []
     for t in _flatten(list(objs), []):
         inner = _wrapped(t)
         if inner is not None:
             out += _storage_ptrs(inner)
-            continue
-        try:
-            p = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if p:
-            out.append(p)
-    return out
+        else:
+            plain.append(t)
+    try:
+        ids = list(torch.ops.gpucast.storage_identities(plain))
+    except (RuntimeError, NotImplementedError):  # a subclass that does not pass through ops: one by one
+        ids = []
+        for t in plain:
+            try:
+                ids.append(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+    return out + [p for p in ids if p]
 
 
 def _wrapped(t: torch.Tensor) -> list | None:
@@ -45,9 +52,15 @@ def _wrapped(t: torch.Tensor) -> list | None:
     return [getattr(t, n) for n in names]
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a tensor's state on the CPU (a GPU's baseline then holds the job's memory only); a meta tensor's
+    copy stays on meta (it has no values to keep, and costs nothing)."""
+    return t.detach().clone() if t.is_meta else t.detach().to("cpu", copy=True)
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to("cpu", copy=True) if obj.device.type != "cpu" else obj
+        return _copy(obj) if obj.device.type != "cpu" else obj
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -55,11 +68,9 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-# Meta tensors are traced (each storage with its bytes), but the meta device runs other kernels than the CPU: ops
-# without a C++ meta function run decompositions that allocate temporaries the CPU kernels do not (addmm as mm, mul
-# and add), and nothing there takes a workspace. Forecasts from meta probes are refused until they are matched.
-_META_PROBES = ("forecast: probes on the meta device are not supported yet (its kernels allocate otherwise than the "
-                "CPU's, so its memory is not yet the job's); build the model and batches on the CPU")
+# Meta probes: the model and batches on the meta device, or neither.
+_META_MIXED = ("forecast: the model's parameters are on the meta device but the batches are not (or the other way "
+               "round); build both on meta (probes that hold no memory, for a GPU target) or both on the CPU")
 
 
 class _State:
@@ -72,8 +83,8 @@ class _State:
         self.grads = None
         # Copies live on the CPU, so that a GPU's baseline holds the job's memory only.
         if model is not None:
-            self.model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            self.grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+            self.model_state = {k: _copy(v) for k, v in model.state_dict().items()}
+            self.grads = [None if p.grad is None else _copy(p.grad) for p in model.parameters()]
         self.optimizer_states = [_to_cpu(copy.deepcopy(o.state_dict())) for o in optimizers]
 
     def own_ptrs(self) -> list[int]:
@@ -295,12 +306,13 @@ class ProbeRun:
     def __init__(self, step: Callable[[Any], Any], make_batch: Callable[..., Any], *, model, state: "_State",
                  design: list, iterations: int, target: str, per_rank: int, tp: int, time_fraction: float,
                  time_budget: float, timing_rounds: int | None, conv_workspace: int | None,
-                 fits: Callable[["ProbeRun", int], bool] | None = None):
+                 fits: Callable[["ProbeRun", int], bool] | None = None, meta: bool = False):
         self.step, self.make_batch, self.model, self.state = step, make_batch, model, state
         self.design, self.iterations, self.target, self.per_rank, self.tp = design, iterations, target, per_rank, tp
         self.time_fraction, self.time_budget = time_fraction, time_budget
         self.timing_rounds, self.conv_workspace = timing_rounds, conv_workspace
         self.fits_on_device = fits  # (run, batch) -> whether a GPU timing probe at that batch fits (None: no check)
+        self.meta = meta  # probes on the meta device (the model's parameters there)
         self.forecaster = torch.classes.gpucast.MemoryForecaster()
         self.probe_device = "cpu"
         self.timings: list = []
@@ -318,6 +330,12 @@ class ProbeRun:
         self.progress = Progress()  # on a terminal, once the forecast takes more than 2 s
 
     def run(self) -> "ProbeRun":
+        with contextlib.ExitStack() as scope:
+            if self.meta:
+                scope.enter_context(_meta.probe_scope())
+            return self._run()
+
+    def _run(self) -> "ProbeRun":
         try:
             # The probes are timed with the C allocator as a process that has trained a while has it (no page
             # faults on every step for blocks a young process maps and unmaps): what the training after the forecast
@@ -342,13 +360,15 @@ class ProbeRun:
         """An untraced warm-up at the smallest probe size: lazy initialisations and caches of first calls (optimizer
         defaults, kernels' scratch) would otherwise make the first probe differ from the others."""
         warm = self.make_batch(*[x for x in self.design[0] if x is not None])
-        if _device_of(warm) == "meta":
-            raise ValueError(_META_PROBES)
+        if (_device_of(warm) == "meta") != self.meta:
+            raise ValueError(_META_MIXED)
         for _ in range(self.iterations):
             try:
                 self.step(warm)
-            except RuntimeError as e:
-                if torch.is_grad_enabled():
+            except (RuntimeError, NotImplementedError) as e:
+                if self.meta:
+                    raise _meta.refusal(e, self.model) from e
+                if torch.is_grad_enabled() or not isinstance(e, RuntimeError):
                     raise
                 raise RuntimeError(f"forecast: the training step failed with gradients disabled (forecast was "
                                    f"called under torch.no_grad() or torch.inference_mode(); call it outside "

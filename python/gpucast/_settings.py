@@ -277,9 +277,9 @@ def _time_on_target(target: str, probe_device: str) -> bool:
 
 
 def _gpu_pricing(target: str, probe_device: str) -> dict:
-    """forecast_step_time's arguments for a GPU target whose probes ran on the CPU: every layer priced from the
-    GPU rates table (gpu_rates.h), with this process's TF32 settings."""
-    if target == "cpu" or probe_device != "cpu":
+    """forecast_step_time's arguments for a GPU target whose probes ran on the CPU or the meta device: every layer
+    priced from the GPU rates table (gpu_rates.h), with this process's TF32 settings."""
+    if target == "cpu" or probe_device not in ("cpu", "meta"):
         return {}
     return {"gpu": target, "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
             "tf32_conv": bool(torch.backends.cudnn.allow_tf32)}

@@ -771,6 +771,88 @@ TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
   EXPECT_GE(g.conv_workspace_headroom_allocated_bytes, 0);
 }
 
+// A step, batch b, on `device`: aten::native_batch_norm allocates its output (512 b bytes) and 256 b bytes of
+// scratch through a nested aten::empty, freed before it returns; aten::mul_ takes a double scalar, which the
+// Python argument parser wraps (an 8-byte CPU block made and freed in the scope around the op) and TensorIterator
+// casts into a 4-byte temporary inside it (aten::to); the backward node frees the output; an SGD step creates 1024
+// bytes of state. The wrapped scalar and the cast are on the CPU whatever `device` is (as a meta job's are);
+// scratch false: the step without the scratch, the scalar and the cast.
+Trace kernel_probe(int64_t b, const std::string& device, bool scratch = true) {
+  Recorder r;
+  r.device = device;
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
+  r.end(r.op("Optimizer.zero_grad#SGD.zero_grad", Scope::UserScope, Phase::Optimizer));
+  const int64_t bn = r.op("aten::native_batch_norm", Scope::Function, Phase::Forward);
+  r.ev(0x100, 512 * b, bn, Phase::Forward);
+  if (scratch) {
+    const int64_t empty = r.op("aten::empty", Scope::Function, Phase::Forward, bn);
+    r.ev(0x800, 256 * b, empty, Phase::Forward);
+    r.end(empty);
+    r.ev(0x800, -256 * b, bn, Phase::Forward);
+  }
+  r.end(bn);
+  const int64_t node = r.op("NativeBatchNormBackward0", Scope::BackwardFunction, Phase::Backward);
+  r.ev(0x100, -512 * b, node, Phase::Backward);
+  r.end(node);
+  const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+  r.ev(0x300, 1024, st, Phase::Optimizer);
+  r.tag(0x300, Category::OptimizerState);
+  if (scratch) {
+    r.device = "cpu";
+    r.ev(0x900, 8, st, Phase::Optimizer);  // the wrapped scalar, made before the op is dispatched
+    const int64_t mul = r.op("aten::mul_", Scope::Function, Phase::Optimizer, st);
+    const int64_t to = r.op("aten::to", Scope::Function, Phase::Optimizer, mul);
+    r.ev(0xa00, 4, to, Phase::Optimizer);
+    r.end(to);
+    r.ev(0xa00, -4, mul, Phase::Optimizer);
+    r.end(mul);
+    r.ev(0x900, -8, st, Phase::Optimizer);
+    r.device = device;
+  }
+  r.end(st);
+  return r.finish(100 * b);
+}
+
+MemoryForecast run_kernel(const std::string& target, const std::string& device, bool scratch = true) {
+  std::vector<Trace> t;
+  for (int64_t b : {2, 4, 8}) t.push_back(kernel_probe(b, device, scratch));
+  MemoryForecastInput in;
+  for (const Trace& x : t) in.probes.push_back(&x);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = 64;
+  in.target = target;
+  in.probe_device = device;
+  return forecast_memory(in);
+}
+
+TEST(MemoryForecast, GpuTargetFromHostProbesLeavesOutTheCpuKernelsOwnScratch) {
+  // The CPU target keeps what its kernels allocate: parameter, input, state, output and scratch at once.
+  EXPECT_EQ(run_kernel("cpu", "cpu").peak_allocated_bytes, 1000 + 6400 + 1024 + 512 * 64 + 256 * 64);
+  // A GPU target holds neither the batch norm's scratch nor the wrapped scalar and its cast.
+  const MemoryForecast gpu = run_kernel("H100-80GB", "cpu");
+  EXPECT_EQ(gpu.peak_allocated_bytes, 1024 + 6656 + 1024 + 512 * 64);
+  EXPECT_EQ(gpu.peak_allocated_bytes, run_kernel("H100-80GB", "cpu", false).peak_allocated_bytes);
+  EXPECT_EQ(gpu.peak_reserved_bytes, run_kernel("H100-80GB", "cpu", false).peak_reserved_bytes);
+}
+
+TEST(MemoryForecast, MetaProbesAreReadAsHostProbesWithTheirCpuBlocks) {
+  // A meta job's blocks are meta but its scalars CPU: the stream holds both, and forecasts as CPU probes of the
+  // same step do.
+  const MemoryForecast meta = run_kernel("H100-80GB", "meta");
+  const MemoryForecast cpu = run_kernel("H100-80GB", "cpu");
+  EXPECT_EQ(meta.peak_allocated_bytes, cpu.peak_allocated_bytes);
+  EXPECT_EQ(meta.peak_reserved_bytes, cpu.peak_reserved_bytes);
+  EXPECT_EQ(meta.max_batch_size, cpu.max_batch_size);
+  try {
+    run_kernel("cpu", "meta");
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_STREQ(e.what(), "forecast: probes on the meta device forecast a GPU target (target='H100-80GB', ...); "
+                           "target 'cpu' is forecast from probes on the CPU");
+  }
+}
+
 TEST(MemoryForecast, BadConvolutionWorkspace) {
   try {
     run_conv("H100-80GB", -1, "256MB");

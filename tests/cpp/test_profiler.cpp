@@ -167,6 +167,115 @@ TEST_F(AssemblyTest, PairsAllocationsAndAssignsCategories) {
   EXPECT_EQ(t.counters.unmatched_frees, 0);
 }
 
+// A meta tensor value (storage `storage`, shape {n}) for an op's inputs or outputs.
+Value meta_tensor(uint64_t storage, int64_t n) {
+  Value v;
+  v.kind = Value::Kind::Tensor;
+  TensorMeta t;
+  t.shape = {n};
+  t.dtype = "float32";
+  t.device = "meta";
+  t.storage = storage;
+  v.tensors.push_back(t);
+  return v;
+}
+
+MemEvent meta_ev(uint64_t seq, uint64_t ptr, int64_t bytes, int64_t op) {
+  MemEvent e = ev(seq, ptr, bytes, op, Phase::Forward);
+  e.device = "meta";
+  return e;
+}
+
+// Python meta kernels: aten::addmm and the aten::mm, aten::mul and aten::add its decomposition runs; aten::linear
+// around them has a C++ kernel.
+bool python_kernels(const OpRecord& op) { return op.name != "aten::linear"; }
+
+// aten::linear > aten::addmm > {aten::mm, aten::mul, aten::add} on meta: mm's and mul's results are temporaries of
+// the decomposition, add's is addmm's output; then aten::relu (Python too), one output.
+RawThread meta_linear() {
+  RawThread t;
+  t.thread = 1;
+  t.ops.push_back(op("aten::linear", Scope::Function, Phase::Forward, 1, 20, -1, -1, 0));
+  t.ops.push_back(op("aten::addmm", Scope::Function, Phase::Forward, 2, 19, 0, -1, 1));
+  t.ops.push_back(op("aten::mm", Scope::Function, Phase::Forward, 3, 5, 1, -1, 2));
+  t.ops.push_back(op("aten::mul", Scope::Function, Phase::Forward, 6, 8, 1, -1, 2));
+  t.ops.push_back(op("aten::add", Scope::Function, Phase::Forward, 9, 12, 1, -1, 2));
+  t.ops.push_back(op("aten::relu", Scope::Function, Phase::Forward, 21, 23, -1, -1, 0));
+  t.ops[1].inputs.push_back(meta_tensor(0x50, 16));
+  t.ops[1].outputs.push_back(meta_tensor(0x30, 16));
+  t.events.push_back(meta_ev(4, 0x10, 64, 2));   // mm's result
+  t.events.push_back(meta_ev(7, 0x20, 64, 3));   // mul's result
+  t.events.push_back(meta_ev(10, 0x30, 64, 4));  // add's result: addmm's output
+  t.events.push_back(meta_ev(13, 0x10, -64, 1));
+  t.events.push_back(meta_ev(14, 0x20, -64, 1));
+  t.events.push_back(meta_ev(22, 0x40, 64, 5));  // relu's output
+  return t;
+}
+
+TEST(MetaFold, APythonKernelIsOneKernelThatAllocatesItsOutputs) {
+  RawThread t = meta_linear();
+  const detail::MetaFold f = detail::fold_meta_kernels(t, python_kernels);
+  EXPECT_EQ(f.kernels, 2);      // addmm, relu
+  EXPECT_EQ(f.ops, 3);          // mm, mul, add
+  EXPECT_EQ(f.temporaries, 2);  // mm's and mul's results
+  ASSERT_EQ(t.ops.size(), 3u);
+  EXPECT_EQ(t.ops[1].name, "aten::addmm");
+  EXPECT_EQ(t.ops[1].parent, 0);
+  EXPECT_EQ(t.ops[2].name, "aten::relu");
+  ASSERT_EQ(t.events.size(), 2u);
+  EXPECT_EQ(t.events[0].ptr, 0x30u);
+  EXPECT_EQ(t.events[0].op, 1);  // addmm's own, as the CPU records it
+  EXPECT_EQ(t.events[0].seq, 10u);
+  EXPECT_EQ(t.events[1].op, 2);
+}
+
+TEST(MetaFold, NothingFoldsWithoutAPythonKernelOrAMetaTensor) {
+  RawThread t = meta_linear();
+  EXPECT_EQ(detail::fold_meta_kernels(t, [](const OpRecord&) { return false; }).kernels, 0);
+  EXPECT_EQ(t.ops.size(), 6u);
+  EXPECT_EQ(t.events.size(), 6u);
+  RawThread cpu = meta_linear();
+  for (MemEvent& e : cpu.events) e.device = "cpu";
+  cpu.ops[1].inputs.clear();
+  cpu.ops[1].outputs.clear();
+  EXPECT_EQ(detail::fold_meta_kernels(cpu, python_kernels).kernels, 0);  // CPU ops run their CPU kernels
+  EXPECT_EQ(cpu.events.size(), 6u);
+}
+
+TEST(MetaFold, OutputsAreAllocatedInTheirOrder) {
+  // native_layer_norm's Python kernel allocates mean and rstd before the result; the CPU kernel allocates the
+  // result first. The blocks move between the event slots, which keep their order.
+  RawThread t;
+  t.thread = 1;
+  t.ops.push_back(op("aten::native_layer_norm", Scope::Function, Phase::Forward, 1, 9, -1, -1, 0));
+  t.ops.push_back(op("aten::empty", Scope::Function, Phase::Forward, 2, 3, 0, -1, 1));
+  t.ops[0].outputs = {meta_tensor(0x30, 64), meta_tensor(0x10, 4), meta_tensor(0x20, 4)};
+  t.events.push_back(meta_ev(4, 0x10, 16, 1));
+  t.events.push_back(meta_ev(5, 0x20, 16, 0));
+  t.events.push_back(meta_ev(6, 0x30, 256, 0));
+  detail::fold_meta_kernels(t, python_kernels);
+  ASSERT_EQ(t.events.size(), 3u);
+  EXPECT_EQ(t.events[0].ptr, 0x30u);
+  EXPECT_EQ(t.events[0].bytes, 256);
+  EXPECT_EQ(t.events[1].ptr, 0x10u);
+  EXPECT_EQ(t.events[2].ptr, 0x20u);
+  EXPECT_EQ(t.events[0].seq, 4u);
+  EXPECT_EQ(t.events[2].seq, 6u);
+  for (const MemEvent& e : t.events) EXPECT_EQ(e.op, 0);
+}
+
+TEST(MetaFold, AnAssembledTraceSaysWhatWasFolded) {
+  AssemblyInput in;
+  in.threads.push_back(meta_linear());
+  in.meta_kernel_in_python = python_kernels;
+  Trace t = assemble_trace(std::move(in));
+  ASSERT_EQ(t.ops.size(), 3u);
+  ASSERT_EQ(t.allocations.size(), 2u);
+  EXPECT_EQ(t.allocations[0].alloc_op, 1);
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_EQ(t.notes[0].code, "meta-kernels-folded");
+}
+
 TEST_F(AssemblyTest, CountsFreesOfUnknownBlocks) {
   in.threads[0].events.push_back(ev(20, 0xdead, -8, -1, Phase::Forward));
   Trace t = assemble_trace(std::move(in));

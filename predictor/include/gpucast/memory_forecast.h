@@ -61,7 +61,9 @@ struct MemoryForecastInput {
   // are then fitted over {1, b, L, b L, b L^2} (at least five probes with three lengths and three batches).
   std::vector<int64_t> probe_seq;
   int64_t target_seq = 0;
-  std::string probe_device = "cpu";     // device whose events the probes recorded ("cpu", "cuda:0")
+  // Device whose events the probes recorded ("cpu", "cuda:0", or "meta": meta probes, read as CPU probes are, their
+  // CPU blocks with their meta ones; a GPU target only).
+  std::string probe_device = "cpu";
   std::string target = "cpu";           // "cpu" or a device table name
   int64_t capacity_bytes = 0;           // overrides the table's capacity when > 0
   double safety_fraction = 0.9;         // for max_batch_size

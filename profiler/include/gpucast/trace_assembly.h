@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,9 @@ struct AssemblyInput {
   // TraceOptions::optimizer_state_from_phase: untagged blocks an optimizer step allocated and the window never
   // freed are optimizer state.
   bool optimizer_state_from_phase = false;
+  // Whether an op's meta kernel is one of PyTorch's Python meta kernels (profiler/meta_kernels.cpp asks the
+  // dispatcher); empty: no op is folded (fold_meta_kernels below).
+  std::function<bool(const OpRecord&)> meta_kernel_in_python;
 };
 
 Trace assemble_trace(AssemblyInput input);
@@ -60,6 +64,24 @@ namespace detail {
 void link_backward(Trace& trace);
 void build_allocations(Trace& trace, const std::vector<BaselineBlock>& baseline_blocks);
 void assign_categories(Trace& trace, const std::vector<Tag>& tags, bool optimizer_state_from_phase = false);
+
+// What folding did to one thread (fold_meta_kernels).
+struct MetaFold {
+  int64_t kernels = 0;      // ops folded into, each now a leaf
+  int64_t ops = 0;          // ops dropped from inside them
+  int64_t temporaries = 0;  // blocks allocated and freed inside one of them, dropped with both events
+};
+
+// On the meta device, PyTorch runs many ops through meta kernels written in Python (torch/_meta_registrations.py
+// activate_meta() registers them, and the decompositions of torch/_decomp, over the C++ ones): aten::addmm runs as
+// mm, mul and add, each allocating; aten::relu as le, scalar_tensor and where. The CPU and the GPU run each such op
+// as one kernel that allocates its outputs. Folding makes a meta trace what those devices record: an op that
+// touches a meta tensor (or a meta block is allocated inside it) and whose meta kernel is in Python
+// (`in_python`), outermost first, keeps the memory events made inside it as its own; the ops inside it are
+// dropped; a block allocated and freed inside it is a temporary of the Python kernel and is dropped with both
+// its events. Indices (parent, bwd_node, MemEvent::op) are renumbered. Invariant relied on: an op's parent comes
+// before it (ops are recorded at their start); an op whose parent does not is left unfolded.
+MetaFold fold_meta_kernels(RawThread& thread, const std::function<bool(const OpRecord&)>& in_python);
 }  // namespace detail
 
 }  // namespace gpucast

@@ -120,6 +120,10 @@ bool cpu_allocator_hook_installed();
 // token that identifies it, and its allocation and free are memory events on device "meta" during a trace.
 bool install_meta_allocator_hook(std::string* why);
 bool meta_allocator_hook_installed();
+// Whether the operator ("aten::_safe_softmax", overload "") has a meta kernel in Python while the CPU and CUDA run its
+// CompositeExplicitAutograd kernel: meta probes run that composite on meta too, as those devices do, and the trace
+// keeps the ops inside it (meta_kernels.cpp). False for what is not an operator.
+bool meta_runs_composite(const std::string& name, const std::string& overload);
 // The calling thread's next allocation, through the CPU allocator wrapper or on the CUDA caching allocator, throws
 // a c10::Error with `message` (once): how auto mode stops a job (on_risk:raise) where no Python hook can raise
 // (gpucast/allocation_refusal.h). Cleared by an empty message.

@@ -1,0 +1,236 @@
+"""Probes on the meta device: the kernels PyTorch runs there otherwise than on the CPU, run as the CPU runs them while
+the probes last (the substitutions docs/design.md lists under "The meta device"). The meta trace itself is folded in
+C++ (profiler/trace_assembly.cpp, fold_meta_kernels): Python meta kernels recorded as the one kernel the CPU runs."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# The backend numbers _fused_sdp_choice returns (aten/src/ATen/native/transformers/sdp_utils_cpp.h, SDPBackend).
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION.value)
+
+
+def _shape_kind(t: torch.Tensor | None, mask: bool = False) -> tuple | None:
+    """What the CPU's attention backend choice reads of a tensor (aten/src/ATen/native/transformers/
+    sdp_utils_cpp.cpp, use_flash_attention_cpp: dimensions, the heads (dim -3), the head dimension (the last, but
+    in a mask) and its stride, which sizes are zero, the dtype), with every other size set to 1: the batch and
+    sequence lengths change no constraint but the nonzero one, so that one choice serves every probe."""
+    if t is None:
+        return None
+    n = t.dim()
+    keep = {n - 3} if mask else {n - 3, n - 1}
+    shape = tuple(s if i in keep or s == 0 else 1 for i, s in enumerate(t.shape))
+    return (shape, t.dtype, t.stride(-1) == 1 if n else True)
+
+
+def _host_like(kind: tuple | None) -> torch.Tensor | None:
+    """A CPU tensor of that kind, holding its last dimension only (strides 0 before it)."""
+    if kind is None:
+        return None
+    shape, dtype, unit_stride = kind
+    if not shape:
+        return torch.empty((), dtype=dtype)
+    last = shape[-1] if unit_stride else 2 * shape[-1]
+    base = torch.empty(last, dtype=dtype)
+    strides = [0] * (len(shape) - 1) + [1 if unit_stride else 2]
+    return base.as_strided(shape, strides)
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_choice(q: tuple, k: tuple, v: tuple, mask: tuple | None, dropout: bool, causal: bool, gqa: bool,
+                flash_on: bool, math_on: bool) -> int:
+    """The backend the CPU picks for such arguments, asked of the CPU (the flags are part of the key: they
+    change the answer). The probes' warm-up asks first, untraced: the probes then find the answer here."""
+    del flash_on, math_on
+    return int(torch._fused_sdp_choice(_host_like(q), _host_like(k), _host_like(v), _host_like(mask),
+                                       0.5 if dropout else 0.0, causal, enable_gqa=gqa))
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask as the CPU's attention takes it, additive (aten/src/ATen/native/transformers/attention.cpp,
+    convert_boolean_attn_mask); other masks as they are."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
+
+
+def _attention_as_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                      enable_gqa: bool = False) -> torch.Tensor | None:
+    """Scaled-dot-product attention on meta tensors through the kernel the CPU picks. PyTorch asks a backend only
+    of devices with a choice (attention.cpp, scaled_dot_product_attention: _fused_sdp_choice_stub's
+    is_device_supported), so on meta it always runs the math path, which saves the whole sequence x sequence
+    matrix where the CPU's flash kernel (and the GPU's) saves a logsumexp. Where the CPU picks flash, this runs
+    that kernel's op on meta as attention.cpp's flash branch does; None where it picks math (run as it is)."""
+    if not isinstance(query, torch.Tensor) or not query.is_meta:
+        return None
+    ctx = torch.backends.cuda
+    choice = _cpu_choice(_shape_kind(query), _shape_kind(key), _shape_kind(value), _shape_kind(attn_mask, mask=True),
+                         dropout_p > 0.0, bool(is_causal), bool(enable_gqa), ctx.flash_sdp_enabled(),
+                         ctx.math_sdp_enabled())
+    if choice != _FLASH:
+        return None
+    mask = _additive_mask(attn_mask, query.dtype)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+
+
+class _CpuKernels(TorchFunctionMode):
+    """Meta attention through the CPU's kernel choice (_attention_as_cpu); every other call as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._C._nn.scaled_dot_product_attention:
+            out = _attention_as_cpu(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _composite_ops() -> tuple:
+    """The ATen operators meta runs as the CompositeExplicitAutograd kernel the CPU and CUDA run, where PyTorch's
+    Python meta kernel would stand in for it with other ops (C++: profiler/meta_kernels.cpp, the one rule the
+    trace's fold reads too): aten::_safe_softmax, aten::embedding, aten::mul.Scalar..."""
+    return tuple(n for n in torch._C._dispatch_get_all_op_names()
+                 if n.startswith("aten::") and torch.ops.gpucast.meta_runs_composite(n))
+
+
+def _python_meta(op: torch._ops.OpOverload):
+    """The Python meta kernel PyTorch registered for `op` (torch/_meta_registrations.py activate_meta's choice:
+    a meta function, else a decomposition), None if none."""
+    from torch._decomp import global_decomposition_table
+    for kind in ("meta", "post_autograd", "pre_autograd"):
+        fn = global_decomposition_table[kind].get(op)
+        if fn is not None:
+            return fn
+    return None
+
+
+def _composite_kernel(op: torch._ops.OpOverload):
+    """A meta kernel running `op`'s CompositeExplicitAutograd kernel; where that fails on meta (a composite that
+    picks a kernel by device), PyTorch's Python meta kernel as before."""
+    fallback = _python_meta(op)
+
+    def kernel(*args, **kwargs):
+        try:
+            return op._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        except (NotImplementedError, RuntimeError):
+            if fallback is None:
+                raise
+            return fallback(*args, **kwargs)
+    return kernel
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    base, _, overload = name.split("::", 1)[1].partition(".")
+    return getattr(getattr(torch.ops.aten, base), overload or "default")
+
+
+def _contiguous_strides(size: list, memory_format: torch.memory_format | None) -> list:
+    """Strides of a tensor of `size` in `memory_format` (channels_last: 4-D, channels_last_3d: 5-D, as
+    c10/core/MemoryFormat.h get_channels_last_strides_2d/3d; otherwise row-major)."""
+    n = len(size)
+    if memory_format == torch.channels_last and n == 4:
+        order = [1, 3, 2, 0]  # innermost first: C, W, H, N
+    elif memory_format == torch.channels_last_3d and n == 5:
+        order = [1, 4, 3, 2, 0]
+    else:
+        order = list(range(n - 1, -1, -1))
+    strides, step = [0] * n, 1
+    for d in order:
+        strides[d] = step
+        step *= max(int(size[d]), 1)
+    return strides
+
+
+def _resize_meta(self: torch.Tensor, size, memory_format=None) -> torch.Tensor:
+    """aten::resize_ on meta as the CPU runs it: where the storage is too small, a storage of the bytes needed is
+    allocated (through the meta allocator, so the trace sees it) and the old one let go, as resize_bytes_cpu does
+    (aten/src/ATen/native/Resize.cpp); c10's meta kernel only sets the storage's byte count (resize_bytes_meta),
+    which no allocator sees. The new storage replaces the old in this tensor (a view of the old storage keeps the
+    old one: the CPU would have moved it too; no job relies on that)."""
+    size = [int(s) for s in size]
+    numel = 1
+    for s in size:
+        numel *= s
+    need = (self.storage_offset() + numel) * self.element_size() if numel else 0
+    storage = self.untyped_storage()
+    if need > storage.nbytes():
+        storage = torch.empty(need, dtype=torch.uint8, device="meta").untyped_storage()
+    with torch.no_grad():
+        self.set_(storage, self.storage_offset(), size, _contiguous_strides(size, memory_format))
+    return self
+
+
+AUTOCAST = ("forecast: the step enters torch.autocast with a lower precision, which does not cast meta tensors (no "
+            "device's autocast applies to them): its memory would come out in float32; a mixed-precision job is not "
+            "forecast from meta probes yet: probe it on the CPU (at a smaller size) or on the GPU")
+
+
+class _MetaAutocast(torch.amp.autocast_mode.autocast):
+    """torch.autocast while meta probes run: disabled, it does what it does anyway on meta tensors (nothing), with
+    device_type "meta" taken as the CPU's (transformers' rotary embeddings open torch.autocast(device_type=x.device
+    .type, enabled=False) to compute in float32, and "meta" has no autocast state: "unsupported scalarType");
+    enabled, it refuses (AUTOCAST), as casting nothing would give a float32 forecast of a mixed-precision job."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None):
+        if enabled:
+            raise ValueError(AUTOCAST)
+        super().__init__("cpu" if device_type == "meta" else device_type, dtype=dtype, enabled=False,
+                         cache_enabled=cache_enabled)
+
+
+@contextlib.contextmanager
+def _autocast_as_meta() -> Iterator[None]:
+    saved = (torch.autocast, torch.amp.autocast)
+    torch.autocast = torch.amp.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved
+
+
+def refusal(error: BaseException, model: torch.nn.Module | None) -> ValueError:
+    """The error a step that cannot run on meta raised, as a ValueError naming the module it ran in (the innermost
+    module method on the traceback) and what to do."""
+    where = ""
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module):
+            path = names.get(id(owner))
+            kind = type(owner).__name__
+            where = f" (in {kind} {path!r})" if path else f" (in a {kind})"
+        tb = tb.tb_next
+    return ValueError(f"forecast: the step cannot run on the meta device{where}: {type(error).__name__}: {error}; ops "
+                      f"whose output shape depends on the data (.item(), nonzero, boolean-mask indexing, routing to "
+                      f"experts) need values: probe on the CPU at a smaller size, or on the GPU")
+
+
+@contextlib.contextmanager
+def probe_scope() -> Iterator[None]:
+    """While meta probes run, meta ops run the kernels the CPU would: attention through the CPU's backend choice (on
+    this thread), the composites the CPU and CUDA run (_composite_ops), resize_ through the meta allocator, and
+    torch.autocast as _MetaAutocast says. The kernels are registered for the process, over PyTorch's Python ones,
+    and taken back at the end (another thread running meta ops meanwhile sees them); torch.autocast is the
+    process's too."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # each registration warns that it overrides PyTorch's meta kernel
+            for name in _composite_ops():
+                op = _overload(name)
+                lib.impl(op, _composite_kernel(op), "Meta")
+            lib.impl(torch.ops.aten.resize_.default, _resize_meta, "Meta")
+        with _CpuKernels(), _autocast_as_meta():
+            yield
+    finally:
+        lib._destroy()
