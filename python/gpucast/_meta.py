@@ -9,7 +9,6 @@ import warnings
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 # The backend numbers _fused_sdp_choice returns (aten/src/ATen/native/transformers/sdp_utils_cpp.h, SDPBackend).
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION.value)
@@ -60,36 +59,25 @@ def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
 
 
 def _attention_as_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                      enable_gqa: bool = False) -> torch.Tensor | None:
-    """Scaled-dot-product attention on meta tensors through the kernel the CPU picks. PyTorch asks a backend only
-    of devices with a choice (attention.cpp, scaled_dot_product_attention: _fused_sdp_choice_stub's
-    is_device_supported), so on meta it always runs the math path, which saves the whole sequence x sequence
-    matrix where the CPU's flash kernel (and the GPU's) saves a logsumexp. Where the CPU picks flash, this runs
-    that kernel's op on meta as attention.cpp's flash branch does; None where it picks math (run as it is)."""
-    if not isinstance(query, torch.Tensor) or not query.is_meta:
-        return None
+                      dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                      enable_gqa: bool = False) -> torch.Tensor:
+    """aten::scaled_dot_product_attention for meta tensors, registered at AutogradMeta while meta probes run (so that
+    it holds in backward's recomputations too). PyTorch's composite asks a backend only of devices with a choice
+    (attention.cpp, scaled_dot_product_attention: _fused_sdp_choice_stub's is_device_supported), so on meta it
+    always runs the math path, which saves the whole sequence x sequence matrix where the CPU's flash kernel (and
+    the GPU's) saves a logsumexp. This runs the branch the CPU picks, as attention.cpp runs it: the mask made
+    additive (convert_boolean_attn_mask), then _scaled_dot_product_flash_attention_for_cpu or
+    _scaled_dot_product_attention_math, each differentiable on its own."""
     ctx = torch.backends.cuda
     choice = _cpu_choice(_shape_kind(query), _shape_kind(key), _shape_kind(value), _shape_kind(attn_mask, mask=True),
                          dropout_p > 0.0, bool(is_causal), bool(enable_gqa), ctx.flash_sdp_enabled(),
                          ctx.math_sdp_enabled())
-    if choice != _FLASH:
-        return None
     mask = _additive_mask(attn_mask, query.dtype)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
-
-
-class _CpuKernels(TorchFunctionMode):
-    """Meta attention through the CPU's kernel choice (_attention_as_cpu); every other call as it is."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._C._nn.scaled_dot_product_attention:
-            out = _attention_as_cpu(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+    if choice == _FLASH:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,15 +198,21 @@ def refusal(error: BaseException, model: torch.nn.Module | None) -> ValueError:
             kind = type(owner).__name__
             where = f" (in {kind} {path!r})" if path else f" (in a {kind})"
         tb = tb.tb_next
-    return ValueError(f"forecast: the step cannot run on the meta device{where}: {type(error).__name__}: {error}; ops "
-                      f"whose output shape depends on the data (.item(), nonzero, boolean-mask indexing, routing to "
-                      f"experts) need values: probe on the CPU at a smaller size, or on the GPU")
+    if "materialized from meta device" in str(error):
+        # torch/distributed/fsdp/_fully_shard/_fsdp_state.py (_lazy_init) refuses parameters left on meta.
+        todo = ("fully_shard does not train meta parameters: forecast the model before fully_shard, on meta, with "
+                "parallel=dict(dp=N, dp_mode='fsdp', fsdp_units=[the modules you shard]) (FSDP2's rule)")
+    else:
+        todo = ("ops whose output shape depends on the data (.item(), nonzero, boolean-mask indexing, routing to "
+                "experts) need values: probe on the CPU at a smaller size, or on the GPU")
+    return ValueError(f"forecast: the step cannot run on the meta device{where}: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}; {todo}")
 
 
 @contextlib.contextmanager
 def probe_scope() -> Iterator[None]:
-    """While meta probes run, meta ops run the kernels the CPU would: attention through the CPU's backend choice (on
-    this thread), the composites the CPU and CUDA run (_composite_ops), resize_ through the meta allocator, and
+    """While meta probes run, meta ops run the kernels the CPU would: attention through the CPU's backend choice, the
+    composites the CPU and CUDA run (_composite_ops), resize_ through the meta allocator, and
     torch.autocast as _MetaAutocast says. The kernels are registered for the process, over PyTorch's Python ones,
     and taken back at the end (another thread running meta ops meanwhile sees them); torch.autocast is the
     process's too."""
@@ -230,7 +224,8 @@ def probe_scope() -> Iterator[None]:
                 op = _overload(name)
                 lib.impl(op, _composite_kernel(op), "Meta")
             lib.impl(torch.ops.aten.resize_.default, _resize_meta, "Meta")
-        with _CpuKernels(), _autocast_as_meta():
+            lib.impl(torch.ops.aten.scaled_dot_product_attention.default, _attention_as_cpu, "AutogradMeta")
+        with _autocast_as_meta():
             yield
     finally:
         lib._destroy()

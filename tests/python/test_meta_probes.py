@@ -245,3 +245,30 @@ def test_llama_from_transformers_on_meta():
     meta, cpu = _forecast(case, "meta", 64), _forecast(case, "cpu", 64)
     assert cpu[0] <= meta[0] <= cpu[0] + 65536
     assert cpu[1] <= meta[1] <= cpu[1] + 2 * 2**20  # reserved: at most one more 2 MiB segment
+
+
+def _scale_case(*args: str) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[2] / "bench" / "meta_scale.py"
+    out = subprocess.run([sys.executable, str(bench), "--one", *args], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("config,seq,local,dp,ckpt,params", [
+    ("8B", "2048", "1", "8", "0", 8_030_261_248),
+    ("70B", "4096", "1", "64", "1", 70_553_706_496),
+])
+def test_llama_8b_and_70b_forecast_from_meta_probes_in_bounded_memory(config, seq, local, dp, ckpt, params):
+    """transformers' Llama at 8B and 70B (random init on meta, bf16, AdamW, FSDP2's rule over 8 and 64 ranks): the
+    forecast completes in a process that never holds more than 4 GiB, and each rank holds at least its shard of the
+    parameters, gradients and AdamW's two moments (8 bytes a parameter in bf16)."""
+    r = _scale_case(config, seq, local, dp, ckpt)
+    assert r["params"] == params
+    assert r["max_rss_gib"] < 4.0
+    assert r["allocated"] >= 8 * params // int(dp)
+    assert r["reserved"] >= r["allocated"]
+    assert r["step_ms"] > 0 and r["warnings"] == []
