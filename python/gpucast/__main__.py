@@ -5,6 +5,8 @@
                            [--forecast SIZE] [--capacity SIZE_OR_DEVICE]
   python -m gpucast devices                                             the device and GPU rates tables
   python -m gpucast predict-job job.json                                the job-level memory estimate
+  python -m gpucast plan config.json --gpus N --seq L [--batch B] [--tp 1,2] [--dp-modes fsdp,ddp]
+                         [--checkpointing none,full] [--gpu H100-80GB] [--json]   layouts of a model over N GPUs
 """
 from __future__ import annotations
 
@@ -105,6 +107,11 @@ def _predict_job(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from . import _plan as plan
+    return plan.run(args)
+
+
 def _run_conf(conf: str, target: str | None) -> str:
     """GPUCAST_CONF for `run`: auto mode on, the user's other keys kept, and --target, when given, over theirs."""
     def key(item: str) -> str:
@@ -174,11 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     pj.add_argument("job")
     pj.add_argument("--weights", help="weights of the learned model (default: $GPUCAST_JOB_WEIGHTS, else the "
                                       "shipped ones); when they do not load, the analytical estimate answers")
+    pl = sub.add_parser("plan", help="per-rank memory and step time of a model's layouts over N GPUs, from meta probes")
+    pl.add_argument("config", help="a transformers config.json (built on the meta device, nothing downloaded), or "
+                                   "module:function returning a model")
+    pl.add_argument("--gpu", default="H100-80GB", help="the GPU (a device table name; another name with --capacity)")
+    pl.add_argument("--capacity", type=_size(False), metavar="SIZE", help="the GPU's memory, for a GPU the table lacks")
+    pl.add_argument("--gpus", type=int, required=True, help="how many GPUs the job runs on")
+    pl.add_argument("--seq", type=int, required=True, help="tokens per sample")
+    pl.add_argument("--batch", type=int, default=1, help="samples per data-parallel rank (default 1)")
+    pl.add_argument("--tp", default="1", help="tensor-parallel sizes to consider, e.g. 1,2,8 (default 1)")
+    pl.add_argument("--dp-modes", default="fsdp", help="data parallelism: fsdp, ddp or both, e.g. fsdp,ddp "
+                                                       "(default fsdp)")
+    pl.add_argument("--checkpointing", default="none,full", help="activation checkpointing: none, full or both "
+                                                                 "(default none,full)")
+    pl.add_argument("--dtype", default="bfloat16", help="parameters' dtype: bfloat16 (default), float16, float32")
+    pl.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
     if args.cmd == "run" and args.command and args.command[0] == "--":
         args.command = args.command[1:]
     try:
-        return {"run": _run, "report": _report, "devices": _devices, "predict-job": _predict_job}[args.cmd](args)
+        return {"run": _run, "report": _report, "devices": _devices, "predict-job": _predict_job,
+                "plan": _plan}[args.cmd](args)
     except (ValueError, OSError) as e:
         print(f"gpucast: {e}", file=sys.stderr)
         return 2

@@ -191,3 +191,44 @@ def test_run_says_once_when_the_trace_cannot_be_saved(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("gpucast: the traced iteration was not saved to GPUCAST_TRACE: ") == 1
     assert "gpucast forecast for cpu" in out.stderr
+
+
+_TINY_LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 256}
+
+
+def test_plan_ranks_the_layouts_of_a_config_over_the_gpus(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    r = cli("plan", str(cfg), "--gpus", "8", "--seq", "128", "--batch", "2", "--dp-modes", "fsdp,ddp", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["gpus"] == 8 and out["gpu"] == "H100-80GB"
+    names = [x["name"] for x in out["layouts"]]
+    assert sorted(names) == ["ddp8", "ddp8, ckpt", "fsdp8", "fsdp8, ckpt"]
+    steps = [x["step_ms"] for x in out["layouts"]]
+    assert all(x["fits"] for x in out["layouts"]) and steps == sorted(steps)  # all fit: fastest first
+    by = {x["name"]: x for x in out["layouts"]}
+    assert by["fsdp8"]["allocated_bytes"] < by["ddp8"]["allocated_bytes"]  # sharded states
+    assert by["fsdp8, ckpt"]["allocated_bytes"] < by["fsdp8"]["allocated_bytes"]  # activations recomputed
+    table = cli("plan", str(cfg), "--gpus", "8", "--seq", "128", "--checkpointing", "none")
+    assert table.returncode == 0 and table.stdout.splitlines()[1].split() == [
+        "layout", "allocated", "GiB", "reserved", "GiB", "fits", "step", "ms", "tokens/s/GPU"]
+
+
+def test_plan_refuses_bad_input_naming_it(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_TINY_LLAMA))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    cases = [
+        (("plan", str(bad), "--gpus", "8", "--seq", "128"), "field 'model_type' missing"),
+        (("plan", str(cfg), "--gpus", "8", "--seq", "128", "--tp", "3"), "--tp 3 does not divide --gpus 8"),
+        (("plan", str(cfg), "--gpus", "8", "--seq", "128", "--gpu", "B300"), "B300"),
+        (("plan", str(cfg), "--gpus", "8", "--seq", "128", "--dp-modes", "zero3"), "--dp-modes takes ddp and fsdp"),
+        (("plan", str(tmp_path / "missing.json"), "--gpus", "8", "--seq", "128"), "cannot read the config"),
+    ]
+    for args, message in cases:
+        r = cli(*args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
