@@ -207,6 +207,8 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
     l.forward_ns = gpu_layer_ns(l, gpu, Phase::Forward, precision);
     const bool backward = layer_runs_backward(probe, l);
     l.backward_ns = backward ? gpu_layer_ns(l, gpu, Phase::Backward, precision) : 0.0;
+    // The forward ops backward runs again (activation checkpointing), at forward rates, in the backward pass.
+    for (const CostPart& p : l.recompute) l.backward_ns += gpu_part_ns(p, gpu, Phase::Forward, precision);
     layers += l.forward_ns + l.backward_ns;
     // The kernels' overheads: what tensor parallelism leaves whole on every rank.
     l.forward_fixed_ns = l.backward_fixed_ns = 0;
@@ -217,6 +219,7 @@ IterationTiming price_on_gpu(const IterationTiming& probe, const GpuRates& gpu, 
       l.forward_fixed_ns += kernels(p, Phase::Forward);
       if (backward) l.backward_fixed_ns += kernels(p, Phase::Backward);
     }
+    for (const CostPart& p : l.recompute) l.backward_fixed_ns += kernels(p, Phase::Forward);
   }
   double bytes = probe.optimizer_bytes;
   if (bytes <= 0) {
@@ -265,23 +268,29 @@ IterationTiming work_at_batch(const std::vector<IterationTiming>& probes, int64_
     }
     return std::max(0.0, fit_size(pts, b, L));
   };
-  for (LayerTiming& l : out.layers) {
-    for (CostPart& part : l.parts) {
+  // Each part's FLOPs and bytes fitted over the probes' same part (of the same list: parts or recompute).
+  auto fit_parts = [&](const std::string& layer, std::vector<CostPart>& parts,
+                       std::vector<CostPart> LayerTiming::*list) {
+    for (CostPart& part : parts) {
       auto find = [&](const LayerTiming& x) -> const CostPart* {
-        for (const CostPart& q : x.parts) {
+        for (const CostPart& q : x.*list) {
           if (q.kind == part.kind && q.half == part.half) return &q;
         }
         return nullptr;
       };
-      part.flops = over(l.layer, [&](const LayerTiming& x) -> std::optional<double> {
+      part.flops = over(layer, [&](const LayerTiming& x) -> std::optional<double> {
         const CostPart* q = find(x);
         return q ? std::optional<double>(q->flops) : std::nullopt;
       });
-      part.bytes = over(l.layer, [&](const LayerTiming& x) -> std::optional<double> {
+      part.bytes = over(layer, [&](const LayerTiming& x) -> std::optional<double> {
         const CostPart* q = find(x);
         return q ? std::optional<double>(q->bytes) : std::nullopt;
       });
     }
+  };
+  for (LayerTiming& l : out.layers) {
+    fit_parts(l.layer, l.parts, &LayerTiming::parts);
+    fit_parts(l.layer, l.recompute, &LayerTiming::recompute);
     l.flops = over(l.layer, [](const LayerTiming& x) { return std::optional<double>(x.flops); });
     l.bytes = over(l.layer, [](const LayerTiming& x) { return std::optional<double>(x.bytes); });
     l.out_bytes = static_cast<int64_t>(

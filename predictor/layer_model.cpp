@@ -656,6 +656,19 @@ bool is_half(const OpRecord& op) {
 }  // namespace
 
 // Mirrors iteration_timing() (step_time.cpp): the same window, the same layers in the same order.
+namespace {
+// Adds an op's cost to the part of its kind and precision.
+void add_part(std::vector<CostPart>& parts, size_t kind, bool half, double flops, double bytes) {
+  auto part = std::find_if(parts.begin(), parts.end(), [&](const CostPart& p) {
+    return p.kind == kLayerCostKinds[kind] && p.half == half;
+  });
+  if (part == parts.end()) part = parts.insert(parts.end(), CostPart{std::string(kLayerCostKinds[kind]), half});
+  part->flops += flops;
+  part->bytes += bytes;
+  part->kernels += bytes > 0 ? 1 : 0;
+}
+}  // namespace
+
 std::vector<LayerCost> layer_costs(const Trace& t) {
   const int64_t n = static_cast<int64_t>(t.ops.size());
   auto valid = [&](int64_t i) { return i >= 0 && i < n; };
@@ -683,34 +696,45 @@ std::vector<LayerCost> layer_costs(const Trace& t) {
   auto module_of_forward = [&](int64_t fwd) {
     return valid(fwd) && !t.ops[fwd].module.empty() ? t.ops[fwd].module : std::string(kOutside);
   };
+  // An op's cost kind and FLOPs: its own, or (a composite with no formula) its heavy descendants'.
+  auto op_cost = [&](int64_t i) {
+    const OpRecord& op = t.ops[i];
+    size_t kind = kind_index(op_cost_kind(op.name));
+    double flops = op_flops(op);
+    if (!heavy(kind) || flops == 0 || base_name(op.name) == "einsum") {
+      double sum = 0, largest = 0;
+      size_t inner = kind;
+      heavy_descendants(t, children, i, 0, &sum, &largest, &inner);
+      if (sum > 0) flops = sum, kind = inner;
+    }
+    return std::pair<size_t, double>{kind, flops};
+  };
+  // A forward op run again in backward: it records an autograd sequence number (it builds a graph, where backward's
+  // own ops do not) and the op around it does not.
+  auto records_graph = [&](const OpRecord& op) {
+    return op.phase == Phase::Backward && op.scope == Scope::Function && op.seq_nr >= 0;
+  };
+  auto recomputed = [&](const OpRecord& op) {
+    return records_graph(op) && op.name.rfind("aten::", 0) == 0 && !(valid(op.parent) && records_graph(t.ops[op.parent]));
+  };
   for (int64_t i = 0; i < n; ++i) {
     const OpRecord& op = t.ops[i];
     if (!in_window(op) || is_optimizer_step(op)) continue;
     const bool top = op.parent < 0;
     if (op.phase == Phase::Forward && op.scope == Scope::Function && top) {
       const size_t l = layer(op.module.empty() ? kOutside : op.module);
-      size_t kind = kind_index(op_cost_kind(op.name));
-      double flops = op_flops(op);
-      if (!heavy(kind) || flops == 0 || base_name(op.name) == "einsum") {
-        double sum = 0, largest = 0;
-        size_t inner = kind;
-        heavy_descendants(t, children, i, 0, &sum, &largest, &inner);
-        if (sum > 0) flops = sum, kind = inner;
-      }
+      auto [kind, flops] = op_cost(i);
       const double bytes = op_bytes(op);
       out[l].ops += 1;
       out[l].flops += flops;
       out[l].bytes += bytes;
       kind_flops[l][kind] = std::max(kind_flops[l][kind], flops);
-      const bool half = is_half(op);
-      auto& parts = out[l].parts;
-      auto part = std::find_if(parts.begin(), parts.end(), [&](const CostPart& p) {
-        return p.kind == kLayerCostKinds[kind] && p.half == half;
-      });
-      if (part == parts.end()) part = parts.insert(parts.end(), CostPart{std::string(kLayerCostKinds[kind]), half});
-      part->flops += flops;
-      part->bytes += bytes;
-      part->kernels += bytes > 0 ? 1 : 0;
+      add_part(out[l].parts, kind, is_half(op), flops, bytes);
+    } else if (recomputed(op)) {
+      const size_t l = layer(op.module.empty() ? module_of_forward(valid(op.bwd_node) ? t.ops[op.bwd_node].fwd_op : -1)
+                                               : op.module);
+      auto [kind, flops] = op_cost(i);
+      add_part(out[l].recompute, kind, is_half(op), flops, op_bytes(op));
     } else if (op.phase == Phase::Backward && op.scope == Scope::BackwardFunction &&
                (top || (valid(op.parent) && t.ops[op.parent].scope != Scope::BackwardFunction))) {
       layer(module_of_forward(op.fwd_op));

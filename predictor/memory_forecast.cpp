@@ -238,6 +238,9 @@ Stream extract(const Trace& t, const std::string& device, const std::unordered_s
   for (size_t a = 0; a < t.allocations.size(); ++a) {
     const Allocation& al = t.allocations[a];
     if (!al.baseline || !in_probe_stream(al.device, device) || exclude.count(al.ptr) != 0) continue;
+    // Meta probes: a CPU block held from the start that no hook claimed is the process's (a dataset, a copy), not
+    // the job's, whose tensors are meta; CPU probes cannot tell them apart from the job's.
+    if (device == "meta" && al.device == "cpu" && al.category == Category::Other) continue;
     position[a] = initial_ref(s.initial_bytes.size());
     s.initial_bytes.push_back(al.block_bytes);
     s.initial_category.push_back(al.category);
@@ -1645,9 +1648,18 @@ class Forecaster {
       }
     }
     kernel_call_of_ = outermost_calls(ops, [&](const OpRecord& op) {
-      return op.scope == Scope::Function && pure[static_cast<size_t>(op.id)];
+      return op.scope == Scope::Function && pure[static_cast<size_t>(&op - ops.data())];
     });
     return kernel_call_of_;
+  }
+
+  // Whether an allocation of the probes' stream (its ref; a synthesized second iteration's too) holds at most 8
+  // bytes at every batch: a constant fit of that size.
+  bool one_element(int64_t ref) const {
+    const int64_t pos = ref >= kSecondIterationRef ? ref - kSecondIterationRef : ref;
+    if (pos < 0 || pos >= static_cast<int64_t>(model_.alloc_fits.size())) return false;
+    const Fit& f = model_.alloc_fits[static_cast<size_t>(pos)];
+    return f.c1 == 0 && f.c2 == 0 && f.cl == 0 && f.cbl == 0 && f.cbll == 0 && f.c0 > 0 && f.c0 <= 8;
   }
 
   // GPU target from host probes: what a CPU kernel allocates and frees before it returns is that kernel's own
@@ -1656,7 +1668,8 @@ class Forecaster {
   // casts TensorIterator makes only where an op runs on the CPU (aten/src/ATen/TensorIterator.cpp, compute_types:
   // "Creates temporaries for CPU operations", under common_device == kCPU; a CUDA kernel casts as it reads). Such
   // blocks are left out. A meta kernel allocates its outputs only (Python ones folded so: trace_assembly.h), so
-  // host probes of either device come to the same stream. Convolutions keep their own rule
+  // meta probes have none of these, and both come to the stream the GPU's kernels make, where the meta device runs
+  // the kernels the CPU does (docs/design.md, "The meta device"). Convolutions keep their own rule
   // (replace_conv_scratch), which puts cuDNN's workspace in their scratch's place.
   void drop_cpu_kernel_scratch(Planned& p) {
     const std::vector<int64_t>& call = kernel_call_of();
@@ -1672,11 +1685,12 @@ class Forecaster {
     // scalar_to_tensor), so in a GPU job it is never GPU memory. In host probes such a block is one element (at most
     // 8 bytes) freed in the op it was made in (or the scope around ops that made it, when made before dispatch).
     // A device's own one-element temporary made and freed inside one op is left out with them: 8 bytes, one
-    // 512-byte block of the caching allocator each.
+    // 512-byte block of the caching allocator each. One element at every batch: its fitted size is a constant (a
+    // block of a few bytes per sample is not), so the same entries go at every batch size.
     const std::vector<OpRecord>& ops = model_.trace->ops;
     std::unordered_map<int64_t, int64_t> small;  // ref -> the op that made it
     for (const Entry& e : p.entries) {
-      if (e.alloc && e.bytes > 0 && e.bytes <= 8 && e.op >= 0) small[e.ref] = e.op;
+      if (e.alloc && e.op >= 0 && one_element(e.ref)) small[e.ref] = e.op;
     }
     for (const Entry& e : p.entries) {
       auto it = e.alloc ? small.end() : small.find(e.ref);

@@ -306,6 +306,7 @@ IterationTiming iteration_timing(const Trace& t, int64_t batch) {
     l.bytes = c.bytes;
     l.ops = c.ops;
     l.parts = c.parts;
+    l.recompute = c.recompute;
   }
   const TimedLayers chosen(t.timed_layers);
   for (LayerTiming& l : it.layers) l.timed = chosen.layer_timed(l.layer);
@@ -334,6 +335,7 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
     l.out_bytes = s.out_bytes;
     l.grad_bytes = s.grad_bytes;
     l.parts = s.parts;
+    l.recompute = s.recompute;
   }
   timing.optimizer_bytes = structure.optimizer_bytes;
   // The kernel choice shows in ops nested in the convolution, which a timing trace may count without recording.
@@ -592,14 +594,19 @@ std::string step_time_to_json(const StepTimeForecast& f) {
 
 std::string iteration_timing_to_json(const IterationTiming& t) {
   json layers = json::array();
+  auto parts_json = [](const std::vector<CostPart>& parts) {
+    json out = json::array();
+    for (const CostPart& p : parts) out.push_back({p.kind, p.half, p.flops, p.bytes, p.kernels});
+    return out;
+  };
   for (const auto& l : t.layers) {
-    json parts = json::array();
-    for (const CostPart& p : l.parts) parts.push_back({p.kind, p.half, p.flops, p.bytes, p.kernels});
-    layers.push_back({{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
-                      {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
-                      {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
-                      {"ops", l.ops}, {"forward_ops_all", l.forward_ops_all},
-                      {"backward_ops_all", l.backward_ops_all}, {"parts", parts}, {"timed", l.timed}});
+    json layer{{"layer", l.layer}, {"forward_ns", l.forward_ns}, {"backward_ns", l.backward_ns},
+               {"grad_bytes", l.grad_bytes}, {"backward_order", l.backward_order}, {"kind", l.kind},
+               {"out_bytes", l.out_bytes}, {"cost_kind", l.cost_kind}, {"flops", l.flops}, {"bytes", l.bytes},
+               {"ops", l.ops}, {"forward_ops_all", l.forward_ops_all},
+               {"backward_ops_all", l.backward_ops_all}, {"parts", parts_json(l.parts)}, {"timed", l.timed}};
+    if (!l.recompute.empty()) layer["recompute"] = parts_json(l.recompute);  // written only where there is some
+    layers.push_back(std::move(layer));
   }
   json edges = json::array();
   for (const auto& e : t.edges) edges.push_back({e.src, e.dst, e.bytes});
@@ -635,16 +642,18 @@ LayerTiming layer_timing_from_json(const JsonFields& r, const json& l, size_t i)
   if (lt.grad_bytes < 0 || lt.out_bytes < 0 || lt.ops < 0 || lt.forward_ops_all < 0 || lt.backward_ops_all < 0) {
     r.fail(w, "counts and bytes of at least 0", l);
   }
-  if (l.contains("parts")) {
-    const json& parts = l["parts"];
-    if (!parts.is_array()) r.fail(w + ".parts", "a list of [kind, half, flops, bytes, kernels]", parts);
+  for (const char* key : {"parts", "recompute"}) {
+    if (!l.contains(key)) continue;
+    const json& parts = l[key];
+    const std::string kw = fmt::format("{}.{}", w, key);
+    if (!parts.is_array()) r.fail(kw, "a list of [kind, half, flops, bytes, kernels]", parts);
+    std::vector<CostPart>& into = std::string_view(key) == "parts" ? lt.parts : lt.recompute;
     for (size_t k = 0; k < parts.size(); ++k) {
-      const std::string pw = fmt::format("{}.parts[{}]", w, k);
+      const std::string pw = fmt::format("{}[{}]", kw, k);
       const json& p = parts[k];
       if (!p.is_array() || p.size() != 5) r.fail(pw, "[kind, half, flops, bytes, kernels]", p);
-      lt.parts.push_back({r.as<std::string>(p[0], pw + "[0]"), r.as<bool>(p[1], pw + "[1]"),
-                          r.as<double>(p[2], pw + "[2]"), r.as<double>(p[3], pw + "[3]"),
-                          r.as<int64_t>(p[4], pw + "[4]")});
+      into.push_back({r.as<std::string>(p[0], pw + "[0]"), r.as<bool>(p[1], pw + "[1]"),
+                      r.as<double>(p[2], pw + "[2]"), r.as<double>(p[3], pw + "[3]"), r.as<int64_t>(p[4], pw + "[4]")});
     }
   }
   return lt;

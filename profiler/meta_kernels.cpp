@@ -65,13 +65,19 @@ Kernels kernels_of(const std::string& name, const std::string& overload) {
   }
 }
 
-// The one rule: a Python meta kernel standing in for the composite the CPU and CUDA run. Convolutions excepted:
+// The one rule: a Python meta kernel standing in for the composite the CPU and CUDA run (ATen's operators: meta
+// probes register composites for those only). Convolutions excepted:
 // their composite picks a backend by device (aten/src/ATen/native/Convolution.cpp, select_conv_backend), and meta
 // has none (it would call convolution_overrideable, which raises); the forecast's convolution rule
 // (replace_conv_scratch) stands for what the backends allocate.
 bool composite_on_meta(const Kernels& k, const std::string& name) {
-  return k.python_meta && k.composite_explicit && !k.backend && name.find("convolution") == std::string::npos;
+  return k.python_meta && k.composite_explicit && !k.backend && name.rfind("aten::", 0) == 0 &&
+         name.find("convolution") == std::string::npos;
 }
+
+// The scope python/gpucast/_meta.py opens around PyTorch's Python meta kernel where an op's composite could not run
+// on meta (FALLBACK_SCOPE there): folded as that kernel would be.
+constexpr const char* kMetaFallbackScope = "gpucast.meta_fallback";
 
 }  // namespace
 
@@ -84,7 +90,9 @@ std::function<bool(const OpRecord&)> meta_kernel_in_python(
     const Kernels k = kernels_of(name, overload);
     if (k.python_meta && !composite_on_meta(k, name)) python->emplace(name, overload);
   }
-  return [python](const OpRecord& op) { return python->count({op.name, op.overload}) != 0; };
+  return [python](const OpRecord& op) {
+    return op.name == kMetaFallbackScope || python->count({op.name, op.overload}) != 0;
+  };
 }
 
 }  // namespace gpucast::detail

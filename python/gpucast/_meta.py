@@ -14,30 +14,42 @@ import torch
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION.value)
 
 
-def _shape_kind(t: torch.Tensor | None, mask: bool = False) -> tuple | None:
+def _shape_kind(t: torch.Tensor | None, ref: tuple, mask: bool = False) -> tuple | None:
     """What the CPU's attention backend choice reads of a tensor (aten/src/ATen/native/transformers/
-    sdp_utils_cpp.cpp, use_flash_attention_cpp: dimensions, the heads (dim -3), the head dimension (the last, but
-    in a mask) and its stride, which sizes are zero, the dtype), with every other size set to 1: the batch and
-    sequence lengths change no constraint but the nonzero one, so that one choice serves every probe."""
+    sdp_utils_cpp.cpp, use_flash_attention_cpp and the checks it calls): its dimensions, the heads (dim -3) and the
+    head dimension (the last, but in a mask) as they are, whether each other size is zero or equals `ref`'s (the
+    query's shape; for a mask, the attention weights' (batch, heads, query length, key length), where a size of 1
+    broadcasts), the last dimension's stride, the dtype and whether it requires grad. The other sizes become 1
+    (equal, or a mask's broadcast), 2 (not) or 0: no constraint reads more of them, so one answer serves every
+    probe, whatever its batch and length."""
     if t is None:
         return None
-    n = t.dim()
+    n, rn = t.dim(), len(ref)
     keep = {n - 3} if mask else {n - 3, n - 1}
-    shape = tuple(s if i in keep or s == 0 else 1 for i, s in enumerate(t.shape))
-    return (shape, t.dtype, t.stride(-1) == 1 if n else True)
+    shape = []
+    for i, s in enumerate(t.shape):
+        j = rn - (n - i)  # ref's dimension aligned with this one
+        if i in keep or s == 0:
+            shape.append(s)
+        elif (mask and s == 1) or (0 <= j < rn and s == ref[j]):
+            shape.append(1)
+        else:
+            shape.append(2)
+    return (tuple(shape), t.dtype, t.stride(-1) == 1 if n else True, bool(t.requires_grad))
 
 
 def _host_like(kind: tuple | None) -> torch.Tensor | None:
     """A CPU tensor of that kind, holding its last dimension only (strides 0 before it)."""
     if kind is None:
         return None
-    shape, dtype, unit_stride = kind
+    shape, dtype, unit_stride, grad = kind
     if not shape:
-        return torch.empty((), dtype=dtype)
+        return torch.empty((), dtype=dtype).requires_grad_(grad) if grad else torch.empty((), dtype=dtype)
     last = shape[-1] if unit_stride else 2 * shape[-1]
     base = torch.empty(last, dtype=dtype)
     strides = [0] * (len(shape) - 1) + [1 if unit_stride else 2]
-    return base.as_strided(shape, strides)
+    view = base.as_strided(shape, strides)
+    return view.requires_grad_(grad) if grad else view
 
 
 @functools.lru_cache(maxsize=256)
@@ -69,7 +81,10 @@ def _attention_as_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     additive (convert_boolean_attn_mask), then _scaled_dot_product_flash_attention_for_cpu or
     _scaled_dot_product_attention_math, each differentiable on its own."""
     ctx = torch.backends.cuda
-    choice = _cpu_choice(_shape_kind(query), _shape_kind(key), _shape_kind(value), _shape_kind(attn_mask, mask=True),
+    q = tuple(query.shape)
+    weights = q[:-1] + (key.shape[-2],) if key.dim() >= 2 else q
+    choice = _cpu_choice(_shape_kind(query, q), _shape_kind(key, q), _shape_kind(value, q),
+                         _shape_kind(attn_mask, weights, mask=True),
                          dropout_p > 0.0, bool(is_causal), bool(enable_gqa), ctx.flash_sdp_enabled(),
                          ctx.math_sdp_enabled())
     mask = _additive_mask(attn_mask, query.dtype)
@@ -100,6 +115,11 @@ def _python_meta(op: torch._ops.OpOverload):
     return None
 
 
+# The scope around PyTorch's Python meta kernel where a composite could not run on meta (kMetaFallbackScope in
+# profiler/meta_kernels.cpp).
+FALLBACK_SCOPE = "gpucast.meta_fallback"
+
+
 def _composite_kernel(op: torch._ops.OpOverload):
     """A meta kernel running `op`'s CompositeExplicitAutograd kernel; where that fails on meta (a composite that
     picks a kernel by device), PyTorch's Python meta kernel as before."""
@@ -111,7 +131,9 @@ def _composite_kernel(op: torch._ops.OpOverload):
         except (NotImplementedError, RuntimeError):
             if fallback is None:
                 raise
-            return fallback(*args, **kwargs)
+            # The trace folds this scope as it folds a Python meta kernel (profiler/meta_kernels.cpp).
+            with torch.autograd.profiler.record_function(FALLBACK_SCOPE):
+                return fallback(*args, **kwargs)
     return kernel
 
 
@@ -143,7 +165,11 @@ def _resize_meta(self: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     (aten/src/ATen/native/Resize.cpp); c10's meta kernel only sets the storage's byte count (resize_bytes_meta),
     which no allocator sees. The new storage replaces the old in this tensor (a view of the old storage keeps the
     old one: the CPU would have moved it too; no job relies on that)."""
+    if memory_format == torch.preserve_format:
+        raise RuntimeError("Unsupported memory format Preserve")  # as the CPU's resize_ says
     size = [int(s) for s in size]
+    if list(self.shape) == size and memory_format is None:
+        return self  # the CPU's resize_ keeps the strides of a tensor already that size
     numel = 1
     for s in size:
         numel *= s
@@ -161,28 +187,41 @@ AUTOCAST = ("forecast: the step enters torch.autocast with a lower precision, wh
             "forecast from meta probes yet: probe it on the CPU (at a smaller size) or on the GPU")
 
 
-class _MetaAutocast(torch.amp.autocast_mode.autocast):
-    """torch.autocast while meta probes run: disabled, it does what it does anyway on meta tensors (nothing), with
-    device_type "meta" taken as the CPU's (transformers' rotary embeddings open torch.autocast(device_type=x.device
-    .type, enabled=False) to compute in float32, and "meta" has no autocast state: "unsupported scalarType");
-    enabled, it refuses (AUTOCAST), as casting nothing would give a float32 forecast of a mixed-precision job."""
+_AUTOCAST_LOCK = __import__("threading").Lock()
+_autocast_depth = 0
+_autocast_init = torch.amp.autocast_mode.autocast.__init__
 
-    def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
-                 cache_enabled: bool | None = None):
-        if enabled:
-            raise ValueError(AUTOCAST)
-        super().__init__("cpu" if device_type == "meta" else device_type, dtype=dtype, enabled=False,
-                         cache_enabled=cache_enabled)
+
+def _meta_autocast_init(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                        cache_enabled: bool | None = None) -> None:
+    """torch.autocast's __init__ while meta probes run (every alias and subclass: torch.cpu.amp.autocast,
+    torch.cuda.amp.autocast, a name imported before): disabled, it does what it does anyway on meta tensors
+    (nothing), with device_type "meta" taken as the CPU's (transformers' rotary embeddings open
+    torch.autocast(device_type=x.device.type, enabled=False) to compute in float32, and "meta" has no autocast
+    state: "unsupported scalarType"); enabled, it refuses (AUTOCAST), as casting nothing would give a float32
+    forecast of a mixed-precision job."""
+    if enabled:
+        raise ValueError(AUTOCAST)
+    _autocast_init(self, "cpu" if device_type == "meta" else device_type, dtype=dtype, enabled=False,
+                   cache_enabled=cache_enabled)
 
 
 @contextlib.contextmanager
 def _autocast_as_meta() -> Iterator[None]:
-    saved = (torch.autocast, torch.amp.autocast)
-    torch.autocast = torch.amp.autocast = _MetaAutocast
+    """Replaces autocast's __init__ for the outermost of nested (or concurrent) scopes, and puts it back when the
+    last one ends."""
+    global _autocast_depth
+    with _AUTOCAST_LOCK:
+        _autocast_depth += 1
+        if _autocast_depth == 1:
+            torch.amp.autocast_mode.autocast.__init__ = _meta_autocast_init
     try:
         yield
     finally:
-        torch.autocast, torch.amp.autocast = saved
+        with _AUTOCAST_LOCK:
+            _autocast_depth -= 1
+            if _autocast_depth == 0:
+                torch.amp.autocast_mode.autocast.__init__ = _autocast_init
 
 
 def refusal(error: BaseException, model: torch.nn.Module | None) -> ValueError:
@@ -203,8 +242,8 @@ def refusal(error: BaseException, model: torch.nn.Module | None) -> ValueError:
         todo = ("fully_shard does not train meta parameters: forecast the model before fully_shard, on meta, with "
                 "parallel=dict(dp=N, dp_mode='fsdp', fsdp_units=[the modules you shard]) (FSDP2's rule)")
     else:
-        todo = ("ops whose output shape depends on the data (.item(), nonzero, boolean-mask indexing, routing to "
-                "experts) need values: probe on the CPU at a smaller size, or on the GPU")
+        todo = ("if it fails for want of values (.item(), nonzero, boolean-mask indexing, routing to experts: an "
+                "output whose shape depends on the data), probe on the CPU at a smaller size, or on the GPU")
     return ValueError(f"forecast: the step cannot run on the meta device{where}: {type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''}; {todo}")
 
@@ -213,9 +252,12 @@ def refusal(error: BaseException, model: torch.nn.Module | None) -> ValueError:
 def probe_scope() -> Iterator[None]:
     """While meta probes run, meta ops run the kernels the CPU would: attention through the CPU's backend choice, the
     composites the CPU and CUDA run (_composite_ops), resize_ through the meta allocator, and
-    torch.autocast as _MetaAutocast says. The kernels are registered for the process, over PyTorch's Python ones,
-    and taken back at the end (another thread running meta ops meanwhile sees them); torch.autocast is the
+    torch.autocast as _meta_autocast_init says. The kernels are registered for the process, over PyTorch's Python
+    ones, and taken back at the end (another thread running meta ops meanwhile sees them); torch.autocast is the
     process's too."""
+    # Library._destroy forgets the keys it registered in torch.library's registry (torch/library.py _impls), which
+    # PyTorch's own meta registrations hold too: those are put back.
+    held = set(torch.library._impls)
     lib = torch.library.Library("aten", "IMPL")
     try:
         with warnings.catch_warnings():
@@ -229,3 +271,4 @@ def probe_scope() -> Iterator[None]:
             yield
     finally:
         lib._destroy()
+        torch.library._impls.update(held)

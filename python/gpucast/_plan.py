@@ -2,7 +2,8 @@
 probes on the meta device (no memory held: any size plans on this machine).
 
 The model comes from a transformers config.json (built on meta with random init, nothing downloaded) or a
-`module:function` returning a model; the job is a causal language model's step (next-token cross entropy, AdamW).
+`module:function` returning a transformers model; the job is a causal language model's step as transformers' Trainer
+runs it (the model's own loss from `labels=`, AdamW).
 Each layout is dp x tp (x the checkpointing mode), dp's mode DDP or FSDP2 (FSDP2: every decoder layer and the root a
 unit, FSDP2's rule), tp by the coarse rule (flagged approximate); each is one forecast."""
 from __future__ import annotations
@@ -123,9 +124,9 @@ def plan_one(build: Callable[[], torch.nn.Module], layout: Layout, seq: int, bat
 
     def step(x: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
+        # The model's own loss, as transformers' Trainer computes it (labels shifted inside; its cross entropy upcasts
+        # the logits to float32); the output, logits included, let go before backward.
+        model(input_ids=x, labels=x).loss.backward()
         opt.step()
     parallel: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "dp_mode": layout.dp_mode}
     if layout.dp_mode == "fsdp":
@@ -152,13 +153,6 @@ def ranked(rows: list[dict]) -> list[dict]:
                                        r["reserved_bytes"]))
 
 
-# The step time priced from the GPU rates table costs each layer's forward ops and twice them for backward; the
-# forward ops activation checkpointing runs again in backward are not priced (predictor/layer_model.cpp layer_costs
-# counts forward-phase ops only).
-RECOMPUTE_NOTE = ("ckpt: the step time leaves out checkpointing's recomputation of the forward (not yet priced): "
-                  "low by up to a third")
-
-
 def table(rows: list[dict]) -> str:
     gib = 2**30
     lines = [f"{'layout':<22}{'allocated GiB':>14}{'reserved GiB':>13}{'fits':>6}{'step ms':>10}{'tokens/s/GPU':>14}"]
@@ -168,8 +162,6 @@ def table(rows: list[dict]) -> str:
                      f"{r['step_ms'] or 0:>10.1f}{r['tokens_per_s_per_gpu'] or 0:>14,.0f}")
     if any(r["approximate"] for r in rows):
         lines.append("~ tensor parallelism by the coarse rule (not yet matched to PyTorch's): approximate")
-    if any(r["layout"]["checkpointing"] == "full" for r in rows):
-        lines.append(RECOMPUTE_NOTE)
     return "\n".join(lines)
 
 

@@ -33,13 +33,16 @@ def _storage_ptrs(objs: Iterable[Any]) -> list[int]:
             plain.append(t)
     try:
         ids = list(torch.ops.gpucast.storage_identities(plain))
-    except (RuntimeError, NotImplementedError):  # a subclass that does not pass through ops: one by one
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass that does not pass through ops: one by one
         ids = []
         for t in plain:
             try:
-                ids.append(t.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):
-                continue
+                ids += list(torch.ops.gpucast.storage_identities([t]))
+            except (RuntimeError, NotImplementedError, TypeError):
+                try:
+                    ids.append(t.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
     return out + [p for p in ids if p]
 
 
@@ -69,8 +72,13 @@ def _to_cpu(obj: Any) -> Any:
 
 
 # Meta probes: the model and batches on the meta device, or neither.
-_META_MIXED = ("forecast: the model's parameters are on the meta device but the batches are not (or the other way "
-               "round); build both on meta (probes that hold no memory, for a GPU target) or both on the CPU")
+def _meta_mixed(batches_on_meta: bool) -> str:
+    if batches_on_meta:
+        return ("forecast: the batches are on the meta device but the model's parameters are not (or the model was not "
+                "given as model=); build both on meta (probes that hold no memory, for a GPU target, with model= "
+                "given) or both on the CPU")
+    return ("forecast: the model's parameters are on the meta device but the batches are not; make make_batch return "
+            "meta tensors (torch.empty(..., device='meta')), or build both on the CPU")
 
 
 class _State:
@@ -81,7 +89,8 @@ class _State:
         self.rng = torch.get_rng_state()
         self.model_state = None
         self.grads = None
-        # Copies live on the CPU, so that a GPU's baseline holds the job's memory only.
+        # Copies live on the CPU, so that a GPU's baseline holds the job's memory only (a meta tensor's copy stays on
+        # meta: it holds nothing).
         if model is not None:
             self.model_state = {k: _copy(v) for k, v in model.state_dict().items()}
             self.grads = [None if p.grad is None else _copy(p.grad) for p in model.parameters()]
@@ -361,7 +370,7 @@ class ProbeRun:
         defaults, kernels' scratch) would otherwise make the first probe differ from the others."""
         warm = self.make_batch(*[x for x in self.design[0] if x is not None])
         if (_device_of(warm) == "meta") != self.meta:
-            raise ValueError(_META_MIXED)
+            raise ValueError(_meta_mixed(not self.meta))
         for _ in range(self.iterations):
             try:
                 self.step(warm)

@@ -187,6 +187,24 @@ TEST(GpuRates, PricesAProbesIteration) {
   EXPECT_DOUBLE_EQ(price_on_gpu(with_bytes, g).optimizer_ns, 2e6);
 }
 
+TEST(GpuRates, RecomputedForwardOpsArePricedInTheBackwardPass) {
+  // net.fc checkpointed: its forward runs again in backward, at the forward's rates (40 ms + 10 us), and its
+  // kernel launches with it.
+  IterationTiming checkpointed = probe(2);
+  checkpointed.clock = "cpu";
+  checkpointed.layers[0].recompute = checkpointed.layers[0].parts;
+  const IterationTiming p = price_on_gpu(checkpointed, table_gpu());
+  const IterationTiming q = price_on_gpu(probe(2), table_gpu());
+  EXPECT_DOUBLE_EQ(p.layers[0].forward_ns, q.layers[0].forward_ns);
+  EXPECT_DOUBLE_EQ(p.layers[0].backward_ns, 160e6 + 20e3 + 40e6 + 10e3);
+  EXPECT_DOUBLE_EQ(p.layers[0].backward_fixed_ns, q.layers[0].backward_fixed_ns + 10e3);
+  EXPECT_DOUBLE_EQ(p.wall_ns - q.wall_ns, 40e6 + 10e3);
+  // The timing's JSON carries it; one without recomputation writes no key for it (older readers unchanged).
+  const IterationTiming back = iteration_timing_from_json(iteration_timing_to_json(checkpointed));
+  EXPECT_EQ(back.layers[0].recompute, checkpointed.layers[0].recompute);
+  EXPECT_EQ(iteration_timing_to_json(probe(2)).find("recompute"), std::string::npos);
+}
+
 TEST(GpuRates, ALayerWithoutABackwardPassCostsNothingThere) {
   // net.act recorded no backward op where net.fc recorded some: frozen, it runs no backward.
   IterationTiming frozen = probe(2);

@@ -334,6 +334,40 @@ TEST(LayerCosts, SixteenBitOpsArePartsOfTheirOwn) {
   EXPECT_EQ(c[0].parts[1].kernels, 2);
 }
 
+TEST(LayerCosts, ForwardOpsRunAgainInBackwardAreTheLayersRecomputation) {
+  // net.fc's aten::mm in forward; in backward, its node runs it again (activation checkpointing: the op records an
+  // autograd sequence number, so it builds a graph) before its own aten::mm (no sequence number).
+  Trace t;
+  auto add = [&](const char* name, Scope scope, Phase phase, int64_t parent, int64_t seq_nr, uint64_t at) {
+    OpRecord o = scope == Scope::Function ? make_op(name, {tensor({4, 8}), tensor({8, 2})}, {tensor({4, 2})})
+                                          : make_op(name, {}, {});
+    o.id = static_cast<int64_t>(t.ops.size());
+    o.scope = scope;
+    o.phase = phase;
+    o.parent = parent;
+    o.seq_nr = seq_nr;
+    o.module = "net.fc";
+    o.start_seq = at;
+    o.end_seq = at + 1;
+    t.ops.push_back(o);
+    return o.id;
+  };
+  add("aten::mm", Scope::Function, Phase::Forward, -1, 7, 1);
+  const int64_t node = add("MmBackward0", Scope::BackwardFunction, Phase::Backward, -1, 7, 3);
+  t.ops[node].fwd_op = 0;
+  t.ops[node].end_seq = 10;
+  add("aten::mm", Scope::Function, Phase::Backward, node, 9, 4);   // recomputed
+  add("aten::mm", Scope::Function, Phase::Backward, node, -1, 6);  // the node's own
+  const std::vector<LayerCost> c = layer_costs(t);
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].ops, 1);
+  EXPECT_EQ(c[0].flops, 2.0 * 4 * 8 * 2);
+  EXPECT_EQ(c[0].recompute,
+            (std::vector<CostPart>{CostPart{"matmul", false, 2.0 * 4 * 8 * 2, 4.0 * (32 + 16 + 8), 1}}));
+  t.ops[2].seq_nr = -1;  // without checkpointing: nothing run again
+  EXPECT_TRUE(layer_costs(t)[0].recompute.empty());
+}
+
 TEST_F(LayerCostsTest, OneIterationAndNoOptimizerStep) {
   Trace one;
   for (const OpRecord& op : t_.ops) {

@@ -772,11 +772,11 @@ TEST(MemoryForecast, GpuProbesTakeWorkspacesMeasuredAtTheTargetBatch) {
 }
 
 // A step, batch b, on `device`: aten::native_batch_norm allocates its output (512 b bytes) and 256 b bytes of
-// scratch through a nested aten::empty, freed before it returns; aten::mul_ takes a double scalar, which the
-// Python argument parser wraps (an 8-byte CPU block made and freed in the scope around the op) and TensorIterator
-// casts into a 4-byte temporary inside it (aten::to); the backward node frees the output; an SGD step creates 1024
-// bytes of state. The wrapped scalar and the cast are on the CPU whatever `device` is (as a meta job's are);
-// scratch false: the step without the scratch, the scalar and the cast.
+// scratch through a nested aten::empty, freed before it returns; then, with the output held, a composite
+// (aten::dropout) wraps a double scalar as a tensor (a wrapped number: 8 bytes on the CPU) for the aten::mul inside
+// it, where TensorIterator casts it into a 4-byte temporary (aten::to), each freed by the op that made it; the backward node frees the output; an SGD step creates 1024 bytes of
+// state and a step count: 64 bytes of state held on the CPU whatever `device` is (as a meta job's is).
+// scratch false: the step without the scratch, the wrapped scalar and the cast.
 Trace kernel_probe(int64_t b, const std::string& device, bool scratch = true) {
   Recorder r;
   r.device = device;
@@ -792,24 +792,30 @@ Trace kernel_probe(int64_t b, const std::string& device, bool scratch = true) {
     r.ev(0x800, -256 * b, bn, Phase::Forward);
   }
   r.end(bn);
+  if (scratch) {
+    r.device = "cpu";
+    const int64_t composite = r.op("aten::dropout", Scope::Function, Phase::Forward);
+    r.ev(0x900, 8, composite, Phase::Forward);  // the wrapped scalar, made by the composite around aten::mul
+    const int64_t mul = r.op("aten::mul", Scope::Function, Phase::Forward, composite);
+    const int64_t to = r.op("aten::to", Scope::Function, Phase::Forward, mul);
+    r.ev(0xa00, 4, to, Phase::Forward);
+    r.end(to);
+    r.ev(0xa00, -4, mul, Phase::Forward);
+    r.end(mul);
+    r.ev(0x900, -8, composite, Phase::Forward);
+    r.end(composite);
+    r.device = device;
+  }
   const int64_t node = r.op("NativeBatchNormBackward0", Scope::BackwardFunction, Phase::Backward);
   r.ev(0x100, -512 * b, node, Phase::Backward);
   r.end(node);
   const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
   r.ev(0x300, 1024, st, Phase::Optimizer);
   r.tag(0x300, Category::OptimizerState);
-  if (scratch) {
-    r.device = "cpu";
-    r.ev(0x900, 8, st, Phase::Optimizer);  // the wrapped scalar, made before the op is dispatched
-    const int64_t mul = r.op("aten::mul_", Scope::Function, Phase::Optimizer, st);
-    const int64_t to = r.op("aten::to", Scope::Function, Phase::Optimizer, mul);
-    r.ev(0xa00, 4, to, Phase::Optimizer);
-    r.end(to);
-    r.ev(0xa00, -4, mul, Phase::Optimizer);
-    r.end(mul);
-    r.ev(0x900, -8, st, Phase::Optimizer);
-    r.device = device;
-  }
+  r.device = "cpu";
+  r.ev(0x310, 64, st, Phase::Optimizer);
+  r.tag(0x310, Category::OptimizerState);
+  r.device = device;
   r.end(st);
   return r.finish(100 * b);
 }
@@ -827,18 +833,19 @@ MemoryForecast run_kernel(const std::string& target, const std::string& device, 
 }
 
 TEST(MemoryForecast, GpuTargetFromHostProbesLeavesOutTheCpuKernelsOwnScratch) {
-  // The CPU target keeps what its kernels allocate: parameter, input, state, output and scratch at once.
-  EXPECT_EQ(run_kernel("cpu", "cpu").peak_allocated_bytes, 1000 + 6400 + 1024 + 512 * 64 + 256 * 64);
-  // A GPU target holds neither the batch norm's scratch nor the wrapped scalar and its cast.
+  // The CPU target keeps what its kernels allocate: parameter, input, state, step count, output and scratch.
+  EXPECT_EQ(run_kernel("cpu", "cpu").peak_allocated_bytes, 1000 + 6400 + 1024 + 64 + 512 * 64 + 256 * 64);
+  // A GPU target holds neither the batch norm's scratch nor the wrapped scalar and its cast (each would be a
+  // 512-byte block beside the output, at the peak).
   const MemoryForecast gpu = run_kernel("H100-80GB", "cpu");
-  EXPECT_EQ(gpu.peak_allocated_bytes, 1024 + 6656 + 1024 + 512 * 64);
+  EXPECT_EQ(gpu.peak_allocated_bytes, 1024 + 6656 + 1024 + 512 + 512 * 64);
   EXPECT_EQ(gpu.peak_allocated_bytes, run_kernel("H100-80GB", "cpu", false).peak_allocated_bytes);
   EXPECT_EQ(gpu.peak_reserved_bytes, run_kernel("H100-80GB", "cpu", false).peak_reserved_bytes);
 }
 
 TEST(MemoryForecast, MetaProbesAreReadAsHostProbesWithTheirCpuBlocks) {
-  // A meta job's blocks are meta but its scalars CPU: the stream holds both, and forecasts as CPU probes of the
-  // same step do.
+  // A meta job's blocks are meta but its step count is a CPU tensor: the stream holds both (without the step
+  // count, 512 bytes less), and forecasts as CPU probes of the same step do.
   const MemoryForecast meta = run_kernel("H100-80GB", "meta");
   const MemoryForecast cpu = run_kernel("H100-80GB", "cpu");
   EXPECT_EQ(meta.peak_allocated_bytes, cpu.peak_allocated_bytes);

@@ -217,17 +217,56 @@ def test_a_data_dependent_op_is_refused_naming_the_module():
 def test_autocast_on_meta():
     """transformers' rotary embeddings open torch.autocast(device_type="meta", enabled=False), which PyTorch refuses
     on meta ("unsupported scalarType"): in meta probes it runs; an enabled autocast is refused (it would cast
-    nothing)."""
+    nothing), under every name it goes by."""
+    from torch import autocast as imported_before
     from gpucast import _meta
+    original = torch.amp.autocast_mode.autocast.__init__
     x = torch.empty(4, 4, device="meta")
     with _meta.probe_scope():
         with torch.autocast(device_type="meta", enabled=False):
             y = x @ x
+        for enabled in (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16),
+                        lambda: imported_before("cpu", dtype=torch.bfloat16),
+                        lambda: torch.cpu.amp.autocast()):
+            with pytest.raises(ValueError, match="does not cast meta tensors"):
+                with enabled():
+                    pass
+        with _meta.probe_scope():  # nested: the inner end gives nothing back early
+            pass
         with pytest.raises(ValueError, match="does not cast meta tensors"):
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
-                pass
+            torch.autocast("cpu")
     assert y.dtype == torch.float32
-    assert torch.autocast is torch.amp.autocast_mode.autocast  # given back
+    assert torch.amp.autocast_mode.autocast.__init__ is original  # given back
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_probe_scope_gives_back_what_it_registered():
+    """The registrations go when the scope ends, and torch.library's record of PyTorch's own meta kernels stays."""
+    from gpucast import _meta
+    before = set(torch.library._impls)
+    with _meta.probe_scope():
+        pass
+    assert set(torch.library._impls) == before
+    q = torch.empty(1, 2, 16, 8, device="meta")
+    with gpucast.trace() as t:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert "aten::_scaled_dot_product_attention_math" in {op.name for op in t.result.ops}  # PyTorch's own again
+
+
+def test_attention_choice_reads_what_the_cpu_reads():
+    """A mask that requires grad, or a key whose batch differs from the query's, make the CPU take the math path:
+    so do meta probes (the choice's key keeps both)."""
+    from gpucast import _meta
+    q = torch.empty(2, 4, 32, 8, device="meta", requires_grad=True)
+    bias = torch.empty(2, 4, 32, 32, device="meta", requires_grad=True)
+    k1 = torch.empty(1, 4, 32, 8, device="meta", requires_grad=True)
+    for args, kwargs in (((q, q, q), {"attn_mask": bias}), ((q, k1, k1), {})):
+        with _meta.probe_scope(), gpucast.trace() as t:
+            out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+        names = {op.name for op in t.result.ops}
+        assert "aten::_scaled_dot_product_attention_math" in names, names
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in names
+        del out
 
 
 def test_llama_from_transformers_on_meta():

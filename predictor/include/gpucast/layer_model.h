@@ -73,11 +73,16 @@ struct LayerCost {
   double bytes = 0;             // forward: inputs and outputs of its top-level ops
   int64_t ops = 0;              // top-level forward ops
   std::vector<CostPart> parts = {};  // the same FLOPs and bytes by each top-level op's kind and precision
+  // The forward ops backward runs again (activation checkpointing recomputes them to rebuild what it did not save):
+  // their FLOPs and bytes by kind and precision, costed as forward work inside the backward pass.
+  std::vector<CostPart> recompute = {};
 };
 
 // The layers of the last complete iteration, grouped and ordered as iteration_timing() groups them (step_time.h):
 // top-level forward ops by module path, in the order layers first appear (a layer seen only in backward is listed
-// with no ops). A composite op with no formula of its own (einsum, an unknown op around matmuls) is costed by its
+// with no ops), and each layer's recomputed forward ops: ops that record an autograd sequence number inside a
+// backward node (they build a graph in backward: torch.utils.checkpoint's recomputation), outermost first, in the
+// layer of their module (the node's when they have none). A composite op with no formula of its own (einsum, an unknown op around matmuls) is costed by its
 // matmul, conv and attention descendants. The layer's kind is that of its op with the most FLOPs; a tie between
 // kinds, or no FLOPs at all, gives "elementwise".
 std::vector<LayerCost> layer_costs(const Trace& t);

@@ -58,6 +58,7 @@ struct LayerTiming {
   int64_t forward_ops_all = 0;
   int64_t backward_ops_all = 0;
   std::vector<CostPart> parts = {};  // flops and bytes by op kind and precision (layer_model.h)
+  std::vector<CostPart> recompute = {};  // the forward ops backward runs again (LayerCost::recompute)
   // The part of each time that tensor parallelism does not divide: every rank still launches every kernel of
   // the layer (gpu_rates.h sets it to the kernels' overheads; 0 for measured times, which are divided whole).
   double forward_fixed_ns = 0;

@@ -80,7 +80,7 @@ struct MetaFold {
 // (`in_python`), outermost first, keeps the memory events made inside it as its own; the ops inside it are
 // dropped; a block allocated and freed inside it is a temporary of the Python kernel and is dropped with both
 // its events. Indices (parent, bwd_node, MemEvent::op) are renumbered. Invariant relied on: an op's parent comes
-// before it (ops are recorded at their start); an op whose parent does not is left unfolded.
+// before it (ops are recorded at their start); an op whose parent does not is taken as outside any folded op.
 MetaFold fold_meta_kernels(RawThread& thread, const std::function<bool(const OpRecord&)>& in_python);
 }  // namespace detail
 
