@@ -19,7 +19,10 @@ PY=${PY:-.venv/bin/python}
 # Auto mode's observer runs inside the training job's callbacks: a few of its runs (each a fresh process, which
 # inherits the preloaded runtime) are in the subset too.
 AUTO="tests/python/test_auto_plugin.py"
-SANITIZE_PYTEST=${SANITIZE_PYTEST:-"tests/python/test_error_codes.py tests/python/test_bad_input.py tests/python/test_faults.py tests/python/test_fuzz.py tests/python/test_golden.py tests/python/test_job.py tests/python/test_step_gnn.py $AUTO::test_load_library_warns_once_before_iteration_two $AUTO::test_load_library_raise_stops_iteration_two_at_its_first_allocation $AUTO::test_an_interrupted_first_iteration_is_not_forecast_from $AUTO::test_two_models_trained_at_once_are_refused_with_a_note $AUTO::test_a_malformed_configuration_never_fails_the_load $AUTO::test_categories_from_autograd_equal_the_python_hooks[mlp]"}
+# Meta probes: the trace's fold of Python meta kernels, the kernels registered while the probes run, one forecast.
+META="tests/python/test_meta_probes.py"
+META_TESTS="$META::test_a_python_meta_kernel_is_traced_as_one_kernel $META::test_meta_attention_runs_the_kernel_the_cpu_picks $META::test_meta_resize_allocates_through_the_meta_allocator $META::test_meta_ops_run_the_composite_the_cpu_runs $META::test_meta_probes_forecast_what_cpu_probes_forecast_to_the_byte[mlp]"
+SANITIZE_PYTEST=${SANITIZE_PYTEST:-"$META_TESTS tests/python/test_error_codes.py tests/python/test_bad_input.py tests/python/test_faults.py tests/python/test_fuzz.py tests/python/test_golden.py tests/python/test_job.py tests/python/test_step_gnn.py $AUTO::test_load_library_warns_once_before_iteration_two $AUTO::test_load_library_raise_stops_iteration_two_at_its_first_allocation $AUTO::test_an_interrupted_first_iteration_is_not_forecast_from $AUTO::test_two_models_trained_at_once_are_refused_with_a_note $AUTO::test_a_malformed_configuration_never_fails_the_load $AUTO::test_categories_from_autograd_equal_the_python_hooks[mlp]"}
 
 if [ ! -f "$BUILD/build.ninja" ]; then
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGPUCAST_SANITIZE=address,undefined \
