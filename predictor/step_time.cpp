@@ -355,20 +355,34 @@ IterationTiming with_structure(IterationTiming timing, const IterationTiming& st
   return timing;
 }
 
-IterationTiming median_timing(const std::vector<IterationTiming>& runs) {
-  if (runs.empty()) GPUCAST_USER_ERROR("median timing: no runs");
-  const IterationTiming& first = runs.front();
-  for (size_t r = 1; r < runs.size(); ++r) {
-    const auto& ls = runs[r].layers;
-    for (size_t i = 0; i < std::max(ls.size(), first.layers.size()); ++i) {
-      const std::string a = i < first.layers.size() ? "'" + first.layers[i].layer + "'" : "none";
-      const std::string b = i < ls.size() ? "'" + ls[i].layer + "'" : "none";
-      if (a != b) {
-        GPUCAST_USER_ERROR("median timing: run {} is not the same step as run 0: its layer {} is {}, run 0's {} "
-                           "({} against {} layers)", r, i, b, a, ls.size(), first.layers.size());
-      }
+namespace {
+
+bool same_layers(const IterationTiming& a, const IterationTiming& b) {
+  return a.layers.size() == b.layers.size() &&
+         std::equal(a.layers.begin(), a.layers.end(), b.layers.begin(),
+                    [](const LayerTiming& x, const LayerTiming& y) { return x.layer == y.layer; });
+}
+
+}  // namespace
+
+IterationTiming median_timing(const std::vector<IterationTiming>& all) {
+  if (all.empty()) GPUCAST_USER_ERROR("median timing: no runs");
+  // The runs that ran the layers most of them ran (the first such group on a tie): a step whose layers change from
+  // run to run (a routed layer's experts that received no token are not run) is timed over its most common form.
+  size_t best = 0, best_count = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const auto count = static_cast<size_t>(
+        std::count_if(all.begin(), all.end(), [&](const IterationTiming& t) { return same_layers(t, all[r]); }));
+    if (count > best_count) {
+      best = r;
+      best_count = count;
     }
   }
+  std::vector<IterationTiming> runs;
+  for (const IterationTiming& t : all) {
+    if (same_layers(t, all[best])) runs.push_back(t);
+  }
+  const IterationTiming& first = runs.front();
   auto median = [&](auto field) {
     std::vector<double> v;
     v.reserve(runs.size());
