@@ -95,7 +95,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
   std::string run(int64_t target_batch, const std::string& target, int64_t capacity_bytes, double safety_fraction,
                   const std::string& probe_device, const std::string& parallel, const std::string& alloc_conf,
                   const std::string& cublas_config, const std::vector<int64_t>& exclude, int64_t conv_workspace,
-                  const std::string& cudnn_conv_wscap) {
+                  const std::string& cudnn_conv_wscap, double moe_skew) {
     return translate("memory-forecast", [&] {
       MemoryForecastInput in;
       for (const auto& p : probes) in.probes.push_back(&p->get());
@@ -117,6 +117,7 @@ struct MemoryForecasterHolder : torch::CustomClassHolder {
       in.conv_workspaces = conv_workspaces;
       in.op_workspaces = op_workspaces;
       in.op_workspace_batch = op_workspace_batch;
+      in.moe_skew = moe_skew;
       for (int64_t p : exclude) in.exclude_ptrs.push_back(static_cast<uint64_t>(p));
       return memory_forecast_to_json(forecast_memory(in));
     });
@@ -315,7 +316,9 @@ void register_classes(torch::Library& m) {
             torch::arg("safety_fraction") = 0.9, torch::arg("probe_device") = "cpu", torch::arg("parallel") = "",
             torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
             torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,
-            torch::arg("cudnn_conv_wscap") = ""});
+            torch::arg("cudnn_conv_wscap") = "",
+            // 1.0: each routed layer's k most-loaded experts receive every token, the bound no routing exceeds.
+            torch::arg("moe_skew") = 1.0});
 }
 
 // The step-time forecast and what it is made of: timings, layer choice and fits, GPU rates.
@@ -531,6 +534,12 @@ void register_table_ops(torch::Library& m) {
     }
     return out.dump();
   });
+  m.def("probe_structure_difference(__torch__.torch.classes.gpucast.Trace a, __torch__.torch.classes.gpucast.Trace b, "
+        "str device) -> str",
+        [](const c10::intrusive_ptr<gpucast::TraceHolder>& a, const c10::intrusive_ptr<gpucast::TraceHolder>& b,
+           const std::string& device) {
+          return gpucast::translate("argument", [&] { return gpucast::probe_structure_difference(a->get(), b->get(), device); });
+        });
   m.def("check_target(str target, int capacity_bytes) -> str", [](const std::string& target, int64_t capacity) {
     return gpucast::translate("argument", [&] { return gpucast::canonical_target(target, capacity); });
   });

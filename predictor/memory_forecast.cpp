@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -21,6 +22,7 @@
 #include "least_squares.h"
 #include "fsdp_memory.h"
 #include "memory_plan.h"
+#include "moe_routing.h"
 #include "gpucast/note_json.h"
 
 namespace gpucast {
@@ -481,6 +483,20 @@ std::vector<int64_t> entry_segments(const Stream& st, const Trace& t) {
   return seg;
 }
 
+// For each top-level op of `probe` (in start order: entry_segments' ordinals), the reference's top-level op it is
+// matched to by name and module (-1: none), as the longest common subsequence; empty when more than max_d ops are
+// unmatched. Probes whose routed layers ran other experts differ by whole expert calls: the rest matches.
+std::vector<int64_t> top_level_matches(const Trace& ref, const Trace& probe, int64_t max_d) {
+  auto keys = [](const Trace& t) {
+    std::vector<uint64_t> k;
+    for (const OpRecord& op : t.ops) {
+      if (op.parent < 0) k.push_back(std::hash<std::string>()(op.name + '\x1f' + op.module));
+    }
+    return k;
+  };
+  return match_sequences(keys(ref), keys(probe), max_d);
+}
+
 // Least squares over {1, b, L, b L, b L^2}; linear = exact at every probe.
 Fit fit_batch_and_seq(const std::vector<double>& b, const std::vector<double>& l, const std::vector<double>& s) {
   Fit f;
@@ -557,12 +573,38 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
   return f;
 }
 
+// An allocation sized by the tokens a routed layer's expert receives: which call and expert, and its size as a
+// line through the expert's load (moe_routing.h).
+struct RoutedFit {
+  int64_t call = -1, unit = -1;
+  Fit fit;  // c0 + c1 * load
+};
+
+// A line through (x, y) within `tolerance` of every point, least squares; none when the points do not fix one.
+std::optional<Fit> line_through(const std::vector<double>& x, const std::vector<double>& y, double tolerance) {
+  if (x.size() < 2 || std::all_of(x.begin(), x.end(), [&](double v) { return v == x[0]; })) return std::nullopt;
+  std::vector<std::vector<double>> rows;
+  for (double v : x) rows.push_back({1.0, v});
+  const detail::LeastSquaresFit ls = detail::least_squares(rows, y);
+  if (!ls.full_rank) return std::nullopt;
+  Fit f;
+  f.c0 = ls.coef[0];
+  f.c1 = ls.coef[1];
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::abs(f.c0 + f.c1 * x[i] - y[i]) > tolerance) return std::nullopt;
+  }
+  return f;
+}
+
 struct Model {
   const Stream* shape = nullptr;  // the largest probe's stream: structure, categories, ops
   const Trace* trace = nullptr;
   std::vector<Fit> initial_fits;
   std::vector<Fit> alloc_fits;    // per allocation position (an allocation's ref)
   int64_t nonlinear = 0;
+  std::vector<detail::RoutedCall> routed_calls;      // the largest probe's routed layer calls
+  std::unordered_map<int64_t, RoutedFit> routed;    // allocation position -> its expert's line
+  int64_t routed_unexplained = 0;                    // allocations in routed calls sized by neither
 };
 
 bool is_matmul(const std::string& name) {
@@ -710,6 +752,7 @@ class Forecaster {
     out_.seq_len = in_.target_seq;
     // Each group of data-parallel ranks that hold alike, planned and replayed; the one that peaks highest is the
     // forecast's peak_* and everything said of its peak.
+    plan_routing(per, gpu);
     Planned plan;
     Replay r;
     int64_t largest_rank = -1;
@@ -726,6 +769,7 @@ class Forecaster {
     }
     rank_ = largest_rank;
     gloo_ordering_note(per, gpu, r.peak_allocated);
+    routing_note(r);
     out_.allocations = static_cast<int64_t>(std::count_if(plan.entries.begin(), plan.entries.end(),
                                                           [](const Entry& e) { return e.alloc; }));
     out_.peak_allocated_bytes = r.peak_allocated;
@@ -797,6 +841,27 @@ class Forecaster {
         detail::kGlooThreads, format_bytes(usual), format_bytes(worst - usual))});
   }
 
+  // Routed layers: what the forecast assumed of the routing, both peaks, and what it could not size.
+  void routing_note(const Replay& bound) {
+    if (!out_.moe) return;
+    MoeForecast& moe = *out_.moe;
+    moe.bound_peak_allocated_bytes = bound.peak_allocated;
+    moe.bound_peak_reserved_bytes = bound.peak_reserved;
+    out_.notes.push_back(Note{"moe-routing", fmt::format(
+        "{} routed layer call(s) per trace (up to {} experts, top-{}): the peak is forecast for the bound, each "
+        "call's {} most-loaded experts receiving {:.0f} % of its tokens (moe_skew={:g}): {} allocated, {} reserved; "
+        "with the tokens spread evenly over the experts, {} allocated, {} reserved ({} allocations sized by their "
+        "expert's load{})",
+        moe.routed_calls, moe.experts, moe.top_k, moe.top_k, 100.0 * moe.skew, moe.skew,
+        format_bytes(moe.bound_peak_allocated_bytes), format_bytes(moe.bound_peak_reserved_bytes),
+        format_bytes(moe.expected_peak_allocated_bytes), format_bytes(moe.expected_peak_reserved_bytes),
+        moe.routed_allocations,
+        moe.unexplained_allocations > 0
+            ? fmt::format("; {} others in routed calls follow neither the batch nor a load, fitted by the batch",
+                          moe.unexplained_allocations)
+            : std::string())});
+  }
+
   static RankMemory rank_memory(const std::vector<int64_t>& ranks, const Replay& r) {
     RankMemory m;
     m.ranks = ranks;
@@ -841,6 +906,9 @@ class Forecaster {
       conv_workspace_ = in_.conv_workspace_bytes >= 0 ? in_.conv_workspace_bytes
                                                       : cudnn_conv_wscap_bytes(in_.cudnn_conv_wscap);
     }
+    if (!(in_.moe_skew > 0.0 && in_.moe_skew <= 1.0)) {
+      GPUCAST_USER_ERROR("forecast: moe_skew must be in (0, 1], got {}", in_.moe_skew);
+    }
     if (!(in_.safety_fraction > 0.0 && in_.safety_fraction <= 1.0)) {
       GPUCAST_USER_ERROR("forecast: safety fraction must be in (0, 1], got {}", in_.safety_fraction);
     }
@@ -876,6 +944,10 @@ class Forecaster {
     model_.shape = &streams_[ref];
     model_.trace = in_.probes[ref];
     std::vector<size_t> usable = {ref};
+    std::vector<size_t> routing_dropped;  // probes whose routed layers ran other experts than the reference's
+    std::vector<std::pair<size_t, std::string>> differing;  // probes that ran other ops: where they differ
+    std::vector<std::vector<int64_t>> op_map(streams_.size());  // such probes: top_level_matches
+    model_.routed_calls = detail::find_routed_calls(*model_.trace);
     std::vector<std::string> kernel_diffs(streams_.size());  // per probe matched op by op: where it first differs
     for (size_t i = 0; i < streams_.size(); ++i) {
       if (i == ref) continue;
@@ -885,23 +957,25 @@ class Forecaster {
         usable.push_back(i);
         continue;
       }
+      if (!diff.empty() && !seq_scaling() && routing_differs(*in_.probes[i])) {
+        // Other experts ran: matched op by op where the top-level ops match, else left out.
+        op_map[i] = top_level_matches(*in_.probes[ref], *in_.probes[i], kMaxUnmatchedAllocations);
+        if (op_map[i].empty()) {
+          routing_dropped.push_back(i);
+          continue;
+        }
+        kernel_diffs[i] = diff;
+        usable.push_back(i);
+        continue;
+      }
       if (!diff.empty()) {
-        out_.scaled = false;
-        // PyTorch's CPU convolution picks its kernel by batch size (im2col for 1x1, stride-1 kernels on one
-        // thread below 16, mkldnn from 16 on): a known cause, named as such.
-        const bool kernels = uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref]);
-        out_.warnings.push_back(Note{"probe-structure-differs", fmt::format(
-            "probes at batch {} and {} differ in structure ({}): {} The forecast is not scaled: it repeats the "
-            "batch-{} probe",
-            in_.probe_batch[i], in_.probe_batch[ref], diff,
-            kernels ? "PyTorch's CPU convolution changes kernels at batch 16 (im2col below, mkldnn from 16 on, for "
-                      "1x1 stride-1 kernels on one thread); keep all probes below 16 or all at 16 and above."
-                    : "data-dependent control flow?",
-            in_.probe_batch[ref])});
+        differing.emplace_back(i, diff);
         continue;
       }
       usable.push_back(i);
     }
+    if (!routing_dropped.empty()) routing_dropped_note(routing_dropped, usable, ref);
+    if (!differing.empty()) differing_note(differing, usable, ref);
     if (!out_.scaled) usable = {ref};
     const Stream& s = streams_[ref];
     if (in_.probes.size() == 1) {
@@ -954,7 +1028,14 @@ class Forecaster {
       // Allocations only (frees follow the reference's), top-level op by top-level op: the probes run the same
       // top-level ops, and a kernel that allocates by the batch (a parallel kernel's buffers per chunk of work)
       // then moves no match into another op.
-      const std::vector<int64_t> seg_mine = entry_segments(streams_[i], *in_.probes[i]);
+      std::vector<int64_t> seg_mine = entry_segments(streams_[i], *in_.probes[i]);
+      if (!op_map[i].empty()) {  // the reference's ordinals; kNone - 1 (no op of the reference's) where unmatched
+        for (int64_t& seg : seg_mine) {
+          seg = seg >= 0 && seg < static_cast<int64_t>(op_map[i].size()) && op_map[i][static_cast<size_t>(seg)] >= 0
+                    ? op_map[i][static_cast<size_t>(seg)]
+                    : kNone - 1;
+        }
+      }
       const std::vector<int64_t> seg_ref = entry_segments(s, *in_.probes[ref]);
       struct Side {
         std::vector<uint64_t> keys;
@@ -1002,6 +1083,15 @@ class Forecaster {
         continue;
       }
       const int64_t theirs_size = theirs_total;
+      if (!op_map[i].empty()) {
+        out_.notes.push_back(Note{"moe-experts-differ", fmt::format(
+            "probes at batch {} and {} ran other experts of their routed layers (an expert that received no token "
+            "is not run; {}): {} of the batch-{} probe's {} allocations matched op by op, {} of the batch-{} probe's "
+            "without a match",
+            in_.probe_batch[i], in_.probe_batch[ref], kernel_diffs[i], matched, in_.probe_batch[ref], theirs_size,
+            mine_total - matched, in_.probe_batch[i])});
+        continue;
+      }
       out_.notes.push_back(Note{"kernels-differ", fmt::format(
           "probes at batch {} and {} run the same ops with other kernels inside some ({}; cuDNN and cuBLAS choose "
           "by size, large reductions stage through a buffer{}): {} of the batch-{} probe's {} allocations matched "
@@ -1059,10 +1149,203 @@ class Forecaster {
       if (!f.linear) ++model_.nonlinear;
       model_.alloc_fits.push_back(f);
     }
+    if (out_.scaled) {
+      fit_routed(ref, usable, [&](size_t u, size_t k) -> int64_t {
+        return same_position[u] != 0 ? static_cast<int64_t>(k) : match[u].empty() ? -1 : match[u][k];
+      });
+    }
     for (const Fit& f : model_.initial_fits) {
       if (!f.linear) ++model_.nonlinear;
     }
     out_.nonlinear_allocations = model_.nonlinear;
+  }
+
+  // Routed layers (moe_routing.h): each allocation made in one of their calls whose size is not a line through the
+  // batch but is a line through the load of the expert it ran in, or of an expert beside it (the rows picked for the
+  // next expert, the output of the one before), is sized by that expert's load at the target (routing_loads).
+  // at(u, k): the entry of usable probe u matched to the reference's entry k (-1: none).
+  // Whether a probe's routed layer calls differ from the reference's in their experts (a routed layer whose expert
+  // received no token does not run it: transformers' Mixtral loops over the experts hit).
+  bool routing_differs(const Trace& t) const {
+    if (model_.routed_calls.empty()) return false;
+    const std::vector<detail::RoutedCall> calls = detail::find_routed_calls(t);
+    if (calls.size() != model_.routed_calls.size()) return true;
+    for (size_t c = 0; c < calls.size(); ++c) {
+      if (calls[c].units.size() != model_.routed_calls[c].units.size()) return true;
+    }
+    return false;
+  }
+
+  // Probes that ran other ops than the reference (a small batch's views and copies differ: a slice of one sample is
+  // contiguous; data-dependent control flow): left out where two probes or more run the reference's ops, said in a
+  // note, the forecast then sized from those nearest the target; else the forecast is not scaled, with a warning.
+  void differing_note(const std::vector<std::pair<size_t, std::string>>& differing, const std::vector<size_t>& usable,
+                      size_t ref) {
+    if (usable.size() >= 2) {
+      std::string kept;
+      for (size_t u : usable) kept += (kept.empty() ? "" : ", ") + std::to_string(in_.probe_batch[u]);
+      for (const auto& [i, diff] : differing) {
+        out_.notes.push_back(Note{"probe-left-out", fmt::format(
+            "the probe at batch {} differs in structure from the batch-{} probe ({}): left out, the forecast is sized "
+            "from the probes at batch {}, which run the same ops",
+            in_.probe_batch[i], in_.probe_batch[ref], diff, kept)});
+      }
+      return;
+    }
+    out_.scaled = false;
+    for (const auto& [i, diff] : differing) {
+      // PyTorch's CPU convolution picks its kernel by batch size (im2col for 1x1, stride-1 kernels on one
+      // thread below 16, mkldnn from 16 on): a known cause, named as such.
+      const bool kernels = uses_im2col_conv(*in_.probes[i]) != uses_im2col_conv(*in_.probes[ref]);
+      out_.warnings.push_back(Note{"probe-structure-differs", fmt::format(
+          "probes at batch {} and {} differ in structure ({}): {} The forecast is not scaled: it repeats the "
+          "batch-{} probe",
+          in_.probe_batch[i], in_.probe_batch[ref], diff,
+          kernels ? "PyTorch's CPU convolution changes kernels at batch 16 (im2col below, mkldnn from 16 on, for "
+                    "1x1 stride-1 kernels on one thread); keep all probes below 16 or all at 16 and above."
+                  : "data-dependent control flow?",
+          in_.probe_batch[ref])});
+    }
+  }
+
+  // Probes left out because their routed layers ran other experts: said, and with fewer than two probes left the
+  // forecast is not scaled.
+  void routing_dropped_note(const std::vector<size_t>& dropped, const std::vector<size_t>& usable, size_t ref) {
+    std::string batches;
+    for (size_t i : dropped) batches += (batches.empty() ? "" : ", ") + std::to_string(in_.probe_batch[i]);
+    if (usable.size() >= 2 || in_.probes.size() == 1) {
+      out_.notes.push_back(Note{"moe-probes-dropped", fmt::format(
+          "the probes at batch {} ran other experts than the batch-{} probe (an expert of a routed layer received no "
+          "token): left out, the forecast is sized from the other {} probes",
+          batches, in_.probe_batch[ref], usable.size())});
+      return;
+    }
+    out_.scaled = false;
+    out_.warnings.push_back(Note{"moe-probes-differ", fmt::format(
+        "the probes at batch {} ran other experts than the batch-{} probe (an expert of a routed layer received no "
+        "token), and fewer than two probes ran the same experts: the forecast is not scaled, it repeats the "
+        "batch-{} probe; probes of more tokens (probe_batch_sizes) let every expert receive some",
+        batches, in_.probe_batch[ref], in_.probe_batch[ref])});
+  }
+
+  template <class At>
+  void fit_routed(size_t ref, const std::vector<size_t>& usable, At at) {
+    if (model_.routed_calls.empty()) return;
+    // The probes whose routed calls match the reference's, call by call and expert by expert.
+    std::vector<std::pair<size_t, std::vector<detail::RoutedCall>>> probes;
+    for (size_t u : usable) {
+      std::vector<detail::RoutedCall> calls = u == ref ? model_.routed_calls : detail::find_routed_calls(*in_.probes[u]);
+      bool same = calls.size() == model_.routed_calls.size();
+      for (size_t c = 0; same && c < calls.size(); ++c) same = calls[c].container == model_.routed_calls[c].container;
+      if (same) probes.emplace_back(u, std::move(calls));
+    }
+    // Host probes hold exact bytes; the CUDA allocator rounds each block up to 512 bytes.
+    const double tolerance = host_probes() ? 0.5 : 512.0;
+    const Stream& s = *model_.shape;
+    for (size_t k = 0; k < s.entries.size(); ++k) {
+      const Entry& e = s.entries[k];
+      if (!e.alloc) continue;
+      const detail::RoutedPlace place = detail::routed_place(*model_.trace, model_.routed_calls, e.op);
+      if (place.call < 0) continue;
+      const Fit& by_batch = model_.alloc_fits.at(static_cast<size_t>(e.ref));
+      // Two probes fix any line: where two hold the allocation, sizes are taken as in proportion (through the
+      // origin) to the batch or to a load, which is what a tensor of rows is.
+      const bool two = std::count_if(usable.begin(), usable.end(), [&](size_t u) { return at(u, k) >= 0; }) < 3;
+      // Made inside an expert: sized by its load where a line through the loads holds (loads can fall on a line
+      // through the batch by chance). Between experts: by the batch where that holds (the router's own tensors).
+      const bool inside = place.before == place.after;
+      if (!inside && by_batch.linear && (!two || proportional_to_batch(usable, k, at))) continue;
+      std::optional<RoutedFit> chosen;
+      for (const int64_t unit : {place.before, place.after}) {
+        if (unit < 0 || (chosen && chosen->unit == unit)) continue;
+        std::vector<double> load, bytes;
+        const std::string& path =
+            model_.routed_calls[static_cast<size_t>(place.call)].units[static_cast<size_t>(unit)].path;
+        for (const auto& [u, calls] : probes) {
+          const int64_t j = at(u, k);
+          if (j < 0) continue;
+          // The same expert in this probe's call (a probe whose router sent it no token did not run it).
+          const std::vector<detail::RoutedUnit>& units = calls[static_cast<size_t>(place.call)].units;
+          const auto same = std::find_if(units.begin(), units.end(), [&](const detail::RoutedUnit& x) { return x.path == path; });
+          if (same == units.end()) continue;
+          load.push_back(static_cast<double>(same->load));
+          bytes.push_back(static_cast<double>(streams_[u].entries[static_cast<size_t>(j)].bytes));
+        }
+        if (load.size() < 2) continue;
+        if (load.size() < 3) {
+          load.push_back(0.0);
+          bytes.push_back(0.0);
+        }
+        if (const std::optional<Fit> f = line_through(load, bytes, tolerance)) {
+          chosen = RoutedFit{place.call, unit, *f};
+          break;
+        }
+      }
+      if (chosen) {
+        model_.routed.emplace(e.ref, *chosen);
+      } else if (!by_batch.linear) {  // (inside an expert, sized by the batch, is the batch's)
+        ++model_.routed_unexplained;
+      }
+    }
+  }
+
+  // Whether the reference's allocation k and those matched to it are in proportion to the probes' batch sizes.
+  template <class At>
+  bool proportional_to_batch(const std::vector<size_t>& usable, size_t k, At at) const {
+    const size_t ref = static_cast<size_t>(model_.shape - streams_.data());
+    const double per_sample = static_cast<double>(model_.shape->entries[k].bytes) /
+                              static_cast<double>(in_.probe_batch[ref]);
+    for (size_t u : usable) {
+      const int64_t j = at(u, k);
+      if (j < 0) continue;
+      const double bytes = static_cast<double>(streams_[u].entries[static_cast<size_t>(j)].bytes);
+      // 0.5: half a byte, sizes being whole bytes.
+      if (std::abs(bytes - per_sample * static_cast<double>(in_.probe_batch[u])) > 0.5) return false;
+    }
+    return true;
+  }
+
+  // Each routed call's expert loads at a per-rank batch, under the routing this forecast plans (routing_).
+  std::vector<std::vector<int64_t>> routing_loads(int64_t batch) const {
+    const size_t ref = static_cast<size_t>(model_.shape - streams_.data());
+    double scale = static_cast<double>(batch) / static_cast<double>(in_.probe_batch[ref]);
+    if (seq_scaling()) scale *= static_cast<double>(in_.target_seq) / static_cast<double>(in_.probe_seq[ref]);
+    std::vector<std::vector<int64_t>> loads;
+    loads.reserve(model_.routed_calls.size());
+    for (const detail::RoutedCall& c : model_.routed_calls) {
+      loads.push_back(routing_ == Routing::Expected ? detail::expected_loads(c, scale)
+                                                    : detail::skewed_loads(c, scale, in_.moe_skew, heavy_first_));
+    }
+    return loads;
+  }
+
+  // Routed layers: the peak at the target under routing spread evenly (fc.memory.moe's expected) and under the
+  // stated skew, its most-loaded experts the first or the last each call ran, whichever peaks higher: the bound,
+  // which the forecast's peaks then are.
+  void plan_routing(int64_t per, bool gpu) {
+    if (model_.routed.empty() || !out_.scaled) return;
+    rank_ = rank_groups().front().front();
+    MoeForecast moe;
+    routing_ = Routing::Expected;
+    const Replay expected = replay(planned(per, gpu), gpu, in_.allocator);
+    routing_ = Routing::Bound;
+    heavy_first_ = true;
+    const Replay first = replay(planned(per, gpu), gpu, in_.allocator);
+    heavy_first_ = false;
+    const Replay last = replay(planned(per, gpu), gpu, in_.allocator);
+    heavy_first_ = first.peak_allocated > last.peak_allocated ||
+                   (first.peak_allocated == last.peak_allocated && first.peak_reserved >= last.peak_reserved);
+    moe.routed_calls = static_cast<int64_t>(model_.routed_calls.size());
+    for (const detail::RoutedCall& c : model_.routed_calls) {
+      moe.experts = std::max<int64_t>(moe.experts, static_cast<int64_t>(c.units.size()));
+      moe.top_k = std::max(moe.top_k, c.top_k());
+    }
+    moe.skew = in_.moe_skew;
+    moe.routed_allocations = static_cast<int64_t>(model_.routed.size());
+    moe.unexplained_allocations = model_.routed_unexplained;
+    moe.expected_peak_allocated_bytes = expected.peak_allocated;
+    moe.expected_peak_reserved_bytes = expected.peak_reserved;
+    out_.moe = moe;
   }
 
   // The blocks held at the start by category, then largest first; the references to them follow.
@@ -1118,8 +1401,16 @@ class Forecaster {
       p.initial.push_back(size_of(model_.initial_fits[k], s.initial_bytes[k]));
       p.initial_category.push_back(s.initial_category[k]);
     }
+    const std::vector<std::vector<int64_t>> loads =
+        model_.routed.empty() || !out_.scaled ? std::vector<std::vector<int64_t>>{} : routing_loads(batch);
     for (Entry e : s.entries) {
-      if (e.alloc) e.bytes = size_of(model_.alloc_fits.at(static_cast<size_t>(e.ref)), e.bytes);
+      if (e.alloc) {
+        e.bytes = size_of(model_.alloc_fits.at(static_cast<size_t>(e.ref)), e.bytes);
+        if (auto it = model_.routed.find(e.ref); !loads.empty() && it != model_.routed.end()) {
+          const RoutedFit& r = it->second;
+          e.bytes = r.fit.at(static_cast<double>(loads[static_cast<size_t>(r.call)][static_cast<size_t>(r.unit)]));
+        }
+      }
       p.entries.push_back(e);
     }
     if (s.iterations < 2) synthesize_steady_iteration(p, s);
@@ -2025,6 +2316,9 @@ class Forecaster {
   detail::FsdpLayout fsdp_layout_;        // fsdp_layout()
   bool fsdp_layout_built_ = false;
   int64_t rank_ = 0;                      // the data-parallel rank planned
+  enum class Routing { Expected, Bound };
+  Routing routing_ = Routing::Bound;      // routed layers' loads planned (plan_routing)
+  bool heavy_first_ = true;               // Bound: the most-loaded experts are the first each call ran
   int64_t fsdp_held_works_ = detail::kGlooThreads;  // apply_fsdp()'s worst ordering of gloo's frees
   std::vector<double> zero1_shares_;      // zero1_shares()
   std::vector<int64_t> zero1_largest_;    // zero1_shares(): each rank's largest parameter
@@ -2037,6 +2331,10 @@ class Forecaster {
 };
 
 }  // namespace
+
+std::string probe_structure_difference(const Trace& a, const Trace& b, const std::string& device) {
+  return structure_difference(extract(a, device, {}), a, extract(b, device, {}), b);
+}
 
 MemoryForecast forecast_memory(const MemoryForecastInput& input) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -2113,6 +2411,19 @@ nlohmann::json memory_forecast_json(const MemoryForecast& f) {
                    {"warnings", f.warnings},
                    {"notes", f.notes},
                    {"forecast_ms", f.forecast_ms}};
+  if (f.moe) {
+    const MoeForecast& m = *f.moe;
+    j["moe"] = {{"routed_calls", m.routed_calls},
+                {"experts", m.experts},
+                {"top_k", m.top_k},
+                {"skew", m.skew},
+                {"routed_allocations", m.routed_allocations},
+                {"unexplained_allocations", m.unexplained_allocations},
+                {"expected_peak_allocated_bytes", m.expected_peak_allocated_bytes},
+                {"expected_peak_reserved_bytes", m.expected_peak_reserved_bytes},
+                {"bound_peak_allocated_bytes", m.bound_peak_allocated_bytes},
+                {"bound_peak_reserved_bytes", m.bound_peak_reserved_bytes}};
+  }
   return j;
 }
 

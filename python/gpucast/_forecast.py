@@ -24,14 +24,15 @@ from ._settings import (env_text, _buffer_bytes, _correction, _default_link, _fo
 
 
 def run_forecaster(forecaster: Any, batch: int, target: str, capacity: int, safety: float, probe_device: str,
-                   parallel: str, exclude: list, conv_workspace: int = -1) -> MemoryForecast:
+                   parallel: str, exclude: list, conv_workspace: int = -1, moe_skew: float = 1.0) -> MemoryForecast:
     """MemoryForecaster.run with the settings PyTorch takes from the environment, read as PyTorch reads them:
     PYTORCH_ALLOC_CONF (else PYTORCH_CUDA_ALLOC_CONF), CUBLAS_WORKSPACE_CONFIG and CUDNN_CONV_WSCAP_DBG."""
     alloc_conf = env_text("PYTORCH_ALLOC_CONF") or env_text("PYTORCH_CUDA_ALLOC_CONF")
     text = forecaster.run(target_batch=batch, target=target, capacity_bytes=capacity, safety_fraction=safety,
                           probe_device=probe_device, parallel=parallel, alloc_conf=alloc_conf,
                           cublas_workspace_config=env_text("CUBLAS_WORKSPACE_CONFIG"), exclude=exclude,
-                          conv_workspace=conv_workspace, cudnn_conv_wscap=env_text("CUDNN_CONV_WSCAP_DBG"))
+                          conv_workspace=conv_workspace, cudnn_conv_wscap=env_text("CUDNN_CONV_WSCAP_DBG"),
+                          moe_skew=float(moe_skew))
     return MemoryForecast(**json.loads(text))
 
 
@@ -43,7 +44,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
              seq_len: int | None = None, probe_seq_lens: Iterable[int] | None = None,
              link: dict | str | None = None, time_fraction: float = 1.0, time_budget: float = 1.0,
              gnn: str | None = "", conv_workspace: int | None = None,
-             timing_rounds: int | None = None) -> Forecast:
+             timing_rounds: int | None = None, moe_skew: float = 1.0) -> Forecast:
     """Forecast the run's memory at `batch_size` on `target` from probes at small batch sizes.
 
     step(batch) runs one full training iteration; make_batch(n) returns a batch of n samples. Each probe
@@ -71,6 +72,10 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     chooses again at the target batch: each torch.nn.ConvNd the probes called is run alone there (zero inputs of
     the probes' shape at the per-rank batch, forward and, where the probes ran it, backward) under a memory
     trace, and its workspace replaces the probes' (fc.memory.conv_calls_measured; `conv_workspace` skips this).
+    Routed layers (mixture of experts: experts chosen per token) are found in the probes and sized by the tokens
+    each expert receives: fc.memory.peak_* are the bound in which each layer's k most-loaded experts receive
+    `moe_skew` of its tokens (1.0, the default: all of them, which no routing exceeds), and fc.memory.moe holds that
+    bound beside the peaks with the tokens spread evenly over the experts.
 
     Step time (fc.time) for a GPU target from CPU probes is priced, layer by layer, from the probes' work (FLOPs
     and bytes per op kind and precision) at the GPU's rates in gpucast's table (gpucast.gpu_rates(): efficiencies
@@ -140,6 +145,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
+    if isinstance(moe_skew, bool) or not isinstance(moe_skew, (int, float)) or not 0 < moe_skew <= 1:
+        raise ValueError(f"forecast: moe_skew must be a number in (0, 1], got {moe_skew!r}")
 
     meta = _on_meta(model, target)
     optimizers = _optimizer_list(optimizer)
@@ -156,7 +163,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
     memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
-                            state.own_ptrs(), -1 if conv_workspace is None else conv_workspace)
+                            state.own_ptrs(), -1 if conv_workspace is None else conv_workspace, moe_skew)
     _memory_notes(memory, run, optimizers, iterations)
     for w in memory.warnings:
         warn(f"gpucast.forecast: {w['text']}")
@@ -255,7 +262,20 @@ def _fits_on_device(target: str, safety_fraction: float, state: _State, conv_wor
 
 
 def _memory_notes(memory: MemoryForecast, run: ProbeRun, optimizers: list, iterations: int) -> None:
-    """What the probe runner could not measure, and the optimizers whose state grows beyond the probes."""
+    """What the probe runner added or could not measure, and the optimizers whose state grows beyond the probes."""
+    for b, before, diff in run.check_probes:
+        if diff:
+            memory.notes.append(note("kernel-change", f"the memory probe at batch {b}, nearer the target, allocates "
+                                                      f"otherwise than the batch-{before} probe ({diff}): a kernel "
+                                                      f"changed between them; the forecast is sized from the probes "
+                                                      f"after the change where their allocations differ"))
+        else:
+            memory.notes.append(note("check-probe", f"a memory probe at batch {b}, nearer the target, allocates as the "
+                                                    f"batch-{before} probe does: it joins the probes"))
+    if run.check_skipped:
+        memory.notes.append(note("check-probe-skipped", f"no memory probe nearer the target ({run.check_skipped}): "
+                                                        f"a kernel that allocates otherwise beyond the probes would "
+                                                        f"not be seen"))
     if run.op_skipped:
         more = len(run.op_skipped) - 3
         shown = ", ".join(run.op_skipped[:3]) + (f" and {more} more" if more > 0 else "")

@@ -193,6 +193,33 @@ def _probe_fits(peak_reserved_bytes: int, free_bytes: int, reserved_bytes: int) 
     return peak_reserved_bytes <= _REACH_MEMORY_SHARE * (free_bytes + reserved_bytes)
 
 
+# A memory probe at this many times the largest probe, where the per-rank target lies at least that far: a kernel that
+# allocates otherwise from some size on (PyTorch's CPU convolution leaves im2col for mkldnn at batch 16 for 1x1,
+# stride-1 kernels on one thread: aten/src/ATen/native/Convolution.cpp, ConvParams::use_mkldnn; oneDNN and cuBLAS
+# pick their blocking and scratch by the problem's size) is invisible to the probes below it. If the check probe
+# allocates otherwise than the largest, a second at _CHECK_AFTER times the largest gives the new allocations a line.
+# 2 and 3: chosen, the nearest sizes that double the reach; not tuned on a recorded sweep.
+_CHECK_FACTOR = 2
+_CHECK_AFTER = 3
+# A check probe runs only where its memory forecast fits _REACH_MEMORY_SHARE of what the probe device has free and its
+# time, estimated from the largest probe's in proportion to the batch, stays within this many seconds or this many
+# times the design probes' own time, whichever is more. 5 s and 1.5: chosen, not measured.
+_CHECK_BUDGET_S = 5.0
+_CHECK_BUDGET_SHARE = 1.5
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 # Timing rounds where the probes run on the CPU (forecast's timing_rounds None). On a shared 2-core host a probe's
 # untraced step moved by up to 42 % between rounds a few seconds apart, and a forecast at 2 to 32 times the largest
 # probe multiplies a slope's error: over 40 forecasts of the accuracy bench's ten cases (bench/timing_rounds.py,
@@ -336,6 +363,10 @@ class ProbeRun:
         self.rounds: list = []  # each timing round's timings (timing_rounds > 1)
         self.conv_skipped: list = []
         self.op_skipped: list = []
+        # Memory-only probes beyond the design: (batch, the probe before it, where it allocates otherwise than that one).
+        self.check_probes: list = []
+        self.check_skipped: str = ""  # why no check probe ran where the target lay beyond it ("" none or ran)
+        self.probe_seconds: list = []  # each design probe's memory trace, wall seconds
         self.progress = Progress()  # on a terminal, once the forecast takes more than 2 s
 
     def run(self) -> "ProbeRun":
@@ -354,6 +385,7 @@ class ProbeRun:
             self._warm_up()
             for i, (b, length) in enumerate(self.design, 1):
                 self._probe(i, b, length)
+            self._check()
             for b in _kernel_probes(self.timings, self.per_rank, self.target, self.probe_device, self.design):
                 self._timing_probe(b)
                 self.kernel_probes.append(b)
@@ -392,10 +424,12 @@ class ProbeRun:
         gc.collect()  # garbage freed during a probe would change what it records
         batch = self.make_batch(b) if length is None else self.make_batch(b, length)
         self.probe_device = _device_of(batch)
+        t0 = time.perf_counter()
         with trace(model=self.model) as t:
             for _ in range(self.iterations):
                 self.step(batch)
                 mark_iteration_end()
+        self.probe_seconds.append(time.perf_counter() - t0)
         if length is None:
             self.forecaster.add_probe(t.result.handle, b)
             self.previous_probe = self.largest_probe
@@ -418,6 +452,75 @@ class ProbeRun:
             self.retime.append((b, length, structure))
         del batch, t
         self.state.restore()
+
+    def _check(self) -> None:
+        """Memory probes beyond the design where the target lies beyond them (_CHECK_FACTOR): one at twice the
+        largest, and if it allocates otherwise than the largest (a kernel changed between them), one at three times."""
+        if self.meta or self.largest_probe is None or any(length is not None for _, length in self.design):
+            return
+        largest = self.probe_batches[-1]
+        for factor in (_CHECK_FACTOR, _CHECK_AFTER):
+            b = factor * largest
+            if self.per_rank < b:
+                return
+            why = self._check_refused(b)
+            if why:
+                self.check_skipped = f"batch {b}: {why}"
+                return
+            before, before_batch = self.largest_probe, self.probe_batches[-1]
+            try:
+                self._memory_probe(b)
+            except Exception as e:  # noqa: BLE001 - the probes so far still forecast: the check is left out
+                self.check_skipped = f"batch {b}: the step failed there ({type(e).__name__}: {str(e)[:200]})"
+                return
+            diff = torch.ops.gpucast.probe_structure_difference(before, self.largest_probe, self.probe_device)
+            self.check_probes.append((b, before_batch, diff))
+            if not diff:
+                return
+
+    def _check_refused(self, b: int) -> str:
+        """Why a check probe at batch b does not run ("" where it does): its memory or its time."""
+        try:
+            from ._forecast import run_forecaster
+            m = run_forecaster(self.forecaster, b, "cpu" if self.probe_device == "cpu" else self.target, 0, 0.9,
+                               self.probe_device, "", self.state.own_ptrs())
+        except Exception as e:  # noqa: BLE001 - no forecast at that batch: no probe there
+            return f"no memory forecast there ({type(e).__name__})"
+        if self.probe_device.startswith("cuda"):
+            dev = torch.device(self.probe_device)
+            free, _ = torch.cuda.mem_get_info(dev)
+            if not _probe_fits(m.peak_reserved_bytes, free, torch.cuda.memory_reserved(dev)):
+                return "its memory does not fit the device's free memory"
+        else:
+            free = _host_available_bytes()
+            if free is None or m.peak_allocated_bytes > _REACH_MEMORY_SHARE * free:
+                return "its memory does not fit this host's available memory"
+        largest_s = self.probe_seconds[-1] if self.probe_seconds else 0.0
+        estimate = largest_s * b / self.probe_batches[-1]
+        if estimate > max(_CHECK_BUDGET_S, _CHECK_BUDGET_SHARE * sum(self.probe_seconds)):
+            return f"it would take about {estimate:.0f} s"
+        return ""
+
+    def _memory_probe(self, b: int) -> None:
+        """A memory-only probe at batch b: its trace joins the forecaster's probes, as the largest."""
+        self.progress.show(f"check probe (batch {b})")
+        gc.collect()
+        try:
+            batch = self.make_batch(b)
+            t0 = time.perf_counter()
+            with trace(model=self.model) as t:
+                for _ in range(self.iterations):
+                    self.step(batch)
+                    mark_iteration_end()
+            self.probe_seconds.append(time.perf_counter() - t0)
+            self.forecaster.add_probe(t.result.handle, b)
+            self.previous_probe, self.largest_probe = self.largest_probe, t.result.handle
+            self.probe_batches.append(b)
+            del batch, t
+        finally:
+            self.state.restore()
+            if self.probe_device.startswith("cuda"):
+                torch.cuda.empty_cache()  # the probe's larger blocks are not the job's
 
     def _timing_probe(self, b: int) -> None:
         """A timing-only probe at batch b (its trace gives the first steps and the structure, as for the others)."""

@@ -57,6 +57,10 @@ class MemoryForecast:
     # Per group of data-parallel ranks that hold alike, each {"ranks": [...], "peak_allocated_bytes",
     # "peak_reserved_bytes", "breakdown"}; peak_* above are the largest group's. One group without data parallelism.
     per_rank: list = field(default_factory=list)
+    # Routed layers (mixture of experts) in the probes, else None: {"routed_calls", "experts", "top_k", "skew",
+    # "routed_allocations", "unexplained_allocations", "expected_peak_allocated_bytes", "expected_peak_reserved_bytes",
+    # "bound_peak_allocated_bytes", "bound_peak_reserved_bytes"}. peak_* above are the bound's (moe_skew).
+    moe: dict | None = None
 
 
 def _memory_dict(m: MemoryForecast) -> dict:

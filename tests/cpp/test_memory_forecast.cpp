@@ -7,6 +7,7 @@
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/trace_assembly.h"
+#include "moe_routing.h"
 #include "notes.h"
 #include "user_error.h"
 
@@ -166,11 +167,22 @@ TEST(MemoryForecast, OneProbeScalesAllButModelStatesInProportion) {
 }
 
 TEST(MemoryForecast, ProbesThatRunOtherOpsAreNotScaled) {
-  std::vector<Trace> t = {probe(2, 2), probe(4, 2, false, 64, /*extra_op=*/true), probe(8, 2)};
+  // Only the largest probe runs its ops: nothing to scale from.
+  std::vector<Trace> t = {probe(2, 2, false, 64, /*extra_op=*/true), probe(4, 2, false, 64, /*extra_op=*/true),
+                          probe(8, 2)};
   MemoryForecast f = run(t, {2, 4, 8}, 64);
   EXPECT_FALSE(f.scaled);
-  EXPECT_EQ(codes(f.warnings), std::vector<std::string>{"probe-structure-differs"});
+  EXPECT_EQ(codes(f.warnings), (std::vector<std::string>{"probe-structure-differs", "probe-structure-differs"}));
   EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 8);
+}
+
+TEST(MemoryForecast, AProbeThatRunsOtherOpsIsLeftOutWhereTwoRunTheSame) {
+  std::vector<Trace> t = {probe(2, 2), probe(4, 2, false, 64, /*extra_op=*/true), probe(8, 2)};
+  MemoryForecast f = run(t, {2, 4, 8}, 64);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_TRUE(f.warnings.empty());
+  EXPECT_EQ(count_code(f.notes, "probe-left-out"), 1);
+  EXPECT_EQ(f.peak_allocated_bytes, 3000 + 500 * 64);  // the batch-2 and batch-8 probes' line
 }
 
 TEST(MemoryForecast, ProbesThatRunOtherKernelsAreMatchedOpByOp) {
@@ -875,6 +887,195 @@ TEST(MemoryForecast, BadConvolutionWorkspace) {
   }
   EXPECT_EQ(cudnn_conv_wscap_bytes(""), -1);
   EXPECT_EQ(cudnn_conv_wscap_bytes("0"), 0);
+}
+
+}  // namespace
+}  // namespace gpucast
+
+namespace gpucast {
+namespace {
+
+// A routed layer (mixture of experts) over 4 b tokens of 8 features, top-2 of 4 experts, the loads hand-made (their
+// sum 8 b; an expert of load 0 is not run, as transformers' Mixtral loops over the experts hit). Per iteration: the
+// router's logits (16 bytes a token, freed in backward); per expert: the rows picked for it (32 bytes a row, freed
+// once the expert ran), its output (64 a row, saved for backward), the output weighed (16 a row, scratch of the
+// weighing); backward: each expert's gradient (64 a row, scratch) and its output freed; SGD state at the first step.
+Trace moe_probe(int64_t b, const std::vector<int64_t>& loads, int iterations = 2) {
+  Recorder r;
+  r.tag(0x10, Category::Parameter);
+  r.tag(0x20, Category::Input);
+  auto tensor = [](std::vector<int64_t> shape) {
+    Value v;
+    v.kind = Value::Kind::Tensor;
+    v.tensors.push_back(TensorMeta{std::move(shape), {}, "float32", "cpu", 0});
+    return v;
+  };
+  const int64_t tokens = 4 * b;
+  for (int it = 0; it < iterations; ++it) {
+    const uint64_t base = 0x1000 * static_cast<uint64_t>(it + 1);
+    const int64_t gate = r.op("aten::linear", Scope::Function, Phase::Forward);
+    r.th.ops[static_cast<size_t>(gate)].module = "Net.moe.gate";
+    r.th.ops[static_cast<size_t>(gate)].inputs = {tensor({tokens, 8})};
+    r.ev(base, 16 * tokens, gate, Phase::Forward);
+    r.end(gate);
+    for (size_t e = 0; e < loads.size(); ++e) {
+      const int64_t n = loads[e];
+      if (n == 0) continue;
+      const int64_t pick = r.op("aten::index", Scope::Function, Phase::Forward);
+      r.th.ops[static_cast<size_t>(pick)].module = "Net.moe";
+      r.th.ops[static_cast<size_t>(pick)].inputs = {tensor({tokens, 8})};
+      r.ev(base + 0x10 + e, 32 * n, pick, Phase::Forward);
+      r.end(pick);
+      const int64_t expert = r.op("aten::linear", Scope::Function, Phase::Forward);
+      OpRecord& op = r.th.ops[static_cast<size_t>(expert)];
+      op.module = "Net.moe.experts." + std::to_string(e);
+      op.inputs = {tensor({n, 8})};
+      op.seq_nr = 100 * it + static_cast<int64_t>(e);
+      r.ev(base + 0x20 + e, 64 * n, expert, Phase::Forward);
+      r.ev(base + 0x10 + e, -32 * n, expert, Phase::Forward);
+      r.end(expert);
+      const int64_t weigh = r.op("aten::mul", Scope::Function, Phase::Forward);
+      r.th.ops[static_cast<size_t>(weigh)].module = "Net.moe";
+      r.th.ops[static_cast<size_t>(weigh)].inputs = {tensor({n, 8})};
+      r.ev(base + 0x30 + e, 16 * n, weigh, Phase::Forward);
+      r.ev(base + 0x30 + e, -16 * n, weigh, Phase::Forward);
+      r.end(weigh);
+    }
+    for (size_t e = loads.size(); e-- > 0;) {
+      const int64_t n = loads[e];
+      if (n == 0) continue;
+      const int64_t node = r.op("LinearBackward0", Scope::BackwardFunction, Phase::Backward);
+      r.th.ops[static_cast<size_t>(node)].seq_nr = 100 * it + static_cast<int64_t>(e);
+      r.th.ops[static_cast<size_t>(node)].fwd_thread = 1;
+      r.ev(base + 0x40 + e, 64 * n, node, Phase::Backward);
+      r.ev(base + 0x40 + e, -64 * n, node, Phase::Backward);
+      r.ev(base + 0x20 + e, -64 * n, node, Phase::Backward);
+      r.end(node);
+    }
+    const int64_t gate_node = r.op("AddmmBackward0", Scope::BackwardFunction, Phase::Backward);
+    r.ev(base, -16 * tokens, gate_node, Phase::Backward);
+    r.end(gate_node);
+    const int64_t st = r.op("Optimizer.step#SGD.step", Scope::UserScope, Phase::Optimizer);
+    if (it == 0) r.ev(0x300, 1000, st, Phase::Optimizer);
+    r.end(st);
+    r.tag(0x300, Category::OptimizerState);
+  }
+  return r.finish(32 * b);
+}
+
+// The probes' hand-made routings: uneven, the sum 8 b.
+std::vector<Trace> moe_probes() {
+  return {moe_probe(2, {5, 3, 6, 2}), moe_probe(4, {9, 7, 10, 6}), moe_probe(8, {20, 12, 17, 15})};
+}
+
+MemoryForecast run_moe(const std::vector<Trace>& probes, int64_t target, double skew = 1.0) {
+  MemoryForecastInput in;
+  for (const Trace& t : probes) in.probes.push_back(&t);
+  in.probe_batch = {2, 4, 8};
+  in.target_batch = target;
+  in.moe_skew = skew;
+  return forecast_memory(in);
+}
+
+// A trace's own peak: the forecast at its batch from it alone.
+int64_t peak_of(const Trace& t, int64_t b) { return run({t}, {b}, b).peak_allocated_bytes; }
+
+TEST(MoeRouting, RoutedCallsAreFoundWithTheirLoadsAndTokens) {
+  const Trace t = moe_probe(2, {5, 3, 6, 2});
+  const std::vector<detail::RoutedCall> calls = detail::find_routed_calls(t);
+  ASSERT_EQ(calls.size(), 2u);  // one per iteration
+  EXPECT_EQ(calls[0].container, "Net.moe.experts");
+  EXPECT_EQ(calls[0].tokens, 8);
+  ASSERT_EQ(calls[0].units.size(), 4u);
+  EXPECT_EQ(calls[0].units[2].path, "Net.moe.experts.2");
+  EXPECT_EQ(calls[0].units[2].load, 6);
+  EXPECT_EQ(calls[0].top_k(), 2);
+  // An op inside expert 1 belongs to it; the weighing after expert 1 lies between experts 1 and 2; its backward
+  // node belongs where its forward op ran; the router before every expert, to none before expert 0.
+  int64_t expert1 = -1, weigh1 = -1, node1 = -1, gate = -1;
+  for (const OpRecord& op : t.ops) {
+    if (op.module == "Net.moe.experts.1" && op.phase == Phase::Forward && expert1 < 0) expert1 = op.id;
+    if (op.name == "aten::mul" && expert1 >= 0 && weigh1 < 0) weigh1 = op.id;
+    if (op.name == "LinearBackward0" && op.fwd_op == expert1 && expert1 >= 0) node1 = op.id;
+    if (op.module == "Net.moe.gate" && gate < 0) gate = op.id;
+  }
+  const detail::RoutedPlace in = detail::routed_place(t, calls, expert1);
+  EXPECT_EQ(in.call, 0);
+  EXPECT_EQ(in.before, 1);
+  EXPECT_EQ(in.after, 1);
+  const detail::RoutedPlace between = detail::routed_place(t, calls, weigh1);
+  EXPECT_EQ(between.before, 1);
+  EXPECT_EQ(between.after, 2);
+  const detail::RoutedPlace back = detail::routed_place(t, calls, node1);
+  EXPECT_EQ(back.before, 1);
+  EXPECT_EQ(back.after, 1);
+  const detail::RoutedPlace router = detail::routed_place(t, calls, gate);
+  EXPECT_EQ(router.call, 0);
+  EXPECT_EQ(router.before, -1);
+  EXPECT_EQ(router.after, 0);
+  // Experts with the same load are no routed layer (a dense ModuleList of layers gets the same input in each).
+  EXPECT_TRUE(detail::find_routed_calls(moe_probe(2, {4, 4, 4, 4})).empty());
+}
+
+TEST(MoeRouting, LoadsSpreadEvenlyOrSkewed) {
+  const std::vector<detail::RoutedCall> calls = detail::find_routed_calls(moe_probe(8, {20, 12, 17, 15}));
+  ASSERT_FALSE(calls.empty());
+  const detail::RoutedCall& c = calls[0];  // 32 tokens, 64 sent
+  EXPECT_EQ(detail::expected_loads(c, 4.0), (std::vector<int64_t>{64, 64, 64, 64}));
+  // Each of the 2 heaviest receives every token (128 at 4x); the rest nothing.
+  EXPECT_EQ(detail::skewed_loads(c, 4.0, 1.0, true), (std::vector<int64_t>{128, 128, 0, 0}));
+  EXPECT_EQ(detail::skewed_loads(c, 4.0, 1.0, false), (std::vector<int64_t>{0, 0, 128, 128}));
+  // Three quarters of the tokens each: 96 and 96, the remaining 64 over the other two.
+  EXPECT_EQ(detail::skewed_loads(c, 4.0, 0.75, true), (std::vector<int64_t>{96, 96, 32, 32}));
+  // Below the even share: the even share.
+  EXPECT_EQ(detail::skewed_loads(c, 4.0, 0.25, true), (std::vector<int64_t>{64, 64, 64, 64}));
+}
+
+TEST(MoeRouting, ExpectedAndBoundPeaksAreThoseOfTheirRoutings) {
+  const std::vector<Trace> probes = moe_probes();
+  const MemoryForecast f = run_moe(probes, 32);
+  ASSERT_TRUE(f.moe.has_value());
+  EXPECT_EQ(f.moe->routed_calls, 2);
+  EXPECT_EQ(f.moe->experts, 4);
+  EXPECT_EQ(f.moe->top_k, 2);
+  EXPECT_EQ(f.moe->unexplained_allocations, 0);
+  // Every expert's pick, output, weighing and gradient, in both iterations: 4 x 4 x 2.
+  EXPECT_EQ(f.moe->routed_allocations, 32);
+  // Expected: the peak of the step whose 128 tokens' 256 choices spread evenly; bound: the higher of the two
+  // placements of every token on two experts; the forecast's peak is the bound.
+  EXPECT_EQ(f.moe->expected_peak_allocated_bytes, peak_of(moe_probe(32, {64, 64, 64, 64}), 32));
+  const int64_t bound = std::max(peak_of(moe_probe(32, {128, 128, 0, 0}), 32), peak_of(moe_probe(32, {0, 0, 128, 128}), 32));
+  EXPECT_EQ(f.moe->bound_peak_allocated_bytes, bound);
+  EXPECT_EQ(f.peak_allocated_bytes, bound);
+  EXPECT_GT(bound, f.moe->expected_peak_allocated_bytes);
+  EXPECT_EQ(count_code(f.notes, "moe-routing"), 1);
+  // A skew at the even share: the bound is the expected peak.
+  const MemoryForecast even = run_moe(probes, 32, 0.25);
+  EXPECT_EQ(even.peak_allocated_bytes, f.moe->expected_peak_allocated_bytes);
+  EXPECT_EQ(even.moe->skew, 0.25);
+}
+
+TEST(MoeRouting, ProbesThatRanOtherExpertsAreMatchedOpByOp) {
+  // At batch 2 expert 3 received no token, so it did not run.
+  const std::vector<Trace> probes = {moe_probe(2, {5, 3, 8, 0}), moe_probe(4, {9, 7, 10, 6}),
+                                     moe_probe(8, {20, 12, 17, 15})};
+  const MemoryForecast f = run_moe(probes, 32);
+  EXPECT_TRUE(f.scaled);
+  EXPECT_EQ(count_code(f.notes, "moe-experts-differ"), 1);
+  ASSERT_TRUE(f.moe.has_value());
+  EXPECT_EQ(f.moe->expected_peak_allocated_bytes, peak_of(moe_probe(32, {64, 64, 64, 64}), 32));
+}
+
+TEST(MoeRouting, BadSkew) {
+  const std::vector<Trace> probes = moe_probes();
+  for (double skew : {0.0, 1.5}) {
+    try {
+      run_moe(probes, 32, skew);
+      FAIL();
+    } catch (const UserError& e) {
+      EXPECT_EQ(std::string(e.what()), fmt::format("forecast: moe_skew must be in (0, 1], got {}", skew));
+    }
+  }
 }
 
 }  // namespace

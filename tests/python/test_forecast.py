@@ -270,7 +270,7 @@ class Branchy(torch.nn.Module):
         return x
 
 
-def test_probes_that_differ_give_a_warning_and_no_scaling():
+def test_a_probe_that_differs_is_left_out():
     torch.manual_seed(0)
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -283,9 +283,36 @@ def test_probes_that_differ_give_a_warning_and_no_scaling():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), 64, model=model, optimizer=opt)
+    # The check probe at 16 (twice the largest, the target lying beyond it) allocates as the batch-8 probe does and
+    # joins the probes as the largest; the batch-2 and batch-4 probes, which skip the branch, differ from it: left out,
+    # the forecast sized from the probes at 8 and 16, which take the branch.
+    assert fc.memory.scaled
+    assert [n["code"] for n in fc.memory.notes if n["code"].startswith("check-probe")] == ["check-probe"]
+    left = [n["text"] for n in fc.memory.notes if n["code"] == "probe-left-out"]
+    assert [t.split(" differs")[0] for t in left] == ["the probe at batch 2", "the probe at batch 4"], left
+    assert all(t.endswith("left out, the forecast is sized from the probes at batch 16, 8, which run the same ops")
+               for t in left), left
+    assert not [str(x.message) for x in w if "differ in structure" in str(x.message)]
+
+
+def test_probes_that_differ_from_the_largest_give_a_warning_and_no_scaling():
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(batch).sum().backward()
+        opt.step()
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        # 11: below twice the largest probe, no check probe.
+        fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), 11, model=model, optimizer=opt,
+                              probe_batch_sizes=(2, 3, 6))
     assert not fc.memory.scaled
     msgs = [str(x.message) for x in w]
-    assert any("probes at batch 2 and 8 differ in structure (memory event" in m and "data-dependent control flow?" in m
+    assert any("probes at batch 2 and 6 differ in structure (memory event" in m and "data-dependent control flow?" in m
                for m in msgs), msgs
     assert fc.memory.max_batch_size == 0
 

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,25 @@ struct MemoryForecastInput {
   std::map<int64_t, int64_t> op_workspaces;
   int64_t op_workspace_batch = 0;
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
+  // Routed layers (mixture of experts): the share of a call's tokens each of its k most-loaded experts receives in
+  // the bound the peaks are forecast for, in (0, 1]. 1: every token's k experts are the same k (no skew is worse);
+  // below the even share k / experts, the even share.
+  double moe_skew = 1.0;
+};
+
+// Routed layers (mixture of experts) in the probes: the peak under routing spread evenly over the experts
+// (expected) and under moe_skew (bound; MemoryForecast's peaks are the bound's).
+struct MoeForecast {
+  int64_t routed_calls = 0;       // routed layer calls in the largest probe's trace (each layer, each iteration)
+  int64_t experts = 0;            // the most experts one call ran
+  int64_t top_k = 0;              // tokens sent to experts over tokens entering (the largest of the calls')
+  double skew = 1.0;
+  int64_t routed_allocations = 0;       // allocations sized by an expert's load
+  int64_t unexplained_allocations = 0;  // allocations in routed calls sized neither by the batch nor by a load
+  int64_t expected_peak_allocated_bytes = 0;
+  int64_t expected_peak_reserved_bytes = 0;
+  int64_t bound_peak_allocated_bytes = 0;
+  int64_t bound_peak_reserved_bytes = 0;
 };
 
 // What a group of data-parallel ranks that hold alike peak at (FSDP2's last ranks hold fewer rows of a parameter
@@ -137,9 +157,13 @@ struct MemoryForecast {
   std::vector<Note> warnings;  // what may make the forecast wrong (gpucast.forecast warns of each)
   std::vector<Note> notes;
   double forecast_ms = 0.0;           // time spent forecasting (probes excluded)
+  std::optional<MoeForecast> moe;     // routed layers found in the probes, else none
 };
 
 MemoryForecast forecast_memory(const MemoryForecastInput& input);
+// Where two probe traces' allocation structures on `device` first differ (their memory events in order: allocation
+// or free, which allocation, in which op), empty when they match: a kernel that allocates otherwise at one size.
+std::string probe_structure_difference(const Trace& a, const Trace& b, const std::string& device);
 std::string memory_forecast_to_json(const MemoryForecast& f);
 // The same document as a value (auto mode's log record holds it).
 nlohmann::json memory_forecast_json(const MemoryForecast& f);
