@@ -317,7 +317,8 @@ void register_classes(torch::Library& m) {
             torch::arg("alloc_conf") = "", torch::arg("cublas_workspace_config") = "",
             torch::arg("exclude") = std::vector<int64_t>{}, torch::arg("conv_workspace") = -1,
             torch::arg("cudnn_conv_wscap") = "",
-            // 1.0: each routed layer's k most-loaded experts receive every token, the bound no routing exceeds.
+            // 1.0: each routed layer's k most-loaded experts receive every token, the heaviest routing without a
+            // capacity factor.
             torch::arg("moe_skew") = 1.0});
 }
 

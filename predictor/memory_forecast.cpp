@@ -577,7 +577,8 @@ Fit fit(const std::vector<double>& b, const std::vector<double>& s) {
 // line through the expert's load (moe_routing.h).
 struct RoutedFit {
   int64_t call = -1, unit = -1;
-  Fit fit;  // c0 + c1 * load
+  int64_t other = -1;  // the expert on the other side, where a line through its load fits as well: the larger load
+  Fit fit;             // c0 + c1 * load
 };
 
 // A line through (x, y) within `tolerance` of every point, least squares; none when the points do not fix one.
@@ -842,9 +843,12 @@ class Forecaster {
   }
 
   // Routed layers: what the forecast assumed of the routing, both peaks, and what it could not size.
-  void routing_note(const Replay& bound) {
+  // The bound's peaks are raised to the highest of the routings tried (plan_routing).
+  void routing_note(Replay& bound) {
     if (!out_.moe) return;
     MoeForecast& moe = *out_.moe;
+    bound.peak_allocated = std::max(bound.peak_allocated, routing_floor_allocated_);
+    bound.peak_reserved = std::max(bound.peak_reserved, routing_floor_reserved_);
     moe.bound_peak_allocated_bytes = bound.peak_allocated;
     moe.bound_peak_reserved_bytes = bound.peak_reserved;
     out_.notes.push_back(Note{"moe-routing", fmt::format(
@@ -1277,8 +1281,13 @@ class Forecaster {
           bytes.push_back(0.0);
         }
         if (const std::optional<Fit> f = line_through(load, bytes, tolerance)) {
-          chosen = RoutedFit{place.call, unit, *f};
-          break;
+          // Both sides fit (loads in proportion to each other): sized by the larger of the two at the target, the
+          // bound's side.
+          if (chosen) {
+            chosen->other = unit;
+          } else {
+            chosen = RoutedFit{place.call, unit, -1, *f};
+          }
         }
       }
       if (chosen) {
@@ -1335,6 +1344,10 @@ class Forecaster {
     const Replay last = replay(planned(per, gpu), gpu, in_.allocator);
     heavy_first_ = first.peak_allocated > last.peak_allocated ||
                    (first.peak_allocated == last.peak_allocated && first.peak_reserved >= last.peak_reserved);
+    // Each peak the highest of the routings tried (the placement is chosen by the allocated peak; the other's
+    // reserved peak may be higher).
+    routing_floor_allocated_ = std::max({expected.peak_allocated, first.peak_allocated, last.peak_allocated});
+    routing_floor_reserved_ = std::max({expected.peak_reserved, first.peak_reserved, last.peak_reserved});
     moe.routed_calls = static_cast<int64_t>(model_.routed_calls.size());
     for (const detail::RoutedCall& c : model_.routed_calls) {
       moe.experts = std::max<int64_t>(moe.experts, static_cast<int64_t>(c.units.size()));
@@ -1408,7 +1421,10 @@ class Forecaster {
         e.bytes = size_of(model_.alloc_fits.at(static_cast<size_t>(e.ref)), e.bytes);
         if (auto it = model_.routed.find(e.ref); !loads.empty() && it != model_.routed.end()) {
           const RoutedFit& r = it->second;
-          e.bytes = r.fit.at(static_cast<double>(loads[static_cast<size_t>(r.call)][static_cast<size_t>(r.unit)]));
+          const std::vector<int64_t>& call = loads[static_cast<size_t>(r.call)];
+          const int64_t load = std::max(call[static_cast<size_t>(r.unit)],
+                                        r.other >= 0 ? call[static_cast<size_t>(r.other)] : int64_t{0});
+          e.bytes = r.fit.at(static_cast<double>(load));
         }
       }
       p.entries.push_back(e);
@@ -2319,6 +2335,7 @@ class Forecaster {
   enum class Routing { Expected, Bound };
   Routing routing_ = Routing::Bound;      // routed layers' loads planned (plan_routing)
   bool heavy_first_ = true;               // Bound: the most-loaded experts are the first each call ran
+  int64_t routing_floor_allocated_ = 0, routing_floor_reserved_ = 0;  // plan_routing's highest peaks
   int64_t fsdp_held_works_ = detail::kGlooThreads;  // apply_fsdp()'s worst ordering of gloo's frees
   std::vector<double> zero1_shares_;      // zero1_shares()
   std::vector<int64_t> zero1_largest_;    // zero1_shares(): each rank's largest parameter

@@ -72,18 +72,20 @@ std::string stem(const std::string& unit, const std::string& container) {
 }
 
 // Whether the call's experts are routed: two or more, one name up to digits, the same first op on tensors of one
-// rank, dtype and width, not every load the same, and none above the tokens entering.
+// dtype whose shapes differ in their leading dimension only (rows of features: a token-pruning transformer's blocks
+// differ in a middle dimension, [B, N_i, D], and are no routed layer), not every load the same, and none above the
+// tokens entering.
 bool routed(const RoutedCall& c, const std::vector<const OpRecord*>& first_ops) {
   if (c.units.size() < 2 || c.tokens <= 0) return false;
   const TensorMeta* ref = first_tensor(*first_ops.front());
-  if (ref == nullptr) return false;
+  if (ref == nullptr || ref->shape.size() < 2) return false;
   bool differ = false;
   for (size_t u = 0; u < c.units.size(); ++u) {
     const TensorMeta* m = first_tensor(*first_ops[u]);
     if (m == nullptr || first_ops[u]->name != first_ops.front()->name ||
         stem(c.units[u].path, c.container) != stem(c.units.front().path, c.container) ||
-        m->shape.size() != ref->shape.size() || m->shape.back() != ref->shape.back() || m->dtype != ref->dtype ||
-        c.units[u].load < 0 || c.units[u].load > c.tokens) {
+        m->shape.size() != ref->shape.size() || !std::equal(m->shape.begin() + 1, m->shape.end(), ref->shape.begin() + 1) ||
+        m->dtype != ref->dtype || c.units[u].load < 0 || c.units[u].load > c.tokens) {
       return false;
     }
     differ = differ || c.units[u].load != c.units.front().load;
@@ -94,9 +96,11 @@ bool routed(const RoutedCall& c, const std::vector<const OpRecord*>& first_ops) 
 }  // namespace
 
 int64_t RoutedCall::top_k() const {
-  int64_t sent = 0;
-  for (const RoutedUnit& u : units) sent += u.load;
-  return tokens > 0 ? std::max<int64_t>(1, std::llround(static_cast<double>(sent) / static_cast<double>(tokens))) : 1;
+  double sent = 0;  // a double: loads read from a file may be as large as int64 holds
+  for (const RoutedUnit& u : units) sent += static_cast<double>(u.load);
+  if (tokens <= 0) return 1;
+  const double k = sent / static_cast<double>(tokens);
+  return k >= static_cast<double>(units.size()) ? static_cast<int64_t>(units.size()) : std::max<int64_t>(1, std::llround(k));
 }
 
 std::vector<RoutedCall> find_routed_calls(const Trace& t) {

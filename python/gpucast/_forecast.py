@@ -74,8 +74,8 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     trace, and its workspace replaces the probes' (fc.memory.conv_calls_measured; `conv_workspace` skips this).
     Routed layers (mixture of experts: experts chosen per token) are found in the probes and sized by the tokens
     each expert receives: fc.memory.peak_* are the bound in which each layer's k most-loaded experts receive
-    `moe_skew` of its tokens (1.0, the default: all of them, which no routing exceeds), and fc.memory.moe holds that
-    bound beside the peaks with the tokens spread evenly over the experts.
+    `moe_skew` of its tokens (1.0, the default: all of them, the heaviest routing without a capacity factor), and
+    fc.memory.moe holds that bound beside the peak with the tokens spread evenly over the experts.
 
     Step time (fc.time) for a GPU target from CPU probes is priced, layer by layer, from the probes' work (FLOPs
     and bytes per op kind and precision) at the GPU's rates in gpucast's table (gpucast.gpu_rates(): efficiencies

@@ -203,7 +203,8 @@ _CHECK_FACTOR = 2
 _CHECK_AFTER = 3
 # A check probe runs only where its memory forecast fits _REACH_MEMORY_SHARE of what the probe device has free and its
 # time, estimated from the largest probe's in proportion to the batch, stays within this many seconds or this many
-# times the design probes' own time, whichever is more. 5 s and 1.5: chosen, not measured.
+# times the time of the probes run before it (the design's, and a first check probe's), whichever is more. 5 s and
+# 1.5: chosen, not measured.
 _CHECK_BUDGET_S = 5.0
 _CHECK_BUDGET_SHARE = 1.5
 
@@ -455,13 +456,15 @@ class ProbeRun:
 
     def _check(self) -> None:
         """Memory probes beyond the design where the target lies beyond them (_CHECK_FACTOR): one at twice the
-        largest, and if it allocates otherwise than the largest (a kernel changed between them), one at three times."""
+        largest, and if it allocates otherwise than the largest (a kernel changed between them), one at three times
+        (at the target where that lies nearer), so that the allocations after the change have a line. Not for meta
+        probes or a design over sequence lengths."""
         if self.meta or self.largest_probe is None or any(length is not None for _, length in self.design):
             return
         largest = self.probe_batches[-1]
         for factor in (_CHECK_FACTOR, _CHECK_AFTER):
-            b = factor * largest
-            if self.per_rank < b:
+            b = factor * largest if factor == _CHECK_FACTOR else min(factor * largest, self.per_rank)
+            if self.per_rank < b or b <= self.probe_batches[-1]:
                 return
             why = self._check_refused(b)
             if why:
@@ -473,7 +476,11 @@ class ProbeRun:
             except Exception as e:  # noqa: BLE001 - the probes so far still forecast: the check is left out
                 self.check_skipped = f"batch {b}: the step failed there ({type(e).__name__}: {str(e)[:200]})"
                 return
-            diff = torch.ops.gpucast.probe_structure_difference(before, self.largest_probe, self.probe_device)
+            try:
+                diff = torch.ops.gpucast.probe_structure_difference(before, self.largest_probe, self.probe_device)
+            except Exception as e:  # noqa: BLE001 - the probe joined; only the comparison is missing
+                self.check_skipped = f"batch {b}: not compared with the batch-{before_batch} probe ({type(e).__name__})"
+                return
             self.check_probes.append((b, before_batch, diff))
             if not diff:
                 return

@@ -1017,6 +1017,32 @@ TEST(MoeRouting, RoutedCallsAreFoundWithTheirLoadsAndTokens) {
   EXPECT_TRUE(detail::find_routed_calls(moe_probe(2, {4, 4, 4, 4})).empty());
 }
 
+// Blocks of a ModuleList whose first ops take the inputs `shapes` (one a block), inside a parent "Net.blocks" call.
+Trace blocks_trace(const std::vector<std::vector<int64_t>>& shapes) {
+  Recorder r;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t op = r.op("aten::linear", Scope::Function, Phase::Forward);
+    r.th.ops[static_cast<size_t>(op)].module = "Net.blocks." + std::to_string(i);
+    Value v;
+    v.kind = Value::Kind::Tensor;
+    v.tensors.push_back(TensorMeta{shapes[i], {}, "float32", "cpu", 0});
+    r.th.ops[static_cast<size_t>(op)].inputs = {v};
+    r.ev(0x100 + i, 64, op, Phase::Forward);
+    r.ev(0x100 + i, -64, op, Phase::Forward);
+    r.end(op);
+  }
+  return r.finish(64);
+}
+
+TEST(MoeRouting, OtherModuleListsAreNotRouted) {
+  // A token-pruning transformer's blocks: [B, N_i, D], fewer tokens each block.
+  EXPECT_TRUE(detail::find_routed_calls(blocks_trace({{4, 64, 32}, {4, 48, 32}, {4, 32, 32}})).empty());
+  // Scalars (no rows) and a mix of ranks: none, and no fault reading them.
+  EXPECT_TRUE(detail::find_routed_calls(blocks_trace({{}, {}, {}})).empty());
+  EXPECT_TRUE(detail::find_routed_calls(blocks_trace({{3, 8}, {}, {5, 8}})).empty());
+  EXPECT_TRUE(detail::find_routed_calls(blocks_trace({{}, {3, 8}, {5, 8}})).empty());
+}
+
 TEST(MoeRouting, LoadsSpreadEvenlyOrSkewed) {
   const std::vector<detail::RoutedCall> calls = detail::find_routed_calls(moe_probe(8, {20, 12, 17, 15}));
   ASSERT_FALSE(calls.empty());
@@ -1052,6 +1078,7 @@ TEST(MoeRouting, ExpectedAndBoundPeaksAreThoseOfTheirRoutings) {
   // A skew at the even share: the bound is the expected peak.
   const MemoryForecast even = run_moe(probes, 32, 0.25);
   EXPECT_EQ(even.peak_allocated_bytes, f.moe->expected_peak_allocated_bytes);
+  ASSERT_TRUE(even.moe.has_value());
   EXPECT_EQ(even.moe->skew, 0.25);
 }
 

@@ -89,7 +89,8 @@ struct MemoryForecastInput {
   int64_t op_workspace_batch = 0;
   std::vector<uint64_t> exclude_ptrs;   // baseline blocks that are not the job's (the forecaster's own copies)
   // Routed layers (mixture of experts): the share of a call's tokens each of its k most-loaded experts receives in
-  // the bound the peaks are forecast for, in (0, 1]. 1: every token's k experts are the same k (no skew is worse);
+  // the bound the peaks are forecast for, in (0, 1]. 1: every token's k experts are the same k (the heaviest routing
+  // without a capacity factor);
   // below the even share k / experts, the even share.
   double moe_skew = 1.0;
 };
