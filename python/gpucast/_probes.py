@@ -425,12 +425,7 @@ class ProbeRun:
         gc.collect()  # garbage freed during a probe would change what it records
         batch = self.make_batch(b) if length is None else self.make_batch(b, length)
         self.probe_device = _device_of(batch)
-        t0 = time.perf_counter()
-        with trace(model=self.model) as t:
-            for _ in range(self.iterations):
-                self.step(batch)
-                mark_iteration_end()
-        self.probe_seconds.append(time.perf_counter() - t0)
+        t = self._memory_trace(batch)
         if length is None:
             self.forecaster.add_probe(t.result.handle, b)
             self.previous_probe = self.largest_probe
@@ -453,6 +448,16 @@ class ProbeRun:
             self.retime.append((b, length, structure))
         del batch, t
         self.state.restore()
+
+    def _memory_trace(self, batch: Any):
+        """`iterations` steps on `batch` under a memory trace (its wall time kept in probe_seconds): the trace."""
+        t0 = time.perf_counter()
+        with trace(model=self.model) as t:
+            for _ in range(self.iterations):
+                self.step(batch)
+                mark_iteration_end()
+        self.probe_seconds.append(time.perf_counter() - t0)
+        return t
 
     def _check(self) -> None:
         """Memory probes beyond the design where the target lies beyond them (_CHECK_FACTOR): one at twice the
@@ -514,12 +519,7 @@ class ProbeRun:
         gc.collect()
         try:
             batch = self.make_batch(b)
-            t0 = time.perf_counter()
-            with trace(model=self.model) as t:
-                for _ in range(self.iterations):
-                    self.step(batch)
-                    mark_iteration_end()
-            self.probe_seconds.append(time.perf_counter() - t0)
+            t = self._memory_trace(batch)
             self.forecaster.add_probe(t.result.handle, b)
             self.previous_probe, self.largest_probe = self.largest_probe, t.result.handle
             self.probe_batches.append(b)

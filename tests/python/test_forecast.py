@@ -270,19 +270,25 @@ class Branchy(torch.nn.Module):
         return x
 
 
-def test_a_probe_that_differs_is_left_out():
+def branchy_forecast(batch: int, **kw):
+    """The Branchy model's forecast at `batch` and the warnings it gave."""
     torch.manual_seed(0)
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(batch):
+    def step(b):
         opt.zero_grad()
-        model(batch).sum().backward()
+        model(b).sum().backward()
         opt.step()
 
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), 64, model=model, optimizer=opt)
+        fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), batch, model=model, optimizer=opt, **kw)
+    return fc, w
+
+
+def test_a_probe_that_differs_is_left_out():
+    fc, w = branchy_forecast(64)
     # The check probe at 16 (twice the largest, the target lying beyond it) allocates as the batch-8 probe does and
     # joins the probes as the largest; the batch-2 and batch-4 probes, which skip the branch, differ from it: left out,
     # the forecast sized from the probes at 8 and 16, which take the branch.
@@ -296,20 +302,8 @@ def test_a_probe_that_differs_is_left_out():
 
 
 def test_probes_that_differ_from_the_largest_give_a_warning_and_no_scaling():
-    torch.manual_seed(0)
-    model = Branchy()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(batch):
-        opt.zero_grad()
-        model(batch).sum().backward()
-        opt.step()
-
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        # 11: below twice the largest probe, no check probe.
-        fc = gpucast.forecast(step, lambda n: torch.randn(n, 16), 11, model=model, optimizer=opt,
-                              probe_batch_sizes=(2, 3, 6))
+    # 11: below twice the largest probe, no check probe.
+    fc, w = branchy_forecast(11, probe_batch_sizes=(2, 3, 6))
     assert not fc.memory.scaled
     msgs = [str(x.message) for x in w]
     assert any("probes at batch 2 and 6 differ in structure (memory event" in m and "data-dependent control flow?" in m
