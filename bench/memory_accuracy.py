@@ -71,13 +71,19 @@ def to_cuda(batch):
 def measure(name, batch, iterations):
     """Fresh process: peak CPU-allocator bytes from before the model exists, over `iterations` iterations."""
     import torch
-    from torch._C._profiler import _EventType
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         case, model, opt, step = build(name)
         for _ in range(iterations):
             b = case.make_batch(batch)
             step(b)
             del b
+    return profiled_peak(prof)
+
+
+def profiled_peak(prof) -> int:
+    """The most CPU-allocator bytes held at once over a torch.profiler run with profile_memory=True: its allocation
+    and free events summed in time order."""
+    from torch._C._profiler import _EventType
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     allocs = []
     while stack:
