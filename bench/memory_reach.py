@@ -83,11 +83,11 @@ def cases() -> dict:
             tf.MixtralForCausalLM, tf.MixtralConfig, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
             router_jitter_noise=0.0)},
-        # The experts' activations above the logits': where the routing moves the peak.
-        "mixtral_wide": {"kind": "moe", "make": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(
-            vocab_size=1024, max_position_embeddings=SEQ * 2, use_cache=False, attn_implementation="sdpa",
-            hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-            num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0))},
+        # Wide experts, their activations well above the logits': where the routing moves the peak.
+        "mixtral_wide": {"kind": "moe", "make": decoder(
+            tf.MixtralForCausalLM, tf.MixtralConfig, hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+            router_jitter_noise=0.0)},
         "qwen2_moe": {"kind": "moe", "make": decoder(
             tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig, hidden_size=256, intermediate_size=640,
             moe_intermediate_size=320, shared_expert_intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,
