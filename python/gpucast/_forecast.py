@@ -124,29 +124,17 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     if timing_rounds is not None and (isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int)
                                       or timing_rounds < 1):
         raise ValueError(f"forecast: timing_rounds must be an integer of at least 1 (or None), got {timing_rounds!r}")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
-        raise ValueError(f"forecast: capacity must be a number of bytes of at least 1 (or None), got {capacity!r}")
+    _check_memory_args("forecast", capacity, moe_skew)
     # Before any probe runs: cpu, a device table name, or with a capacity any GPU's name (the plugin's one rule).
     target = torch.ops.gpucast.check_target(str(target), capacity or 0)
     modules = _module_paths(model)
     parallel = _with_traced_rank(parallel)
     parallel_text = _format_parallel(parallel, modules=modules)
     # Checked before the probes run (errors name the key): each rank's batch for what is measured at the target.
-    dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
-    if batch_size < dp * micro_batches:
-        raise ValueError(f"forecast: batch_size {batch_size} is smaller than dp x micro_batches = "
-                         f"{dp * micro_batches}: every rank needs a sample in every micro-batch")
-    if batch_size % (dp * micro_batches):
-        raise ValueError(f"forecast: parallel dp={dp} x micro_batches={micro_batches} does not divide batch_size "
-                         f"{batch_size}: the ranks would hold {batch_size // (dp * micro_batches)} and "
-                         f"{batch_size // (dp * micro_batches) + 1} samples per micro-batch; give a batch_size that "
-                         f"is a multiple of {dp * micro_batches}")
-    per_rank = max(1, batch_size // (dp * micro_batches))
+    per_rank, tp = _per_rank_batch("forecast", parallel_text, batch_size)
     if conv_workspace is not None and (isinstance(conv_workspace, bool) or not isinstance(conv_workspace, int)
                                        or conv_workspace < 0):
         raise ValueError(f"forecast: conv_workspace must be a number of bytes of at least 0, got {conv_workspace!r}")
-    if isinstance(moe_skew, bool) or not isinstance(moe_skew, (int, float)) or not 0 < moe_skew <= 1:
-        raise ValueError(f"forecast: moe_skew must be a number in (0, 1], got {moe_skew!r}")
 
     meta = _on_meta(model, target)
     optimizers = _optimizer_list(optimizer)
@@ -162,9 +150,11 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
+    pricer = _MemoryPricer(forecaster, run, state.own_ptrs(), conv_workspace, modules, optimizers, iterations,
+                           float(safety_fraction), float(moe_skew))
     memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
-                            state.own_ptrs(), -1 if conv_workspace is None else conv_workspace, moe_skew)
-    _memory_notes(memory, run, optimizers, iterations)
+                            pricer.exclude, pricer.conv_workspace, moe_skew)
+    _memory_notes(memory, pricer.facts)
     for w in memory.warnings:
         warn(f"gpucast.forecast: {w['text']}")
     context = json.loads(torch.ops.gpucast.context())
@@ -178,10 +168,76 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                   context=context, time=time_fc, timings=timings if time_fc is not None else [],
                   timing_rounds=run.rounds if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes,
-                  modules=modules, traced={k: parallel[k] for k in ("traced_world", "traced_rank") if k in parallel})
+                  modules=modules, traced={k: parallel[k] for k in ("traced_world", "traced_rank") if k in parallel},
+                  _pricer=pricer)
     from . import trackers
     trackers.publish(fc)
     return fc
+
+
+def _per_rank_batch(caller: str, parallel_text: str, batch_size: int) -> tuple[int, int]:
+    """(each rank's micro-batch, tp) of a global batch under a parallel configuration; ValueError naming the key
+    (torch.ops.gpucast.check_parallel) or the batch that the data-parallel ranks and micro-batches cannot share."""
+    dp, tp, _, micro_batches = torch.ops.gpucast.check_parallel(parallel_text)
+    if batch_size < dp * micro_batches:
+        raise ValueError(f"{caller}: batch_size {batch_size} is smaller than dp x micro_batches = "
+                         f"{dp * micro_batches}: every rank needs a sample in every micro-batch")
+    if batch_size % (dp * micro_batches):
+        raise ValueError(f"{caller}: parallel dp={dp} x micro_batches={micro_batches} does not divide batch_size "
+                         f"{batch_size}: the ranks would hold {batch_size // (dp * micro_batches)} and "
+                         f"{batch_size // (dp * micro_batches) + 1} samples per micro-batch; give a batch_size that "
+                         f"is a multiple of {dp * micro_batches}")
+    return max(1, batch_size // (dp * micro_batches)), tp
+
+
+def _check_memory_args(caller: str, capacity: Any, moe_skew: Any) -> None:
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"{caller}: capacity must be a number of bytes of at least 1 (or None), got {capacity!r}")
+    if isinstance(moe_skew, bool) or not isinstance(moe_skew, (int, float)) or not 0 < moe_skew <= 1:
+        raise ValueError(f"{caller}: moe_skew must be a number in (0, 1], got {moe_skew!r}")
+
+
+class _MemoryPricer:
+    """The probes' traces (the C++ forecaster) and what a memory forecast from them needs besides the target, kept
+    so that Forecast.memory_at prices another batch, GPU or parallel layout without probing again. It holds no
+    reference to the model or the optimizers: module paths, ints and the probe runner's findings only."""
+
+    def __init__(self, forecaster: Any, run: ProbeRun, exclude: list, conv_workspace: int | None, modules: dict,
+                 optimizers: list, iterations: int, safety_fraction: float, moe_skew: float):
+        self.forecaster, self.probe_device, self.exclude = forecaster, run.probe_device, exclude
+        self.conv_workspace = -1 if conv_workspace is None else conv_workspace
+        self.modules = modules  # paths by module id and class, as Forecast.modules (no module held)
+        self.facts = _ProbeFacts(run, optimizers, iterations)
+        self.safety_fraction, self.moe_skew = safety_fraction, moe_skew
+
+    def __call__(self, batch_size: int, target: str, parallel: dict | None, capacity: int | None,
+                 safety_fraction: float | None, moe_skew: float | None) -> MemoryForecast:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"memory_at: batch_size must be an integer of at least 1, got {batch_size!r}")
+        moe = self.moe_skew if moe_skew is None else moe_skew
+        _check_memory_args("memory_at", capacity, moe)
+        safety = self.safety_fraction if safety_fraction is None else float(safety_fraction)
+        target = torch.ops.gpucast.check_target(str(target), capacity or 0)
+        if target == "cpu" and self.probe_device == "meta":
+            raise ValueError("memory_at: probes on the meta device forecast a GPU target, not 'cpu'")
+        parallel = _with_traced_rank(parallel)
+        text = _format_parallel(parallel, modules=self.modules)
+        _per_rank_batch("memory_at", text, batch_size)
+        memory = run_forecaster(self.forecaster, batch_size, target, int(capacity or 0), safety, self.probe_device,
+                                text, self.exclude, self.conv_workspace, moe)
+        _memory_notes(memory, self.facts)
+        return memory
+
+
+class _ProbeFacts:
+    """What the probe runner added or could not measure, as the memory notes tell it (no reference to the run)."""
+
+    def __init__(self, run: ProbeRun, optimizers: list, iterations: int):
+        self.check_probes, self.check_skipped = list(run.check_probes), run.check_skipped
+        self.op_skipped, self.conv_skipped = list(run.op_skipped), list(run.conv_skipped)
+        self.lbfgs_history = [o.param_groups[0].get("history_size", 100) for o in optimizers
+                              if isinstance(o, torch.optim.LBFGS)]
+        self.iterations = iterations
 
 
 def _on_meta(model: torch.nn.Module | None, target: str) -> bool:
@@ -261,7 +317,7 @@ def _fits_on_device(target: str, safety_fraction: float, state: _State, conv_wor
     return fits
 
 
-def _memory_notes(memory: MemoryForecast, run: ProbeRun, optimizers: list, iterations: int) -> None:
+def _memory_notes(memory: MemoryForecast, run: "_ProbeFacts") -> None:
     """What the probe runner added or could not measure, and the optimizers whose state grows beyond the probes."""
     for b, before, diff in run.check_probes:
         if diff:
@@ -286,14 +342,12 @@ def _memory_notes(memory: MemoryForecast, run: ProbeRun, optimizers: list, itera
         memory.notes.append(note("conv-workspace-unmeasured",
                                  f"cuDNN: workspaces not measured at the target batch for "
                                  f"{', '.join(run.conv_skipped)}: the probes' are kept for those calls"))
-    for o in optimizers:
-        if isinstance(o, torch.optim.LBFGS):
-            size = o.param_groups[0].get("history_size", 100)
-            memory.warnings.append(note(
-                "lbfgs-history", f"LBFGS keeps the directions of up to {size} past updates (history_size), one more "
-                                 f"pair each inner iteration: its state grows over the run's first steps beyond what "
-                                 f"the probes' {iterations} iteration(s) held, and the forecast peak leaves that "
-                                 f"growth out"))
+    for size in run.lbfgs_history:
+        memory.warnings.append(note(
+            "lbfgs-history", f"LBFGS keeps the directions of up to {size} past updates (history_size), one more "
+                             f"pair each inner iteration: its state grows over the run's first steps beyond what "
+                             f"the probes' {run.iterations} iteration(s) held, and the forecast peak leaves that "
+                             f"growth out"))
 
 
 def _probe_notes(tf: TimeForecast, run: ProbeRun) -> None:

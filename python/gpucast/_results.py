@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -137,6 +138,22 @@ class Forecast:
     modules: dict = field(default_factory=dict, repr=False, compare=False)
     # Under gpucast.simulated_ranks: {"traced_world": n, "traced_rank": r}, kept in every parallel= of step_time()
     traced: dict = field(default_factory=dict, repr=False, compare=False)
+    # The probes' traces and settings (_forecast._MemoryPricer): what memory_at prices again; None where the forecast
+    # was not made by gpucast.forecast (auto mode, a forecast read back)
+    _pricer: Any = field(default=None, repr=False, compare=False)
+
+    def memory_at(self, batch_size: int, *, target: str | None = None, parallel: dict | None = None,
+                  capacity: int | None = None, safety_fraction: float | None = None,
+                  moe_skew: float | None = None) -> MemoryForecast:
+        """The memory forecast at another global batch size, GPU target or parallel layout (dict as forecast()'s
+        `parallel`; None: a single rank) from the same probes: size every GPU and layout of a job from one set of
+        traces. Arguments left None take the forecast's own (target, safety_fraction, moe_skew; capacity: the
+        target's). The probes stay as they ran: the check probe and measured workspaces were chosen for the
+        forecast's own target batch. ValueError as forecast() for a bad batch, target or layout."""
+        if self._pricer is None:
+            raise ValueError("memory_at: this forecast holds no probe traces (made by gpucast.forecast only)")
+        return self._pricer(batch_size, self.target if target is None else target, parallel, capacity,
+                                  safety_fraction, moe_skew)
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",

@@ -166,7 +166,7 @@ def public_names() -> dict[str, list[str]]:
     names = {"gpucast.__all__": list(gpucast.__all__)}
     for cls in (gpucast.Trace, _results.Forecast, _results.MemoryForecast, _results.TimeForecast):
         fields = getattr(cls, "__dataclass_fields__", {})
-        names[cls.__name__] = sorted({n for n in dir(cls) if not n.startswith("_")} | set(fields))
+        names[cls.__name__] = sorted({n for n in dir(cls) if not n.startswith("_")} | {n for n in fields if not n.startswith("_")})
     key = re.compile(r"^(\w+)\s", re.M)
     names["GPUCAST_CONF keys"] = key.findall(torch.ops.gpucast.auto_config_help())
     names["trace options"] = key.findall(gpucast.trace_options())

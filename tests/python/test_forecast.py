@@ -197,6 +197,34 @@ def test_data_parallel_rules():
     assert ddp.outside_allocator_bytes == one.outside_allocator_bytes + 256 * 2**20
 
 
+def test_memory_at_prices_other_batches_gpus_and_layouts_from_the_same_probes():
+    case, model, opt, step = fresh("mlp")
+    fc = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="A100-80GB")
+    again = fc.memory_at(64)
+    assert (again.peak_allocated_bytes, again.peak_reserved_bytes) == (fc.memory.peak_allocated_bytes,
+                                                                      fc.memory.peak_reserved_bytes)
+    # Each answer is what a forecast with those arguments gives (same probes: the same traces).
+    for batch, target, parallel in ((128, "L4", dict(dp=2)), (256, "H100-80GB", dict(dp=4, dp_mode="zero1")),
+                                    (64, "A100-80GB", dict(pp=2, micro_batches=4))):
+        at = fc.memory_at(batch, target=target, parallel=parallel)
+        direct = gpucast.forecast(step, case.make_batch, batch, model=model, optimizer=opt, target=target,
+                                  parallel=parallel).memory
+        assert (at.target, at.per_rank_batch, at.capacity_bytes) == (target, direct.per_rank_batch,
+                                                                     direct.capacity_bytes)
+        assert (at.peak_allocated_bytes, at.peak_reserved_bytes) == (direct.peak_allocated_bytes,
+                                                                     direct.peak_reserved_bytes)
+        assert [n["code"] for n in at.notes] == [n["code"] for n in direct.notes]
+    with pytest.raises(ValueError, match=r"memory_at: batch_size must be an integer of at least 1, got 0"):
+        fc.memory_at(0)
+    with pytest.raises(ValueError, match=r"unknown target 'H100'"):
+        fc.memory_at(8, target="H100")
+    with pytest.raises(ValueError, match=r"memory_at: parallel dp=3 x micro_batches=1 does not divide batch_size 8"):
+        fc.memory_at(8, parallel=dict(dp=3))
+    with pytest.raises(ValueError, match=r"memory_at: moe_skew must be a number in \(0, 1\], got 2"):
+        fc.memory_at(8, moe_skew=2)
+    assert "_pricer" not in repr(fc)
+
+
 def test_bad_input():
     case, model, opt, step = fresh("mlp")
     with pytest.raises(ValueError, match=r"unknown target 'H100'; known targets: cpu, A100-40GB, A100-80GB, H100-80GB"):
