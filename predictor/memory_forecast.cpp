@@ -1660,8 +1660,11 @@ class Forecaster {
       return;
     }
     if (par.tp > 1 || par.pp > 1) {
-      // Model states and activations divided over tensor-parallel ranks and pipeline stages; the first stage
-      // holds activations of min(pp, micro_batches) micro-batches under 1F1B.
+      // Model states and activations divided over tensor-parallel ranks and pipeline stages. Under 1F1B the first
+      // stage runs min(pp, micro_batches) forwards before its first backward (torch/distributed/pipelining/
+      // schedules.py, Schedule1F1B._step_microbatches: warmup_chunks = min(n_microbatches, num_stages -
+      // stage_index)), each saving the activations of its 1/pp of the layers: in_flight / pp of one micro-batch's
+      // activations of the whole model, divided by tp.
       const int64_t model_ways = par.tp * par.pp;
       const int64_t in_flight = std::min(par.pp, par.micro_batches);
       for (size_t i = 0; i < p.initial.size(); ++i) {
@@ -1669,13 +1672,13 @@ class Forecaster {
       }
       for (Entry& e : p.entries) {
         if (!e.alloc) continue;
-        if (e.category == Category::Activation) e.bytes = shard(e.bytes * in_flight, par.tp);
+        if (e.category == Category::Activation) e.bytes = shard(e.bytes * in_flight, model_ways);
         else if (e.category != Category::Input) e.bytes = shard(e.bytes, model_ways);
       }
       out_.notes.push_back(Note{"model-parallel-rule", fmt::format(
-          "tp={} pp={}: model states divided by {}, activations by tp and multiplied by {} micro-batches in flight "
-          "(1F1B, first stage); a coarse rule, not yet checked against measurements",
-          par.tp, par.pp, model_ways, in_flight)});
+          "tp={} pp={}: model states divided by {}, activations of {} micro-batches in flight (1F1B, first stage) "
+          "divided by {}; a coarse rule, not yet checked against measurements",
+          par.tp, par.pp, model_ways, in_flight, model_ways)});
       mark_approximate("tensor and pipeline parallelism: model states and activations divided by a coarse rule, "
                        "not yet matched to PyTorch's tensor parallelism or pipelining");
     }

@@ -329,6 +329,13 @@ TEST(MemoryForecast, DataParallelRules) {
   EXPECT_NE(fsdp_tp.approximate_reason.find("; FSDP without fsdp_units: "), std::string::npos);
   in.parallel = ParallelConfig::parse("dp:2,micro_batches:4");
   EXPECT_EQ(forecast_memory(in).per_rank_batch, 16);
+  // 1F1B's first stage: min(pp, micro_batches) = 2 micro-batches of 32 in flight, each saving the activations of
+  // its half of the layers; model states halved.
+  in.parallel = ParallelConfig::parse("pp:2,micro_batches:4");
+  MemoryForecast pp = forecast_memory(in);
+  EXPECT_EQ(pp.per_rank_batch, 32);
+  EXPECT_EQ(pp.peak_allocated_bytes, 3000 / 2 + 500 * 32 * 2 / 2);
+  EXPECT_EQ(count_code(pp.notes, "model-parallel-rule"), 1);
 }
 
 // Probes run as one rank of a job (gpucast.simulated_ranks): their memory is that rank's; no rule rewrites it, and
