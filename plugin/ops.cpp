@@ -27,6 +27,7 @@
 #include "gpucast/comm_model.h"
 #include "gpucast/job.h"
 #include "gpucast/job_features.h"
+#include "gpucast/job_hf.h"
 #include "gpucast/job_model.h"
 #include "gpucast/memory_forecast.h"
 #include "gpucast/memory_timeline.h"
@@ -476,6 +477,13 @@ void register_table_ops(torch::Library& m) {
             const gpucast::JobDescription job = gpucast::job_from_json(text, source);
             return gpucast::job_estimate_to_json(
                 gpucast::predict_job_memory(job, weights ? *weights : gpucast::default_job_weights()));
+          });
+        });
+  // A job description from a transformers config.json's text and the job's settings (a JSON object).
+  m.def("job_from_hf_config(str config_json, str settings_json, str source=\"config\") -> str",
+        [](const std::string& config, const std::string& settings, const std::string& source) {
+          return gpucast::translate("job-file", [&] {
+            return gpucast::job_to_json(gpucast::job_from_hf_config(config, settings, source));
           });
         });
   m.def("link_keys() -> str[]", [] {

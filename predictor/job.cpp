@@ -90,8 +90,8 @@ JobDescription job_from_json(std::string_view text, std::string_view source) {
   Fields f{std::string(source)};
   JobDescription job;
   const int64_t version = f.count(j, "schema_version", "", 0, 0, true);  // compared whole, then narrowed
-  if (version != kJobSchemaVersion) {
-    GPUCAST_USER_ERROR("{}: job schema_version {} is not supported (reads version {})", source, version,
+  if (version != 1 && version != kJobSchemaVersion) {
+    GPUCAST_USER_ERROR("{}: job schema_version {} is not supported (reads versions 1 and {})", source, version,
                        kJobSchemaVersion);
   }
   job.schema_version = kJobSchemaVersion;
@@ -130,7 +130,44 @@ JobDescription job_from_json(std::string_view text, std::string_view source) {
   job.activation_checkpointing = f.flag(j, "activation_checkpointing", "");
   job.world_size = f.count(j, "world_size", "", 1, 1);
   job.strategy = f.choice(j, "strategy", "", kStrategies, "single");
+  if (version >= 2) {
+    job.tp = f.count(j, "tp", "", 1, 1);
+    job.pp = f.count(j, "pp", "", 1, 1);
+    job.micro_batches = f.count(j, "micro_batches", "", 1, 1);
+    if (j.contains("target")) {
+      if (!j["target"].is_string() || j["target"].get<std::string>().size() > 64) {
+        f.fail("target", "a GPU's name (a string of at most 64 characters)", j["target"]);
+      }
+      job.target = j["target"].get<std::string>();
+    }
+  } else {
+    for (const char* key : {"tp", "pp", "micro_batches", "target"}) {
+      if (j.contains(key)) {
+        GPUCAST_USER_ERROR("{}: field '{}' needs schema_version 2 (this description says 1)", source, key);
+      }
+    }
+  }
+  job_dp(job);
+  if (job.pp > 1 && job.micro_batches < job.pp) {
+    GPUCAST_USER_ERROR("{}: field 'micro_batches' is {}, fewer than the {} pipeline stages (pp): every stage needs a "
+                       "micro-batch in flight", source, job.micro_batches, job.pp);
+  }
   return job;
+}
+
+int64_t job_dp(const JobDescription& job) {
+  const int64_t model_ways = checked_mul(std::max<int64_t>(1, job.tp), std::max<int64_t>(1, job.pp), "job");
+  if (job.world_size % model_ways != 0) {
+    GPUCAST_USER_ERROR("job: field 'world_size' is {}, not a multiple of tp x pp = {} x {}", job.world_size, job.tp,
+                       job.pp);
+  }
+  return job.world_size / model_ways;
+}
+
+int64_t job_micro_batch(const JobDescription& job) {
+  const int64_t shares = checked_mul(checked_mul(job_dp(job), std::max<int64_t>(1, job.grad_accumulation), "job"),
+                                     std::max<int64_t>(1, job.micro_batches), "job");
+  return std::max<int64_t>(1, job.batch_size / shares);
 }
 
 std::string job_to_json(const JobDescription& job) {
@@ -144,7 +181,8 @@ std::string job_to_json(const JobDescription& job) {
               {"input_bytes_per_sample", job.input_bytes_per_sample}, {"dtype", job.dtype}, {"autocast", job.autocast},
               {"optimizer", job.optimizer}, {"grad_accumulation", job.grad_accumulation},
               {"activation_checkpointing", job.activation_checkpointing}, {"world_size", job.world_size},
-              {"strategy", job.strategy}}
+              {"strategy", job.strategy}, {"tp", job.tp}, {"pp", job.pp}, {"micro_batches", job.micro_batches},
+              {"target", job.target}}
       .dump(1);
 }
 
@@ -161,13 +199,16 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
     params = add(params, l.params);
     if (l.params > 0) param_tensors += 2;  // weight and (usually) bias
   }
-  const int64_t world = std::max<int64_t>(1, job.world_size);
-  const int64_t micro = std::max<int64_t>(1, job.batch_size / (world * std::max<int64_t>(1, job.grad_accumulation)));
-  e.parameter_bytes = mul(params, elem);
-  e.gradient_bytes = mul(params, elem);
+  const int64_t world = job_dp(job);  // the ranks the data-parallel strategy shards over
+  const int64_t micro = job_micro_batch(job);
+  // Tensor and pipeline parallelism divide the model states by tp x pp (the coarse rule of the trace forecast's
+  // model-parallel-rule), as each rank holds its share of every layer or its stage's layers.
+  const int64_t model_ways = job.tp * job.pp;
+  e.parameter_bytes = mul(params, elem) / model_ways;
+  e.gradient_bytes = e.parameter_bytes;
   const int64_t moments = job.optimizer == "sgd" ? 0 : job.optimizer == "sgd_momentum" ? 1 : 2;
   // 4: Adam's float32 step count per parameter tensor (torch 2.14.1 torch/optim/adam.py:175, optimizer.py:221).
-  e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) : 0);
+  e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) / model_ways : 0);
   if (job.strategy == "ddp" && world > 1) {
     e.gradient_bytes = mul(e.gradient_bytes, 2);  // the buckets' copy of the gradients
     e.notes.push_back(Note{"ddp-bucket-copy", "DDP: a second copy of the gradients in its buckets"});
@@ -201,6 +242,10 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
     e.notes.push_back(Note{"activation-checkpointing", "activation checkpointing: one layer's activations plus 10 % of the rest"});
   } else {
     e.activation_bytes = act_total;
+  }
+  if (model_ways > 1) {
+    // 1F1B's first stage holds min(pp, micro_batches) micro-batches of its 1/pp of the layers; tp splits each.
+    e.activation_bytes = mul(e.activation_bytes, std::min(job.pp, job.micro_batches)) / model_ways;
   }
   e.input_bytes = mul(job.input_bytes_per_sample, micro);
   e.bytes = add(add(add(add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes), e.activation_bytes),

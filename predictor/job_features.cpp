@@ -69,7 +69,7 @@ JobFeatures job_features(const JobDescription& job) {
   const JobEstimate est = analytical_job_estimate(job);
   const int64_t world = std::max<int64_t>(1, job.world_size);
   const int64_t ga = std::max<int64_t>(1, job.grad_accumulation);
-  const int64_t micro = std::max<int64_t>(1, job.batch_size / (world * ga));
+  const int64_t micro = job_micro_batch(job);
   JobFeatures f;
   f.layers = static_cast<int64_t>(job.layers.size());
   f.layer_features.reserve(job.layers.size() * kLayerFeatures);

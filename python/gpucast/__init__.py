@@ -15,7 +15,7 @@ from ._settings import devices, gpu_rates, interconnects  # noqa: E402
 from ._auto import OutOfMemoryRisk, OutOfMemoryRiskWarning  # noqa: E402
 from . import _auto  # noqa: E402
 from .trackers import log_to  # noqa: E402
-from ._job import describe, predict_job  # noqa: E402
+from ._job import describe, describe_config, predict_job  # noqa: E402
 from ._calibrate import calibrate  # noqa: E402
 from ._ranks import simulated_ranks  # noqa: E402
 
@@ -29,5 +29,5 @@ _auto.maybe_start()
 
 __version__ = __import__("torch").ops.gpucast.version()
 
-__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "devices", "forecast", "gpu_rates", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "simulated_ranks", "trace",
+__all__ = ["calibrate", "OutOfMemoryRisk", "OutOfMemoryRiskWarning", "Forecast", "MemoryForecast", "Trace", "describe", "describe_config", "devices", "forecast", "gpu_rates", "interconnects", "library_path", "log_to", "load_trace", "predict_job", "simulated_ranks", "trace",
            "trace_options", "__version__"]

@@ -5,6 +5,7 @@
                            [--forecast SIZE] [--capacity SIZE_OR_DEVICE]
   python -m gpucast devices                                             the device and GPU rates tables
   python -m gpucast predict-job job.json                                the job-level memory estimate
+  python -m gpucast predict-job --hf-config config.json --batch 8 --seq-len 2048   ... from a transformers config
   python -m gpucast plan config.json --gpus N --seq L [--batch B] [--tp 1,2] [--dp-modes fsdp,ddp]
                          [--checkpointing none,full] [--gpu H100-80GB] [--json]   layouts of a model over N GPUs
 """
@@ -97,9 +98,22 @@ def _report(args) -> int:
 
 def _predict_job(args) -> int:
     import gpucast
-    e = gpucast.predict_job(args.job, weights=args.weights)
+    job, name = args.job, args.job
+    if args.hf_config:
+        if args.job or args.batch is None:
+            raise ValueError("predict-job: --hf-config takes the job's settings (--batch, --seq-len, ...), not a "
+                             "description file")
+        job = gpucast.describe_config(args.hf_config, args.batch, seq_len=args.seq_len, dtype=args.dtype,
+                                      optimizer=args.optimizer, grad_accumulation=args.grad_accumulation,
+                                      activation_checkpointing=args.checkpointing, world_size=args.gpus,
+                                      strategy=args.strategy, tp=args.tp, pp=args.pp,
+                                      micro_batches=args.micro_batches, target=args.gpu or "")
+        name = args.hf_config
+    elif not args.job:
+        raise ValueError("predict-job: give a job description file, or --hf-config with the job's settings")
+    e = gpucast.predict_job(job, weights=args.weights)
     mib = 2**20
-    print(f"{args.job}: {e['bytes'] / mib:,.1f} MiB per rank ({e['method']})")
+    print(f"{name}: {e['bytes'] / mib:,.1f} MiB per rank ({e['method']})")
     for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_bytes", "input_bytes"):
         print(f"  {k.replace('_bytes', ''):<12} {e[k] / mib:>12,.1f} MiB")
     for n in e["notes"]:
@@ -178,7 +192,22 @@ def main(argv: list[str] | None = None) -> int:
                           "capacity; python -m gpucast devices)")
     sub.add_parser("devices", help="the device table")
     pj = sub.add_parser("predict-job", help="memory of a job from its description (gpucast.describe writes one)")
-    pj.add_argument("job")
+    pj.add_argument("job", nargs="?", help="a job description (JSON; gpucast.describe writes one)")
+    pj.add_argument("--hf-config", metavar="CONFIG_JSON",
+                    help="describe the job from a transformers config.json and the options below instead (no model "
+                         "is built)")
+    pj.add_argument("--batch", type=int, help="with --hf-config: the global batch size")
+    pj.add_argument("--seq-len", type=int, help="with --hf-config: tokens per sample (text models)")
+    pj.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16, float16 (float32)")
+    pj.add_argument("--optimizer", default="adamw", help="sgd, sgd_momentum, adam, adamw, other (adamw)")
+    pj.add_argument("--grad-accumulation", type=int, default=1, help="micro-steps per optimizer step (1)")
+    pj.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    pj.add_argument("--gpus", type=int, default=1, help="every rank: data-parallel x tp x pp (1)")
+    pj.add_argument("--strategy", default="single", help="data-parallel mode: single, ddp, zero1, zero2, fsdp")
+    pj.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (1)")
+    pj.add_argument("--pp", type=int, default=1, help="pipeline stages (1)")
+    pj.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches per step (1)")
+    pj.add_argument("--gpu", help="the GPU (a device table name), recorded in the description")
     pj.add_argument("--weights", help="weights of the learned model (default: $GPUCAST_JOB_WEIGHTS, else the "
                                       "shipped ones); when they do not load, the analytical estimate answers")
     pl = sub.add_parser("plan", help="per-rank memory and step time of a model's layouts over N GPUs, from meta probes")

@@ -73,7 +73,7 @@ def describe(model: torch.nn.Module, make_batch: Callable[[int], Any], batch_siz
              optimizer: torch.optim.Optimizer | None = None, loss_fn: Callable | None = None,
              probe_batch: int = 2, family: str | None = None, world_size: int = 1, strategy: str = "single",
              grad_accumulation: int = 1, activation_checkpointing: bool = False) -> dict:
-    """The job description (schema version 1): layers with kinds, dimensions, parameters and the activation
+    """The job description (schema version 2): layers with kinds, dimensions, parameters and the activation
     bytes per sample each saves for backward (measured with one traced forward and backward at `probe_batch`),
     batch, sequence length or input shape, dtype, optimizer, strategy. Gradients of the probe are discarded."""
     batch = make_batch(probe_batch)
@@ -103,7 +103,7 @@ def describe(model: torch.nn.Module, make_batch: Callable[[int], Any], batch_siz
                        "activation_bytes_per_sample": rest // probe_batch})
     in_tensors = _flatten(inputs, [])
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return {"schema_version": 1, "family": family or _family({x["kind"] for x in layers}, seq_len),
+    return {"schema_version": 2, "family": family or _family({x["kind"] for x in layers}, seq_len),
             "layers": layers, "batch_size": int(batch_size), "seq_len": seq_len,
             "input_shape": list(first.shape[1:]),
             "input_bytes_per_sample": sum(x.numel() * x.element_size() for x in in_tensors) // probe_batch,
@@ -112,20 +112,45 @@ def describe(model: torch.nn.Module, make_batch: Callable[[int], Any], batch_siz
             "world_size": world_size, "strategy": strategy}
 
 
+def describe_config(config: dict | str, batch_size: int, *, seq_len: int | None = None, dtype: str = "float32",
+                    optimizer: str = "adamw", grad_accumulation: int = 1, activation_checkpointing: bool = False,
+                    world_size: int = 1, strategy: str = "single", tp: int = 1, pp: int = 1, micro_batches: int = 1,
+                    target: str = "", attn_implementation: str = "sdpa") -> dict:
+    """The job description (schema version 2) of a transformers model from its config.json (a dict, or the path to
+    the file) and the job's settings, without building the model: the layers transformers builds for the config's
+    model_type with their exact parameter counts, and the activations each saves per sample at `seq_len` (text
+    models). `world_size` counts every rank (data-parallel x tp x pp); `strategy` is the data-parallel mode.
+    ValueError naming the file and field for a config or setting gpucast cannot use (model types: the error lists
+    them)."""
+    source = config if isinstance(config, str) else "config"
+    text = json.dumps(config) if isinstance(config, dict) else _file_text(config)
+    settings = {"batch_size": batch_size, "dtype": dtype, "optimizer": optimizer,
+                "grad_accumulation": grad_accumulation, "activation_checkpointing": activation_checkpointing,
+                "world_size": world_size, "strategy": strategy, "tp": tp, "pp": pp, "micro_batches": micro_batches,
+                "target": target, "attn_implementation": attn_implementation}
+    if seq_len is not None:
+        settings["seq_len"] = seq_len
+    return json.loads(torch.ops.gpucast.job_from_hf_config(text, json.dumps(settings), source=str(source)))
+
+
+def _file_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise OSError(f"cannot read '{path}': {e.strerror}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 at byte {e.start} ({e.reason})") from None
+
+
 def _job_text(job: dict | str) -> str:
     if isinstance(job, dict):
         return json.dumps(job)
     if isinstance(job, str) and job.lstrip().startswith("{"):
         return job
-    try:
-        with open(job, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise OSError(f"cannot read '{job}': {e.strerror}") from e
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{job}: not a job description: not UTF-8 at byte {e.start} ({e.reason})") from None
+    return _file_text(job)
 
 
 def predict_job(job: dict | str, weights: str | None = None) -> dict:

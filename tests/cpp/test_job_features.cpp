@@ -8,12 +8,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <tuple>
+#include <algorithm>
 #include <string>
 
 #include "gpucast/error.h"
 #include "user_error.h"
 #include "gpucast/job.h"
 #include "gpucast/job_features.h"
+#include "gpucast/job_hf.h"
 #include "weights_file.h"
 
 namespace gpucast {
@@ -103,6 +106,83 @@ TEST(JobFeatures, InputValidation) {
               job_from_json(R"({"schema_version": 1, "batch_size": 1e30, "layers": [{"kind": "linear"}]})");
             }),
             "<job>: field 'batch_size' should be an integer from 1 to 17592186044416, got 1e+30");
+}
+
+// Version 2's layout: states divided by tp x pp, each rank's micro-batch over dp x micro_batches, and 1F1B's first
+// stage holding min(pp, micro_batches) micro-batches of its 1/pp of the layers.
+TEST(JobEstimate, LayoutDividesStatesAndActivations) {
+  JobDescription one = small_job();
+  one.grad_accumulation = 1;
+  JobDescription split = one;
+  split.world_size = 8;
+  split.tp = 2;
+  split.pp = 2;
+  split.micro_batches = 4;
+  split.strategy = "ddp";
+  EXPECT_EQ(job_dp(split), 2);
+  EXPECT_EQ(job_micro_batch(split), 64 / (2 * 4));
+  const JobEstimate a = analytical_job_estimate(one), b = analytical_job_estimate(split);
+  EXPECT_EQ(b.parameter_bytes, a.parameter_bytes / 4);
+  EXPECT_EQ(b.activation_bytes, (3136 + 1024 + 256 * 4) * 8 * 2 / 4);  // 8 samples, 2 in flight, / (tp x pp)
+  EXPECT_EQ(b.gradient_bytes, 2 * b.parameter_bytes);  // DDP's bucket copy
+  const JobDescription back = job_from_json(job_to_json(split));
+  EXPECT_EQ(back.schema_version, 2);
+  EXPECT_EQ(std::make_tuple(back.tp, back.pp, back.micro_batches, back.world_size), std::make_tuple(2, 2, 4, 8));
+}
+
+// From a transformers config: the layers transformers builds, with their exact parameter counts (checked against
+// models built from configs in tests/python/test_job.py); the settings as a description's fields.
+TEST(JobFromHfConfig, LlamaLayersAndSettings) {
+  const char* config = R"({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 176,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})";
+  const JobDescription j =
+      job_from_hf_config(config, R"({"batch_size": 8, "seq_len": 16, "dtype": "bfloat16", "world_size": 4,
+                                     "strategy": "fsdp", "tp": 2, "target": "H100-80GB"})", "c.json");
+  int64_t params = 0;
+  for (const JobLayer& l : j.layers) params += l.params;
+  // embeddings 1000x64; per layer: norms 2x64, q 64x64, k and v 64x32, o 64x64, MLP 3x64x176; final norm; head.
+  EXPECT_EQ(params, 1000 * 64 + 2 * (2 * 64 + 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176) + 64 + 64 * 1000);
+  EXPECT_EQ(j.family, "transformer-decoder");
+  EXPECT_EQ(std::make_tuple(j.batch_size, j.seq_len, j.tp, j.world_size, j.strategy, j.target, j.dtype),
+            std::make_tuple(int64_t{8}, int64_t{16}, int64_t{2}, int64_t{4}, std::string("fsdp"),
+                            std::string("H100-80GB"), std::string("bfloat16")));
+  EXPECT_EQ(j.layers.front().kind, "embedding");
+  EXPECT_EQ(j.layers.back().name, "loss");
+  EXPECT_EQ(j.layers.back().activation_bytes_per_sample, 1000 * 8 * 16);  // float32 logits and log-softmax
+  // Experts as one layer per projection: their tokens are top_k of the experts' share each.
+  const JobDescription moe = job_from_hf_config(
+      R"({"model_type": "mixtral", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2})",
+      R"({"batch_size": 2, "seq_len": 4})");
+  const auto gate = std::find_if(moe.layers.begin(), moe.layers.end(),
+                                 [](const JobLayer& l) { return l.name == "model.layers.0.mlp.experts.gate_proj"; });
+  ASSERT_NE(gate, moe.layers.end());
+  EXPECT_EQ(gate->params, 4 * 32 * 64);
+  EXPECT_EQ(gate->activation_bytes_per_sample, 2 * 32 * 4 * 4);  // top_k x hidden x tokens x float32
+}
+
+TEST(JobFromHfConfig, BadInput) {
+  const char* llama = R"({"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 2})";
+  EXPECT_EQ(err([&] { job_from_hf_config(llama, R"({"batch_size": 2})", "c.json"); }),
+            "settings: field 'seq_len' missing: a llama job needs one");
+  EXPECT_EQ(err([&] { job_from_hf_config(llama, R"({"seq_len": 2})", "c.json"); }),
+            "settings: missing field 'batch_size'");
+  EXPECT_EQ(err([] { job_from_hf_config(R"({"model_type": "t5"})", R"({"batch_size": 2, "seq_len": 2})", "c.json"); })
+                .rfind("c.json: model_type 't5' is not one gpucast describes from a config (known: gpt2, vit, gemma", 0),
+            0u);
+  EXPECT_EQ(err([] {
+              job_from_hf_config(R"({"model_type": "llama", "hidden_size": 8})", R"({"batch_size": 2, "seq_len": 2})",
+                                 "c.json");
+            }),
+            "c.json: field 'vocab_size' missing (the config's size)");
+  EXPECT_EQ(err([] {
+              job_from_hf_config(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": -8})",
+                                 R"({"batch_size": 2, "seq_len": 2})", "c.json");
+            }),
+            "c.json: field 'hidden_size' should be an integer from 1 to 1099511627776, got -8");
+  EXPECT_EQ(err([] { job_from_hf_config("[1]", R"({"batch_size": 2})", "c.json"); }),
+            "c.json: not a transformers config: expected a JSON object");
 }
 
 class WeightsFileTest : public ::testing::Test {

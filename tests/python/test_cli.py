@@ -89,6 +89,21 @@ def test_predict_job(tmp_path):
     assert "field 'layers' is empty" in bad.stderr
 
 
+def test_predict_job_from_a_transformers_config(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+                                  "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4}))
+    out = cli("predict-job", "--hf-config", str(config), "--batch", "8", "--seq-len", "32", "--gpus", "4",
+              "--tp", "2", "--strategy", "fsdp", "--weights", str(tmp_path / "none.gcw"))
+    assert out.returncode == 0, out.stderr
+    job = gpucast.describe_config(str(config), 8, seq_len=32, world_size=4, tp=2, strategy="fsdp")
+    est = gpucast.predict_job(job, weights=str(tmp_path / "none.gcw"))
+    assert out.stdout.splitlines()[0] == f"{config}: {est['bytes'] / 2**20:,.1f} MiB per rank (analytical)"
+    bad = cli("predict-job", "--hf-config", str(config), "--batch", "8")
+    assert bad.returncode == 2 and "settings: field 'seq_len' missing: a llama job needs one" in bad.stderr
+    assert "give a job description file, or --hf-config" in cli("predict-job").stderr
+
+
 def test_run_refuses_an_unknown_target_before_the_script_starts(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('the script ran')\n")

@@ -16,7 +16,9 @@
 
 namespace gpucast {
 
-inline constexpr int kJobSchemaVersion = 1;
+// 2 adds the layout (tp, pp, micro_batches) and the GPU (target); version 1 files are read as version 2 with one
+// tensor-parallel rank, one stage, one micro-batch and no target.
+inline constexpr int kJobSchemaVersion = 2;
 
 struct JobLayer {
   std::string kind;                  // linear, conv, norm, embedding, attention, rnn, activation, pool, dropout, other
@@ -39,9 +41,18 @@ struct JobDescription {
   std::string optimizer = "adamw";   // sgd, sgd_momentum, adam, adamw, other
   int64_t grad_accumulation = 1;
   bool activation_checkpointing = false;
-  int64_t world_size = 1;
-  std::string strategy = "single";   // single, ddp, zero1, zero2, fsdp
+  int64_t world_size = 1;            // every rank: data-parallel x tp x pp
+  std::string strategy = "single";   // the data-parallel mode: single, ddp, zero1, zero2, fsdp
+  int64_t tp = 1;                    // tensor-parallel ranks
+  int64_t pp = 1;                    // pipeline stages
+  int64_t micro_batches = 1;         // pipeline micro-batches per step
+  std::string target;                // the GPU (gpucast.devices() name), "" unknown
 };
+
+// Data-parallel ranks of a job (world_size / (tp x pp)); errors name the fields when the layout does not divide.
+int64_t job_dp(const JobDescription& job);
+// Samples of one rank's micro-batch: batch / (data-parallel ranks x gradient accumulation x micro_batches), >= 1.
+int64_t job_micro_batch(const JobDescription& job);
 
 // Parses and validates: errors name the field, what was expected and what was given (unknown layer kinds,
 // empty layer lists, absurd sizes, another schema version).
