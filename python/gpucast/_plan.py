@@ -5,7 +5,8 @@ The model comes from a transformers config.json (built on meta with random init,
 `module:function` returning a transformers model; the job is a causal language model's step as transformers' Trainer
 runs it (the model's own loss from `labels=`, AdamW).
 Each layout is dp x tp (x the checkpointing mode), dp's mode DDP or FSDP2 (FSDP2: every decoder layer and the root a
-unit, FSDP2's rule), tp by the coarse rule (flagged approximate); each is one forecast."""
+unit, FSDP2's rule), tp by the coarse rule (flagged approximate). The probes run once per checkpointing mode; every
+layout is priced from them (Forecast.memory_at and Forecast.step_time)."""
 from __future__ import annotations
 
 import json
@@ -106,20 +107,16 @@ def _units(model: torch.nn.Module) -> list:
     return sorted({type(b) for b in blocks}, key=lambda c: c.__name__) + [model]
 
 
-def plan_one(build: Callable[[], torch.nn.Module], layout: Layout, seq: int, batch: int, gpu: str, dtype: str,
-             capacity: int | None) -> dict:
-    """One layout's forecast from meta probes: per-rank memory, whether it fits, step time, tokens/s per GPU."""
-    from . import forecast
-    t0 = time.perf_counter()
+def _job(build: Callable[[], torch.nn.Module], checkpointing: str, dtype: str):
+    """The model on meta, its optimizer and the training step (a causal LM's, as transformers' Trainer runs it)."""
     with torch.device("meta"):
         model = build()
     model = model.to(getattr(torch, dtype))
-    if layout.checkpointing == "full":
+    if checkpointing == "full":
         if not hasattr(model, "gradient_checkpointing_enable"):
             raise ValueError("plan: --checkpointing full needs a transformers model (gradient_checkpointing_enable)")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     opt = torch.optim.AdamW(model.parameters())
 
     def step(x: torch.Tensor) -> None:
@@ -128,23 +125,48 @@ def plan_one(build: Callable[[], torch.nn.Module], layout: Layout, seq: int, bat
         # the logits to float32); the output, logits included, let go before backward.
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
-    parallel: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "dp_mode": layout.dp_mode}
-    if layout.dp_mode == "fsdp":
-        parallel["fsdp_units"] = _units(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fc = forecast(step, lambda n: torch.empty(n, seq, dtype=torch.long, device="meta"), batch * layout.dp,
-                      model=model, optimizer=opt, target=gpu, capacity=capacity, parallel=parallel,
-                      probe_batch_sizes=(2, 3, 4))
-    m = fc.memory
-    step_ms = fc.time.step_ms if fc.time else None
-    return {"layout": asdict(layout), "name": layout.name(), "allocated_bytes": m.peak_allocated_bytes,
-            "reserved_bytes": m.peak_reserved_bytes, "capacity_bytes": m.capacity_bytes,
-            "fits": m.peak_reserved_bytes <= m.capacity_bytes, "approximate": bool(m.approximate),
-            "max_global_batch": m.max_batch_size, "step_ms": step_ms,
-            "tokens_per_s_per_gpu": batch * seq / layout.tp / (step_ms / 1e3) if step_ms else None,
-            "vocab": vocab, "seconds": time.perf_counter() - t0,
-            "warnings": [str(w.message) for w in caught]}
+    return model, opt, step
+
+
+def plan_layouts(build: Callable[[], torch.nn.Module], layouts: list[Layout], seq: int, batch: int, gpu: str,
+                 dtype: str, capacity: int | None) -> list[dict]:
+    """Layouts of one checkpointing mode from one set of meta probes (Forecast.memory_at and step_time price each):
+    per-rank memory, whether it fits, step time, tokens/s per GPU."""
+    from . import forecast
+    t0 = time.perf_counter()
+    model, opt, step = _job(build, layouts[0].checkpointing, dtype)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    units = _units(model)
+
+    def parallel(layout: Layout) -> dict[str, Any]:
+        p: dict[str, Any] = {"dp": layout.dp, "tp": layout.tp, "dp_mode": layout.dp_mode}
+        if layout.dp_mode == "fsdp":
+            p["fsdp_units"] = units
+        return p
+    rows = []
+    fc = None
+    for layout in layouts:
+        t1 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if fc is None:
+                fc = forecast(step, lambda n: torch.empty(n, seq, dtype=torch.long, device="meta"), batch * layout.dp,
+                              model=model, optimizer=opt, target=gpu, capacity=capacity, parallel=parallel(layout),
+                              probe_batch_sizes=(2, 3, 4))
+                m, tf = fc.memory, fc.time
+            else:
+                m = fc.memory_at(batch * layout.dp, parallel=parallel(layout), capacity=capacity)
+                tf = fc.step_time(batch * layout.dp, parallel=parallel(layout)) if fc.time else None
+        said = [str(w.message) for w in caught] + [f"gpucast.forecast: {w['text']}" for w in m.warnings]
+        step_ms = tf.step_ms if tf else None
+        rows.append({"layout": asdict(layout), "name": layout.name(), "allocated_bytes": m.peak_allocated_bytes,
+                     "reserved_bytes": m.peak_reserved_bytes, "capacity_bytes": m.capacity_bytes,
+                     "fits": m.peak_reserved_bytes <= m.capacity_bytes, "approximate": bool(m.approximate),
+                     "max_global_batch": m.max_batch_size, "step_ms": step_ms,
+                     "tokens_per_s_per_gpu": batch * seq / layout.tp / (step_ms / 1e3) if step_ms else None,
+                     "vocab": vocab, "seconds": time.perf_counter() - (t0 if len(rows) == 0 else t1),
+                     "warnings": list(dict.fromkeys(said))})
+    return rows
 
 
 def ranked(rows: list[dict]) -> list[dict]:
@@ -179,9 +201,11 @@ def run(args) -> int:
     build = model_from_config(args.config)
     progress = Progress(delay_s=0.0)
     rows = []
-    for i, layout in enumerate(todo, 1):
-        progress.show(f"layout {i} of {len(todo)} ({layout.name()})")
-        rows.append(plan_one(build, layout, args.seq, args.batch, args.gpu, args.dtype, capacity))
+    modes = list(dict.fromkeys(x.checkpointing for x in todo))
+    for i, mode in enumerate(modes, 1):  # one set of probes per checkpointing mode, every layout priced from it
+        group = [x for x in todo if x.checkpointing == mode]
+        progress.show(f"probes {i} of {len(modes)} (checkpointing {mode}, {len(group)} layouts)")
+        rows += plan_layouts(build, group, args.seq, args.batch, args.gpu, args.dtype, capacity)
     progress.done()
     rows = ranked(rows)
     if args.json:
