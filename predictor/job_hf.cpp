@@ -15,11 +15,14 @@ namespace {
 
 using nlohmann::json;
 
-constexpr int64_t kMaxField = int64_t{1} << 40;
+// A config's sizes are at most 2^24 each (16.7 M: vocabularies, widths, positions, images of real models are far
+// below), so that products of two or three stay within int64; products with the job's tokens are checked.
+constexpr int64_t kMaxField = int64_t{1} << 24;
+constexpr int64_t kMaxBlocks = 1024;  // more blocks than this is not a real model
 
 // Decoders whose MLP is gated (gate and up projections, then down), as transformers builds them.
-const std::set<std::string> kGated = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "gemma2",
-                                      "phi3", "olmo", "olmo2", "olmoe", "granite"};
+const std::set<std::string> kGated = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "gemma", "phi3",
+                                      "olmo2", "olmoe", "granite"};
 const std::set<std::string> kEncoders = {"bert", "roberta"};
 
 struct Reader {
@@ -95,14 +98,34 @@ JobDescription read_settings(const json& s, std::string_view source) {
   return job;
 }
 
+// The number of blocks, refused before any is built where no real model has as many.
+int64_t blocks(const Reader& r, std::initializer_list<const char*> keys) {
+  const int64_t n = r.num(keys, -1);
+  if (n > kMaxBlocks) {
+    GPUCAST_USER_ERROR("{}: field '{}' is {}: more blocks than a real model has (at most {})", r.source, *keys.begin(),
+                       n, kMaxBlocks);
+  }
+  return n;
+}
+
+// Each head's width where the config does not give head_dim: hidden / heads, which must divide.
+int64_t head_size(const Reader& r, int64_t h, int64_t heads) {
+  if (heads > h || h % heads != 0) {
+    GPUCAST_USER_ERROR("{}: the hidden size {} is not a multiple of the {} attention heads (and no head_dim is given)",
+                       r.source, h, heads);
+  }
+  return h / heads;
+}
+
 void decoder_blocks(Builder& b, const Reader& r, const std::string& type, int64_t h, bool gated) {
-  const int64_t layers = r.num({"num_hidden_layers", "n_layer", "num_layers"}, -1);
+  const int64_t layers = blocks(r, {"num_hidden_layers", "n_layer", "num_layers"});
   const int64_t heads = r.num({"num_attention_heads", "n_head"}, -1);
   const int64_t kv = r.num({"num_key_value_heads"}, heads);
-  const int64_t hd = r.num({"head_dim"}, h / heads);
+  const int64_t hd = r.j.contains("head_dim") && !r.j["head_dim"].is_null() ? r.num({"head_dim"}, -1)
+                                                                          : head_size(r, h, heads);
   const int64_t ffn = r.num({"intermediate_size", "n_inner"}, gated ? -1 : 4 * h);
   const int64_t experts = r.num({"num_local_experts", "num_experts"}, 0, 0);
-  const int64_t top_k = r.num({"num_experts_per_tok"}, experts > 0 ? 2 : 0, 0);
+  const int64_t top_k = r.num({"num_experts_per_tok"}, std::min<int64_t>(experts, 2), 0);
   const int64_t expert_ffn = r.num({"moe_intermediate_size"}, ffn);
   const int64_t shared_ffn = r.num({"shared_expert_intermediate_size"}, 0, 0);
   const bool qkv_bias = type == "qwen2" || type == "qwen2_moe" || r.flag("attention_bias", false);
@@ -166,7 +189,9 @@ void decoder_blocks(Builder& b, const Reader& r, const std::string& type, int64_
     } else {
       mlp(p + "mlp", ffn, 1, 1);
     }
-    if (type == "gpt2" && r.real("resid_pdrop", 0.1) > 0) b.add("dropout", p + "dropout", {h}, 0, 0, 3 * h * b.tokens());
+    if (type == "gpt2" && r.real("resid_pdrop", 0.1) > 0) {
+      b.add("dropout", p + "dropout", {h}, 0, 0, Builder::mul(3 * h, b.tokens()));
+    }
   }
 }
 
@@ -191,8 +216,9 @@ void decoder(JobDescription& job, const Reader& r, const std::string& type) {
 }
 
 void encoder_blocks(Builder& b, const Reader& r, const std::string& prefix, int64_t h, bool sdpa) {
-  const int64_t layers = r.num({"num_hidden_layers"}, -1);
+  const int64_t layers = blocks(r, {"num_hidden_layers"});
   const int64_t heads = r.num({"num_attention_heads"}, -1);
+  const int64_t hd = head_size(r, h, heads);
   const int64_t ffn = r.num({"intermediate_size"}, 4 * h);
   const double dropout = r.real("hidden_dropout_prob", 0.1), attn_dropout = r.real("attention_probs_dropout_prob", 0.1);
   const int64_t t = b.tokens();
@@ -205,7 +231,7 @@ void encoder_blocks(Builder& b, const Reader& r, const std::string& prefix, int6
     // kernels save a logsumexp instead.
     const int64_t pairs = Builder::mul(Builder::mul(heads, t), t);
     const int64_t eager = Builder::mul(pairs, attn_dropout > 0 ? 2 * 2 + 1 : 2);
-    b.add("attention", p + "attention", {heads, h / heads}, 0, 4 * h, sdpa ? Builder::mul(heads, 4 * t) : eager);
+    b.add("attention", p + "attention", {heads, hd}, 0, 4 * h, sdpa ? Builder::mul(heads, 4 * t) : eager);
     b.linear(p + "attention.output.dense", h, h, true, false);
     b.add("norm", p + "attention.output.LayerNorm", {h}, 2 * h, h);
     b.linear(p + "intermediate.dense", h, ffn, true);
@@ -237,8 +263,10 @@ void encoder(JobDescription& job, const Reader& r, const std::string& type, bool
   b.add("norm", type + ".embeddings.LayerNorm", {h}, 2 * h, h);
   encoder_blocks(b, r, type + ".encoder", h, sdpa);
   const int64_t n = labels(r);
-  if (type == "bert") b.linear(type + ".pooler.dense", h, h, true, false);
-  b.add("linear", "classifier", {h, n}, Builder::mul(h, n) + n, 0, h * element_size(job.dtype));
+  // BERT: a pooler, then the classifier; RoBERTa: the classification head's dense layer and its projection.
+  b.linear(type == "bert" ? "bert.pooler.dense" : "classifier.dense", h, h, true, false);
+  b.add("linear", type == "bert" ? "classifier" : "classifier.out_proj", {h, n}, Builder::mul(h, n) + n, 0,
+        Builder::mul(h, element_size(job.dtype)));
   job.family = "transformer-encoder";
   job.input_bytes_per_sample = 16 * tokens + 8;  // input ids, attention mask, one label (int64)
   job.input_shape = {tokens};
@@ -254,15 +282,16 @@ void vit(JobDescription& job, const Reader& r, bool sdpa) {
   job.seq_len = 0;
   const int64_t elem = element_size(job.dtype);
   Builder b(job, tokens, elem);
+  const int64_t pixels = Builder::mul(Builder::mul(channels, image * image), elem);
   b.add("conv", "vit.embeddings.patch_embeddings.projection", {channels, h, patch, patch},
-        Builder::mul(Builder::mul(channels, h), patch * patch) + h, 0, Builder::mul(channels, image * image) * elem);
+        Builder::mul(Builder::mul(channels, h), patch * patch) + h, 0, pixels);
   b.add("embedding", "vit.embeddings", {tokens, h}, Builder::mul(tokens, h) + h, 0);
   encoder_blocks(b, r, "vit.encoder", h, sdpa);
   b.add("norm", "vit.layernorm", {h}, 2 * h, h);
   const int64_t n = labels(r);
   b.linear("classifier", h, n, true, false);
   job.family = "vit";
-  job.input_bytes_per_sample = Builder::mul(channels, image * image) * elem + 8;
+  job.input_bytes_per_sample = pixels + 8;
   job.input_shape = {channels, image, image};
 }
 
@@ -305,10 +334,8 @@ JobDescription job_from_hf_config(std::string_view config, std::string_view sett
     GPUCAST_USER_ERROR("{}: model_type '{}' is not one gpucast describes from a config (known: {}); describe the "
                        "model with gpucast.describe(model, make_batch, batch_size) instead", source, type, known);
   }
-  if (static_cast<int64_t>(job.layers.size()) > 4096 * 64) {
-    GPUCAST_USER_ERROR("{}: the config describes {} layers: more than a real model has", source, job.layers.size());
-  }
-  return job;
+  // Every count within what a description may hold (job.cpp's checks), as if read from a file.
+  return job_from_json(job_to_json(job), source);
 }
 
 }  // namespace gpucast

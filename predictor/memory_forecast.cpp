@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gpucast/config.h"
+#include "gpucast/checked.h"
 #include "gpucast/error.h"
 #include "gpucast/layer_model.h"
 #include "gpucast/step_time.h"
@@ -925,9 +926,10 @@ class Forecaster {
       GPUCAST_USER_ERROR("parallel: dp_mode expects one of ddp|zero1|zero2|fsdp, got '{}'", p.dp_mode);
     }
     // Ranks given different batches hold different activations: a forecast of the smaller would be low.
-    if (in_.target_batch % (p.dp * p.micro_batches) != 0) {
+    const int64_t shares = checked_mul(p.dp, p.micro_batches, "parallel");
+    if (in_.target_batch % shares != 0) {
       GPUCAST_USER_ERROR("parallel: dp={} x micro_batches={} does not divide batch_size {}: give a batch_size that "
-                         "is a multiple of {}", p.dp, p.micro_batches, in_.target_batch, p.dp * p.micro_batches);
+                         "is a multiple of {}", p.dp, p.micro_batches, in_.target_batch, shares);
     }
   }
 
@@ -1672,7 +1674,7 @@ class Forecaster {
       }
       for (Entry& e : p.entries) {
         if (!e.alloc) continue;
-        if (e.category == Category::Activation) e.bytes = shard(e.bytes * in_flight, model_ways);
+        if (e.category == Category::Activation) e.bytes = shard(checked_mul(e.bytes, in_flight, "parallel"), model_ways);
         else if (e.category != Category::Input) e.bytes = shard(e.bytes, model_ways);
       }
       out_.notes.push_back(Note{"model-parallel-rule", fmt::format(

@@ -150,8 +150,9 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
     cap = int(capacity) if capacity is not None else 0
     if seq_len is not None:
         forecaster.set_target_seq(seq_len)
+    traced = {k: parallel[k] for k in ("traced_world", "traced_rank") if k in parallel}
     pricer = _MemoryPricer(forecaster, run, state.own_ptrs(), conv_workspace, modules, optimizers, iterations,
-                           float(safety_fraction), float(moe_skew))
+                           float(safety_fraction), float(moe_skew), target, capacity, traced)
     memory = run_forecaster(forecaster, batch_size, target, cap, float(safety_fraction), probe_device, parallel_text,
                             pricer.exclude, pricer.conv_workspace, moe_skew)
     _memory_notes(memory, pricer.facts)
@@ -168,8 +169,7 @@ def forecast(step: Callable[[Any], Any], make_batch: Callable[[int], Any], batch
                   context=context, time=time_fc, timings=timings if time_fc is not None else [],
                   timing_rounds=run.rounds if time_fc is not None else [], target=target,
                   optimizer_name=_optimizer_name(optimizer), seq_len=seq_len, buffer_bytes=buffer_bytes,
-                  modules=modules, traced={k: parallel[k] for k in ("traced_world", "traced_rank") if k in parallel},
-                  _pricer=pricer)
+                  modules=modules, traced=traced, _pricer=pricer)
     from . import trackers
     trackers.publish(fc)
     return fc
@@ -203,24 +203,32 @@ class _MemoryPricer:
     reference to the model or the optimizers: module paths, ints and the probe runner's findings only."""
 
     def __init__(self, forecaster: Any, run: ProbeRun, exclude: list, conv_workspace: int | None, modules: dict,
-                 optimizers: list, iterations: int, safety_fraction: float, moe_skew: float):
+                 optimizers: list, iterations: int, safety_fraction: float, moe_skew: float, target: str,
+                 capacity: int | None, traced: dict):
         self.forecaster, self.probe_device, self.exclude = forecaster, run.probe_device, exclude
         self.conv_workspace = -1 if conv_workspace is None else conv_workspace
         self.modules = modules  # paths by module id and class, as Forecast.modules (no module held)
         self.facts = _ProbeFacts(run, optimizers, iterations)
         self.safety_fraction, self.moe_skew = safety_fraction, moe_skew
+        self.target, self.capacity = target, capacity  # the forecast's own, kept where memory_at names no target
+        self.traced = traced  # under simulated_ranks: the rank traced, kept in every layout (as step_time keeps it)
 
-    def __call__(self, batch_size: int, target: str, parallel: dict | None, capacity: int | None,
+    def __call__(self, batch_size: int, target: str | None, parallel: dict | None, capacity: int | None,
                  safety_fraction: float | None, moe_skew: float | None) -> MemoryForecast:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"memory_at: batch_size must be an integer of at least 1, got {batch_size!r}")
         moe = self.moe_skew if moe_skew is None else moe_skew
         _check_memory_args("memory_at", capacity, moe)
         safety = self.safety_fraction if safety_fraction is None else float(safety_fraction)
+        if target is None:
+            target, capacity = self.target, self.capacity if capacity is None else capacity
         target = torch.ops.gpucast.check_target(str(target), capacity or 0)
         if target == "cpu" and self.probe_device == "meta":
             raise ValueError("memory_at: probes on the meta device forecast a GPU target, not 'cpu'")
-        parallel = _with_traced_rank(parallel)
+        if parallel is not None and not isinstance(parallel, dict):
+            raise TypeError(f"memory_at: parallel expects a dict such as dict(dp=8, dp_mode='ddp'), got "
+                            f"{type(parallel).__name__}")
+        parallel = {**(parallel or {}), **self.traced} if self.traced else parallel
         text = _format_parallel(parallel, modules=self.modules)
         _per_rank_batch("memory_at", text, batch_size)
         memory = run_forecaster(self.forecaster, batch_size, target, int(capacity or 0), safety, self.probe_device,

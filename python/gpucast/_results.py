@@ -147,13 +147,19 @@ class Forecast:
                   moe_skew: float | None = None) -> MemoryForecast:
         """The memory forecast at another global batch size, GPU target or parallel layout (dict as forecast()'s
         `parallel`; None: a single rank) from the same probes: size every GPU and layout of a job from one set of
-        traces. Arguments left None take the forecast's own (target, safety_fraction, moe_skew; capacity: the
-        target's). The probes stay as they ran: the check probe and measured workspaces were chosen for the
+        traces. Arguments left None take the forecast's own (target and its capacity, safety_fraction,
+        moe_skew; a target given without a capacity: the table's). Under gpucast.simulated_ranks, the rank traced is
+        kept in every layout, as step_time keeps it. The probes stay as they ran: the check probe and measured workspaces were chosen for the
         forecast's own target batch. ValueError as forecast() for a bad batch, target or layout."""
         if self._pricer is None:
             raise ValueError("memory_at: this forecast holds no probe traces (made by gpucast.forecast only)")
-        return self._pricer(batch_size, self.target if target is None else target, parallel, capacity,
-                                  safety_fraction, moe_skew)
+        return self._pricer(batch_size, target, parallel, capacity, safety_fraction, moe_skew)
+
+    def __getstate__(self) -> dict:
+        """Pickled and copied without the probes' traces (a C++ object): a copy answers memory_at with ValueError."""
+        state = dict(self.__dict__)
+        state.pop("_pricer", None)
+        return state
 
     def step_time(self, batch_size: int, parallel: dict | None = None, link: dict | str | None = None,
                   time_scale: float = 1.0, time_fraction: float | None = None, design: str = "d-optimal",

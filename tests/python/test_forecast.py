@@ -223,6 +223,16 @@ def test_memory_at_prices_other_batches_gpus_and_layouts_from_the_same_probes():
     with pytest.raises(ValueError, match=r"memory_at: moe_skew must be a number in \(0, 1\], got 2"):
         fc.memory_at(8, moe_skew=2)
     assert "_pricer" not in repr(fc)
+    # The forecast's own capacity is kept where no target is named; pickled copies hold no traces.
+    small = gpucast.forecast(step, case.make_batch, 64, model=model, optimizer=opt, target="H100-80GB",
+                             capacity=2**30)
+    assert small.memory_at(32).capacity_bytes == small.memory.capacity_bytes == 2**30
+    assert small.memory_at(32, target="H100-80GB").capacity_bytes == 81559 * 2**20
+    import pickle
+    copy = pickle.loads(pickle.dumps(small))
+    assert copy.memory == small.memory
+    with pytest.raises(ValueError, match="memory_at: this forecast holds no probe traces"):
+        copy.memory_at(32)
 
 
 def test_bad_input():

@@ -96,6 +96,8 @@ HF_CONFIGS = [
          num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
     dict(model_type="bert", vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
          intermediate_size=512, num_labels=3),
+    dict(model_type="roberta", vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+         intermediate_size=512, num_labels=3),
     dict(model_type="vit", hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
          image_size=64, patch_size=16, num_labels=10),
 ]
@@ -103,10 +105,12 @@ HF_CONFIGS = [
 
 @pytest.mark.parametrize("config", HF_CONFIGS, ids=[c["model_type"] for c in HF_CONFIGS])
 def test_describe_config_counts_the_parameters_transformers_builds(config):
-    from transformers import AutoConfig, AutoModelForCausalLM, BertForSequenceClassification, ViTForImageClassification
+    from transformers import (AutoConfig, AutoModelForCausalLM, BertForSequenceClassification,
+                              RobertaForSequenceClassification, ViTForImageClassification)
     fields = dict(config)
     conf = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    kind = {"bert": BertForSequenceClassification, "vit": ViTForImageClassification}.get(config["model_type"])
+    kind = {"bert": BertForSequenceClassification, "roberta": RobertaForSequenceClassification,
+            "vit": ViTForImageClassification}.get(config["model_type"])
     with torch.device("meta"):
         model = kind(conf) if kind else AutoModelForCausalLM.from_config(conf)
     job = gpucast.describe_config(config, 4, seq_len=None if config["model_type"] == "vit" else 32)

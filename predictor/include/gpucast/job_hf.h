@@ -4,9 +4,9 @@
 // The layers are those transformers builds for the config's model_type (embeddings, per block: norms, the attention's
 // projections, the MLP or the experts, the head), with their parameter counts, and each layer's activation bytes
 // per sample as the layer saves them for backward at the job's sequence length (its input, in the parameter dtype;
-// routed experts see top_k / experts of the tokens). Kinds of model: decoders (llama, mistral, mixtral, qwen2,
-// qwen2_moe, qwen3, gemma, gemma2, phi3, olmo, olmoe, granite and other gated-MLP decoders; gpt2, gpt_neox, opt),
-// encoders (bert, roberta, distilbert) and vit; anything else is refused with the list.
+// routed experts see top_k / experts of the tokens). Kinds of model: gated-MLP decoders (llama, mistral, mixtral,
+// qwen2, qwen2_moe, qwen3, gemma, phi3, olmo2, olmoe, granite), gpt2, encoders with a sequence-classification head
+// (bert, roberta) and vit; anything else is refused with the list.
 #pragma once
 
 #include <string>
