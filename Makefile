@@ -7,6 +7,8 @@
 #   make sanitize  the C++ tests and a pytest subset under AddressSanitizer and UBSan (build-sanitize/; tests/sanitize.sh)
 #   make bench     overhead benchmark
 #   make dataset   regenerate bench/dataset/jobs.jsonl.gz (the job-level memory dataset; about 45 min on 2 cores)
+#   make gpu-dataset  extend bench/dataset/gpu_jobs.jsonl.gz (GPU jobs labelled by meta-probe forecasts; resumable,
+#                  GPU_GROUPS groups of 64 rows, default 400: about 3 hours on 2 cores)
 #   make weights   train the job-level model and ship its weights (bench/learned_memory.py --ship)
 #   make fuzz      fuzz every parser: FUZZ_SECONDS of mutations per target (default 120), finds saved in build/fuzz/
 PYTHON ?= python3
@@ -16,7 +18,7 @@ BUILD := build
 APT_PACKAGES := libgtest-dev libgmock-dev libfmt-dev cmake ninja-build g++
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv deps configure build demo test test-cpp test-python sanitize bench dataset weights fuzz clean
+.PHONY: all venv deps configure build demo test test-cpp test-python sanitize bench dataset gpu-dataset weights fuzz clean
 
 all: build
 
@@ -69,6 +71,19 @@ dataset: build
 	cat $(BUILD)/dataset/part0.jsonl $(BUILD)/dataset/part1.jsonl > $(BUILD)/dataset/jobs.jsonl
 	PYTHONPATH=python:. $(PY) bench/dataset/generate.py --jobs 0 --out $(BUILD)/dataset/jobs.jsonl --gzip
 	cp $(BUILD)/dataset/jobs.jsonl.gz bench/dataset/jobs.jsonl.gz
+
+# Two processes over halves of the groups; each part resumes where it stopped (the committed groups are kept), then
+# the parts are merged in group order and compressed.
+GPU_GROUPS ?= 400
+gpu-dataset: build
+	mkdir -p $(BUILD)/dataset
+	test -f $(BUILD)/dataset/gpu_jobs.jsonl || zcat bench/dataset/gpu_jobs.jsonl.gz > $(BUILD)/dataset/gpu_jobs.jsonl 2>/dev/null || true
+	cp $(BUILD)/dataset/gpu_jobs.jsonl $(BUILD)/dataset/gpu_part0.jsonl; cp $(BUILD)/dataset/gpu_jobs.jsonl $(BUILD)/dataset/gpu_part1.jsonl
+	PYTHONPATH=python:. $(PY) bench/dataset/gpu_jobs.py --first 0 --groups $$(($(GPU_GROUPS) / 2)) --out $(BUILD)/dataset/gpu_part0.jsonl & \
+	PYTHONPATH=python:. $(PY) bench/dataset/gpu_jobs.py --first $$(($(GPU_GROUPS) / 2)) --groups $$(($(GPU_GROUPS) / 2)) --out $(BUILD)/dataset/gpu_part1.jsonl; wait
+	cat $(BUILD)/dataset/gpu_part0.jsonl $(BUILD)/dataset/gpu_part1.jsonl | sort -u > $(BUILD)/dataset/gpu_jobs.jsonl
+	PYTHONPATH=python:. $(PY) bench/dataset/gpu_jobs.py --groups 0 --out $(BUILD)/dataset/gpu_jobs.jsonl --gzip
+	cp $(BUILD)/dataset/gpu_jobs.jsonl.gz bench/dataset/gpu_jobs.jsonl.gz
 
 weights: build
 	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship

@@ -19,7 +19,7 @@ const std::set<std::string> kKinds = {"linear", "conv", "norm", "embedding", "at
                                       "activation", "pool", "dropout", "other"};
 const std::set<std::string> kFamilies = {"mlp", "cnn", "rnn", "transformer-encoder", "transformer-decoder", "vit",
                                          "other"};
-const std::set<std::string> kOptimizers = {"sgd", "sgd_momentum", "adam", "adamw", "other"};
+const std::set<std::string> kOptimizers = {"sgd", "sgd_momentum", "adam", "adamw", "adafactor", "other"};
 const std::set<std::string> kStrategies = {"single", "ddp", "zero1", "zero2", "fsdp"};
 constexpr int64_t kMaxCount = int64_t{1} << 44;  // 17.6 trillion: anything above is not a real job
 
@@ -156,7 +156,11 @@ JobDescription job_from_json(std::string_view text, std::string_view source) {
 }
 
 int64_t job_dp(const JobDescription& job) {
-  const int64_t model_ways = checked_mul(std::max<int64_t>(1, job.tp), std::max<int64_t>(1, job.pp), "job");
+  if (job.tp < 1 || job.pp < 1 || job.micro_batches < 1 || job.world_size < 1) {
+    GPUCAST_USER_ERROR("job: fields 'world_size', 'tp', 'pp' and 'micro_batches' must be at least 1, got {}, {}, {} "
+                       "and {}", job.world_size, job.tp, job.pp, job.micro_batches);
+  }
+  const int64_t model_ways = checked_mul(job.tp, job.pp, "job");
   if (job.world_size % model_ways != 0) {
     GPUCAST_USER_ERROR("job: field 'world_size' is {}, not a multiple of tp x pp = {} x {}", job.world_size, job.tp,
                        job.pp);
@@ -203,10 +207,14 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   const int64_t micro = job_micro_batch(job);
   // Tensor and pipeline parallelism divide the model states by tp x pp (the coarse rule of the trace forecast's
   // model-parallel-rule), as each rank holds its share of every layer or its stage's layers.
-  const int64_t model_ways = job.tp * job.pp;
+  const int64_t model_ways = checked_mul(job.tp, job.pp, "job");  // job_dp checked both
   e.parameter_bytes = mul(params, elem) / model_ways;
   e.gradient_bytes = e.parameter_bytes;
-  const int64_t moments = job.optimizer == "sgd" ? 0 : job.optimizer == "sgd_momentum" ? 1 : 2;
+  // Adafactor keeps factored second moments (a row and a column per matrix: torch/optim/_adafactor.py), counted as
+  // none here; the learned model corrects.
+  const int64_t moments = job.optimizer == "sgd" || job.optimizer == "adafactor" ? 0
+                          : job.optimizer == "sgd_momentum"                      ? 1
+                                                                                 : 2;
   // 4: Adam's float32 step count per parameter tensor (torch 2.14.1 torch/optim/adam.py:175, optimizer.py:221).
   e.optimizer_bytes = add(mul(moments, e.parameter_bytes), moments == 2 ? mul(4, param_tensors) / model_ways : 0);
   if (job.strategy == "ddp" && world > 1) {
@@ -250,11 +258,15 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
   e.input_bytes = mul(job.input_bytes_per_sample, micro);
   e.bytes = add(add(add(add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes), e.activation_bytes),
                 e.input_bytes);
+  e.analytical_bytes = e.bytes;
   return e;
 }
 
 std::string job_estimate_to_json(const JobEstimate& e) {
   return json{{"bytes", e.bytes},
+              {"reserved_bytes", e.reserved_bytes < 0 ? json(nullptr) : json(e.reserved_bytes)},
+              {"analytical_bytes", e.analytical_bytes},
+              {"out_of_range", e.out_of_range},
               {"parameter_bytes", e.parameter_bytes},
               {"gradient_bytes", e.gradient_bytes},
               {"optimizer_bytes", e.optimizer_bytes},

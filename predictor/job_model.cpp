@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "gpucast/checked.h"
 #include "gpucast/error.h"
 #include "feature_stats.h"
 #include "weights_cache.h"
@@ -41,15 +42,18 @@ struct NetImpl : nn::Module {
                                               c.encoder_layers)));
     job_mlp = register_module("job_mlp", nn::Linear(kJobFeatures, d));
     head1 = register_module("head1", nn::Linear(4 * d + d, c.head_hidden));
-    head2 = register_module("head2", nn::Linear(c.head_hidden, 1));
-    // Start at the analytical estimate: the network learns a correction to it.
+    head2 = register_module("head2", nn::Linear(c.head_hidden, 2));
+    // Start at the analytical estimate (output 0, the log-space correction of allocated bytes, at 0) and reserved
+    // about 5 % above allocated (output 1 at softplus^-1(0.05) = -2.97).
     torch::NoGradGuard ng;
     head2->weight.zero_();
     head2->bias.zero_();
+    head2->bias[1].fill_(-2.97);
   }
 
   // x: [B, L, F] standardised layer features; lengths: [B] int64; pad: [B, L] bool, true on padding;
-  // job: [B, G] standardised job features. Returns [B]: the log-space correction.
+  // job: [B, G] standardised job features. Returns [B, 2]: the log-space correction of allocated bytes, and the
+  // log-space gap of reserved above allocated before its softplus.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& lengths, const torch::Tensor& pad,
                         const torch::Tensor& job) {
     const int64_t L = x.size(1);
@@ -63,7 +67,7 @@ struct NetImpl : nn::Module {
     torch::Tensor mean = (e * valid).sum(1) / valid.sum(1).clamp_min(1.0);
     torch::Tensor mx = e.masked_fill(pad.unsqueeze(-1), -1e4).amax(1);
     torch::Tensor z = torch::cat({mean, mx, torch::relu(job_mlp(job))}, 1);
-    return head2(torch::relu(head1(z))).squeeze(-1);
+    return head2(torch::relu(head1(z)));
   }
 
   nn::Linear proj{nullptr}, job_mlp{nullptr}, head1{nullptr}, head2{nullptr};
@@ -89,10 +93,38 @@ struct Normaliser {
 };
 
 struct Batch {
-  torch::Tensor x, lengths, pad, job, log_analytic, target;
+  torch::Tensor x, lengths, pad, job, log_analytic;
+  torch::Tensor target, target_reserved, has_reserved;  // log-bytes; reserved known (1) or not (0)
 };
 
-Batch make_batch(const std::vector<const JobFeatures*>& fs, const Normaliser& n, const std::vector<double>* labels) {
+// log allocated and log reserved from the network's output (reserved never below allocated).
+std::pair<torch::Tensor, torch::Tensor> predicted(const torch::Tensor& log_analytic, const torch::Tensor& out) {
+  torch::Tensor alloc = log_analytic + out.select(1, 0);
+  return {alloc, alloc + torch::softplus(out.select(1, 1))};
+}
+
+// The loss: the mean relative error of allocated bytes, plus that of reserved bytes over the jobs that know it, each
+// taken against the smaller of answer and label (exp(|d|) - 1 for a log-space error d): symmetric, so that answering
+// low (an out-of-memory risk) costs as much as answering high; linear beyond |d| = 3 (20x), so that a wild early
+// guess neither dominates nor stops learning.
+torch::Tensor relative_loss(const Batch& b, const torch::Tensor& out, bool sum) {
+  auto [alloc, reserved] = predicted(b.log_analytic, out);
+  auto rel = [](const torch::Tensor& d) {
+    const torch::Tensor a = d.abs();
+    const double e3 = std::exp(3.0);
+    return torch::where(a < 3.0, torch::expm1(a.clamp_max(3.0)), (e3 - 1.0) + e3 * (a - 3.0));
+  };
+  torch::Tensor a = rel(alloc - b.target);
+  torch::Tensor r = rel(reserved - b.target_reserved) * b.has_reserved;
+  if (sum) return a.sum() + r.sum();
+  return a.mean() + r.sum() / b.has_reserved.sum().clamp_min(1.0);
+}
+
+struct Labels {
+  std::vector<double> alloc, reserved, has_reserved;  // log-bytes
+};
+
+Batch make_batch(const std::vector<const JobFeatures*>& fs, const Normaliser& n, const Labels* labels) {
   const int64_t B = static_cast<int64_t>(fs.size());
   int64_t L = 1;
   for (const auto* f : fs) L = std::max(L, f->layers);
@@ -119,7 +151,11 @@ Batch make_batch(const std::vector<const JobFeatures*>& fs, const Normaliser& n,
     for (int j = 0; j < kJobFeatures; ++j) job[i][j] = (f.job_features[j] - n.job_mean[j]) / n.job_std[j];
     la[i] = static_cast<float>(f.log_analytic_bytes);
   }
-  if (labels != nullptr) b.target = torch::tensor(*labels, torch::kFloat32);
+  if (labels != nullptr) {
+    b.target = torch::tensor(labels->alloc, torch::kFloat32);
+    b.target_reserved = torch::tensor(labels->reserved, torch::kFloat32);
+    b.has_reserved = torch::tensor(labels->has_reserved, torch::kFloat32);
+  }
   return b;
 }
 
@@ -177,37 +213,87 @@ std::shared_ptr<const LearnedJobModel> load_job_model(const std::string& path) {
   return model;
 }
 
-// The range of learned corrections taken as answers; outside it the model is taken to be broken.
-constexpr double kMinLearnedRatio = 0.25, kMaxLearnedRatio = 4.0;
+// The range of learned corrections taken as answers where the weights do not record their training set's.
+constexpr double kDefaultMinRatio = 0.25, kDefaultMaxRatio = 4.0;
+
+namespace {
+
+// What the training range is read on: parameters, ranks, and tokens (or samples) of one rank's micro-batch.
+struct RangeKeys {
+  double params, world, tokens;
+};
+
+RangeKeys range_keys(const JobDescription& job) {
+  int64_t params = 0;
+  for (const JobLayer& l : job.layers) params = checked_add(params, l.params, "job");
+  return {static_cast<double>(params), static_cast<double>(job.world_size),
+          static_cast<double>(job_micro_batch(job)) * static_cast<double>(std::max<int64_t>(1, job.seq_len))};
+}
+
+// The first key of `job` outside the training set's range ("" inside), as the note says it.
+std::string out_of_range(const json& range, const JobDescription& job) {
+  if (!range.is_object()) return "";
+  const RangeKeys k = range_keys(job);
+  for (const auto& [name, value] : {std::pair<const char*, double>{"parameters", k.params}, {"ranks", k.world},
+                                    {"tokens per micro-batch", k.tokens}}) {
+    const json& r = range.value(name, json());
+    if (!r.is_array() || r.size() != 2 || !r[0].is_number() || !r[1].is_number()) continue;
+    if (value < r[0].get<double>() || value > r[1].get<double>()) {
+      return fmt::format("{} {:.4g} outside the training set's {:.4g} to {:.4g}", name, value, r[0].get<double>(),
+                         r[1].get<double>());
+    }
+  }
+  return "";
+}
+
+}  // namespace
 
 JobEstimate learned_job_estimate(const LearnedJobModel& model, const JobDescription& job) {
   const JobFeatures f = job_features(job);
   JobEstimate e = analytical_job_estimate(job);
-  double correction;
+  double correction, gap;
   {
     std::lock_guard<std::mutex> lock(model.mu);
     torch::NoGradGuard ng;
     Batch b = make_batch({&f}, model.norm, nullptr);
-    correction = model.net->forward(b.x, b.lengths, b.pad, b.job).item<double>();
+    const torch::Tensor out = model.net->forward(b.x, b.lengths, b.pad, b.job);
+    correction = out[0][0].item<double>();
+    gap = torch::softplus(out[0][1]).item<double>();
   }
-  // The model corrects the analytical estimate; an answer that is not finite or lies outside 0.25x-4x of it is
-  // taken for a broken model (the shipped model's answers over the dataset's 3,108 jobs lie within 0.74x-3.90x:
-  // bench/results/learned_ratio.txt), so the analytical estimate stands, said in a note.
+  // The model corrects the analytical estimate; an answer that is not finite or lies outside half the smallest to
+  // twice the largest ratio of label to analytical estimate its training set held (0.25x-4x for weights that do
+  // not record it) is taken for a broken model, so the analytical estimate stands, said in a note
+  // (bench/results/learned_ratio.txt: the shipped model's answers against these bounds).
+  const json& seen = model.info.value("ratio", json());
+  const bool recorded = seen.is_array() && seen.size() == 2 && seen[0].is_number() && seen[1].is_number();
+  const double min_ratio = recorded ? seen[0].get<double>() / 2 : kDefaultMinRatio;
+  const double max_ratio = recorded ? seen[1].get<double>() * 2 : kDefaultMaxRatio;
   const double ratio = std::exp(correction);
-  if (!std::isfinite(ratio) || ratio < kMinLearnedRatio || ratio > kMaxLearnedRatio) {
+  const std::string outside = out_of_range(model.info.value("range", json()), job);
+  e.out_of_range = !outside.empty();
+  if (!std::isfinite(ratio) || ratio < min_ratio || ratio > max_ratio) {
     e.notes.insert(e.notes.begin(),
                    Note{"learned-implausible", fmt::format("learned model's answer implausible ({}x the analytical "
                                                            "estimate, outside {}x-{}x); analytical estimate",
-                                                           ratio, kMinLearnedRatio, kMaxLearnedRatio)});
-    return e;
+                                                           ratio, min_ratio, max_ratio)});
+  } else {
+    e.method = "learned";
+    const double bytes = std::exp(f.log_analytic_bytes + correction);
+    e.bytes = static_cast<int64_t>(std::min(bytes, 9.0e18));
+    e.reserved_bytes = static_cast<int64_t>(std::min(bytes * std::exp(gap), 9.0e18));
+    e.notes.insert(e.notes.begin(),
+                   Note{"learned", fmt::format("{} model v{} trained on {} jobs; breakdown fields are the analytical "
+                                               "estimate's",
+                                               kJobModelName, kJobModelVersion, model.info.value("train_jobs", 0))});
   }
-  e.method = "learned";
-  const double bytes = std::exp(f.log_analytic_bytes + correction);
-  e.bytes = static_cast<int64_t>(std::min(bytes, 9.0e18));
-  e.notes.insert(e.notes.begin(),
-                 Note{"learned", fmt::format("{} model v{} trained on {} jobs; breakdown fields are the analytical "
-                                             "estimate's",
-                                             kJobModelName, kJobModelVersion, model.info.value("train_jobs", 0))});
+  if (e.out_of_range) {
+    // Said beside whichever answer stands; the analytical estimate is in analytical_bytes either way.
+    e.notes.insert(e.notes.begin() + 1,
+                   Note{"learned-out-of-range", fmt::format("the job lies outside the learned model's training "
+                                                            "range ({}): a learned answer is an extrapolation; the "
+                                                            "analytical estimate is {} bytes",
+                                                            outside, e.analytical_bytes)});
+  }
   return e;
 }
 
@@ -242,24 +328,48 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
   const auto t0 = std::chrono::steady_clock::now();
   torch::manual_seed(o.seed);
   if (o.threads > 0) torch::set_num_threads(o.threads);
-  auto featurise = [](const std::vector<TrainingJob>& jobs, std::vector<JobFeatures>& fs, std::vector<double>& y) {
+  auto featurise = [](const std::vector<TrainingJob>& jobs, std::vector<JobFeatures>& fs, Labels& y) {
     for (const auto& j : jobs) {
       if (j.label_bytes < 1) GPUCAST_USER_ERROR("gpucast-train: a job has label {} bytes; labels must be >= 1", j.label_bytes);
+      if (j.label_reserved_bytes != 0 && j.label_reserved_bytes < j.label_bytes) {
+        GPUCAST_USER_ERROR("gpucast-train: a job has reserved {} bytes below its allocated {} bytes",
+                           j.label_reserved_bytes, j.label_bytes);
+      }
       fs.push_back(job_features(j.job));
-      y.push_back(std::log(static_cast<double>(j.label_bytes)));
+      y.alloc.push_back(std::log(static_cast<double>(j.label_bytes)));
+      const bool known = j.label_reserved_bytes > 0;
+      y.reserved.push_back(known ? std::log(static_cast<double>(j.label_reserved_bytes)) : y.alloc.back());
+      y.has_reserved.push_back(known ? 1.0 : 0.0);
     }
   };
   std::vector<JobFeatures> ftr, fva;
-  std::vector<double> ytr, yva;
+  Labels ytr, yva;
   featurise(train, ftr, ytr);
   featurise(val, fva, yva);
+  double ratio_lo = 1e300, ratio_hi = 0;
+  for (size_t i = 0; i < ftr.size(); ++i) {
+    const double r = std::exp(ytr.alloc[i]) / std::max<double>(1.0, static_cast<double>(ftr[i].analytic_bytes));
+    ratio_lo = std::min(ratio_lo, r);
+    ratio_hi = std::max(ratio_hi, r);
+  }
+  json range = json::object();
+  {
+    RangeKeys lo{1e300, 1e300, 1e300}, hi{0, 0, 0};
+    for (const auto& j : train) {
+      const RangeKeys k = range_keys(j.job);
+      lo = {std::min(lo.params, k.params), std::min(lo.world, k.world), std::min(lo.tokens, k.tokens)};
+      hi = {std::max(hi.params, k.params), std::max(hi.world, k.world), std::max(hi.tokens, k.tokens)};
+    }
+    range = {{"parameters", {lo.params, hi.params}}, {"ranks", {lo.world, hi.world}},
+             {"tokens per micro-batch", {lo.tokens, hi.tokens}}};
+  }
   const Normaliser norm = Normaliser::fit(ftr);
   Net net(o.model);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
   std::mt19937_64 rng(o.seed);
 
   // Batches of similar length waste less padding: sort by length, cut, shuffle the batches.
-  auto batches_of = [&](const std::vector<JobFeatures>& fs, const std::vector<double>& y, bool shuffle) {
+  auto batches_of = [&](const std::vector<JobFeatures>& fs, const Labels& y, bool shuffle) {
     std::vector<size_t> idx(fs.size());
     std::iota(idx.begin(), idx.end(), 0);
     if (shuffle) std::shuffle(idx.begin(), idx.end(), rng);
@@ -267,10 +377,12 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
     std::vector<Batch> out;
     for (size_t s = 0; s < idx.size(); s += static_cast<size_t>(o.batch_size)) {
       std::vector<const JobFeatures*> part;
-      std::vector<double> lab;
+      Labels lab;
       for (size_t k = s; k < std::min(idx.size(), s + static_cast<size_t>(o.batch_size)); ++k) {
         part.push_back(&fs[idx[k]]);
-        lab.push_back(y[idx[k]]);
+        lab.alloc.push_back(y.alloc[idx[k]]);
+        lab.reserved.push_back(y.reserved[idx[k]]);
+        lab.has_reserved.push_back(y.has_reserved[idx[k]]);
       }
       out.push_back(make_batch(part, norm, &lab));
     }
@@ -281,38 +393,34 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
   auto val_loss = [&]() {
     torch::NoGradGuard ng;
     net->eval();
-    double se = 0;
-    for (const Batch& b : val_batches) {
-      torch::Tensor pred = b.log_analytic + net->forward(b.x, b.lengths, b.pad, b.job);
-      se += (pred - b.target).pow(2).sum().item<double>();
-    }
-    return se / static_cast<double>(fva.size());
+    double total = 0;
+    for (const Batch& b : val_batches) total += relative_loss(b, net->forward(b.x, b.lengths, b.pad, b.job), true).item<double>();
+    return total / static_cast<double>(fva.size());
   };
 
   TrainResult r;
-  r.best_val_mse_log = val_loss();
+  r.best_val_loss = val_loss();
   std::vector<torch::Tensor> best;
   for (const auto& p : net->parameters()) best.push_back(p.detach().clone());
   for (int64_t epoch = 1; epoch <= o.max_epochs; ++epoch) {
     net->train();
-    double train_se = 0;
+    double train_loss = 0;
     for (const Batch& b : batches_of(ftr, ytr, true)) {
       opt.zero_grad();
-      torch::Tensor pred = b.log_analytic + net->forward(b.x, b.lengths, b.pad, b.job);
-      torch::Tensor loss = torch::mse_loss(pred, b.target);
+      torch::Tensor loss = relative_loss(b, net->forward(b.x, b.lengths, b.pad, b.job), false);
       loss.backward();
       torch::nn::utils::clip_grad_norm_(net->parameters(), 1.0);
       opt.step();
-      train_se += loss.item<double>() * b.target.size(0);
+      train_loss += loss.item<double>() * b.target.size(0);
     }
     const double v = val_loss();
     r.epochs = epoch;
     if (o.verbose) {
-      std::fprintf(stderr, "epoch %3ld  train mse(log) %.5f  val mse(log) %.5f%s\n", static_cast<long>(epoch),
-                   train_se / ftr.size(), v, v < r.best_val_mse_log ? "  *" : "");
+      std::fprintf(stderr, "epoch %3ld  train loss %.5f  val loss %.5f%s\n", static_cast<long>(epoch),
+                   train_loss / ftr.size(), v, v < r.best_val_loss ? "  *" : "");
     }
-    if (v < r.best_val_mse_log) {
-      r.best_val_mse_log = v;
+    if (v < r.best_val_loss) {
+      r.best_val_loss = v;
       r.best_epoch = epoch;
       size_t i = 0;
       for (const auto& p : net->parameters()) best[i++].copy_(p.detach());
@@ -335,7 +443,8 @@ TrainResult train_job_model(const std::vector<TrainingJob>& train, const std::ve
             {"job_std", norm.job_std},
             {"trained",
              {{"train_jobs", train.size()}, {"val_jobs", val.size()}, {"seed", o.seed}, {"epochs", r.epochs},
-              {"best_epoch", r.best_epoch}, {"val_mse_log", r.best_val_mse_log}}}};
+              {"best_epoch", r.best_epoch}, {"val_loss", r.best_val_loss}, {"range", range},
+              {"ratio", {ratio_lo, ratio_hi}}}}};
   w.header_json = h.dump();
   size_t i = 0;
   for (const auto& p : net->named_parameters(/*recurse=*/true)) {

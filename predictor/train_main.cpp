@@ -21,7 +21,8 @@ const char* kUsage =
     "usage: gpucast-train --train FILE --val FILE --out WEIGHTS [options]\n"
     "       gpucast-train step-gnn --train FILE --val FILE --out WEIGHTS [options]   (see step-gnn --help)\n"
     "Trains gpucast's job-level memory model (BiGRU-optimized Transformer) and writes its weights.\n"
-    "FILE: JSON Lines, one labelled job per line: {\"job\": <job description>, \"label_bytes\": <peak bytes>}\n"
+    "FILE: JSON Lines, one labelled job per line: {\"job\": <job description>, \"label_bytes\": <peak allocated\n"
+    "      bytes>, \"label_reserved_bytes\": <peak reserved bytes, or null where not known>}\n"
     "options:\n"
     "  --seed N        random seed (default 0)\n"
     "  --epochs N      most epochs (default 300)\n"
@@ -65,7 +66,14 @@ std::vector<gpucast::TrainingJob> read_jobs(const std::string& path) {
         !row["label_bytes"].is_number_integer()) {
       GPUCAST_USER_ERROR("{}: expected {{\"job\": {{...}}, \"label_bytes\": <integer>}}", where);
     }
-    out.push_back({gpucast::job_from_json(row["job"].dump(), where), row["label_bytes"].get<int64_t>()});
+    int64_t reserved = 0;
+    if (row.contains("label_reserved_bytes") && !row["label_reserved_bytes"].is_null()) {
+      if (!row["label_reserved_bytes"].is_number_integer()) {
+        GPUCAST_USER_ERROR("{}: field 'label_reserved_bytes' should be an integer or null", where);
+      }
+      reserved = row["label_reserved_bytes"].get<int64_t>();
+    }
+    out.push_back({gpucast::job_from_json(row["job"].dump(), where), row["label_bytes"].get<int64_t>(), reserved});
   }
   if (out.empty()) GPUCAST_USER_ERROR("gpucast-train: '{}' holds no jobs", path);
   return out;
@@ -200,9 +208,9 @@ int main(int argc, char** argv) {
     const auto val = read_jobs(val_path);
     const gpucast::TrainResult r = gpucast::train_job_model(train, val, o, out_path);
     std::printf("{\"train_jobs\": %zu, \"val_jobs\": %zu, \"epochs\": %ld, \"best_epoch\": %ld, "
-                "\"val_mse_log\": %.6f, \"seconds\": %.1f, \"weights\": \"%s\"}\n",
+                "\"val_loss\": %.6f, \"seconds\": %.1f, \"weights\": \"%s\"}\n",
                 train.size(), val.size(), static_cast<long>(r.epochs), static_cast<long>(r.best_epoch),
-                r.best_val_mse_log, r.train_seconds, out_path.c_str());
+                r.best_val_loss, r.train_seconds, out_path.c_str());
     return 0;
   } catch (const gpucast::UserError& e) {
     std::fprintf(stderr, "%s\n", e.what());

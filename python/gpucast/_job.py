@@ -56,6 +56,8 @@ def _optimizer_name(opt) -> str:
         return "adamw"
     if isinstance(opt, torch.optim.Adam):
         return "adam"
+    if isinstance(opt, getattr(torch.optim, "Adafactor", ())):
+        return "adafactor"
     return "other"
 
 

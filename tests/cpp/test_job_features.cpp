@@ -72,6 +72,39 @@ TEST(JobFeatures, ExactValues) {
   EXPECT_DOUBLE_EQ(f.log_analytic_bytes, std::log(static_cast<double>(e.bytes)));
 }
 
+// A block repeated back to back is read once, each of its layers with its repeat count; the rest as they are.
+TEST(JobFeatures, RepeatedBlocksReadOnce) {
+  JobDescription j = small_job();
+  const JobLayer emb{"embedding", "emb", {100, 8}, 800, 0};
+  const JobLayer a{"linear", "a", {8, 8}, 72, 32}, b{"activation", "b", {}, 0, 32}, c{"norm", "c", {8}, 16, 32};
+  j.layers = {emb};
+  for (int i = 0; i < 4; ++i) j.layers.insert(j.layers.end(), {a, b, c});
+  j.layers.push_back(JobLayer{"linear", "head", {8, 100}, 900, 32});
+  const JobFeatures f = job_features(j);
+  ASSERT_EQ(f.layers, 5);  // emb, a, b, c (x4), head
+  const auto at = [&](int row, int col) { return f.layer_features[static_cast<size_t>(row * kLayerFeatures + col)]; };
+  EXPECT_EQ(at(0, 18), 0.f);
+  for (int row = 1; row <= 3; ++row) EXPECT_FLOAT_EQ(at(row, 18), std::log1p(3.f));
+  EXPECT_EQ(at(4, 18), 0.f);
+  EXPECT_FLOAT_EQ(at(4, 17), 1.f);                   // the head's position: the last of 14 layers
+  EXPECT_FLOAT_EQ(at(2, 17), 2.f / 13.f);            // b: the second layer of the first block
+  EXPECT_EQ(f.analytic_bytes, analytical_job_estimate(j).bytes);  // the estimate reads every layer
+  // Layout and target features (version 2).
+  j.world_size = 8;
+  j.tp = 2;
+  j.pp = 2;
+  j.micro_batches = 4;
+  j.target = "H100-80GB";
+  const JobFeatures g = job_features(j);
+  EXPECT_FLOAT_EQ(g.job_features[27], 1.f);          // log2_tp
+  EXPECT_FLOAT_EQ(g.job_features[29], 2.f);          // log2_micro_batches
+  EXPECT_FLOAT_EQ(g.job_features[30], 0.5f);         // first_stage_share: 2 in flight / 4
+  EXPECT_FLOAT_EQ(g.job_features[31], std::log1p(81559.f / 1024.f));
+  EXPECT_EQ(g.job_features[32], 1.f);
+  j.target = "B300";
+  EXPECT_EQ(job_features(j).job_features[32], 0.f);  // a GPU the table lacks: unknown, not an error
+}
+
 TEST(JobEstimate, NoteCodes) {
   EXPECT_TRUE(analytical_job_estimate(small_job()).notes.empty());
   JobDescription j = small_job();
@@ -180,9 +213,25 @@ TEST(JobFromHfConfig, BadInput) {
               job_from_hf_config(R"({"model_type": "llama", "vocab_size": 10, "hidden_size": -8})",
                                  R"({"batch_size": 2, "seq_len": 2})", "c.json");
             }),
-            "c.json: field 'hidden_size' should be an integer from 1 to 1099511627776, got -8");
+            "c.json: field 'hidden_size' should be an integer from 1 to 16777216, got -8");
   EXPECT_EQ(err([] { job_from_hf_config("[1]", R"({"batch_size": 2})", "c.json"); }),
             "c.json: not a transformers config: expected a JSON object");
+  // Refused before any layer is built; sizes whose products would not fit; heads that do not divide the width.
+  const auto llama_with = [](const char* fields, const char* settings = R"({"batch_size": 2, "seq_len": 2})") {
+    const std::string config = std::string(R"({"model_type": "llama", "vocab_size": 10, "intermediate_size": 8, )") +
+                               fields + "}";
+    return err([&] { job_from_hf_config(config, settings, "c.json"); });
+  };
+  EXPECT_EQ(llama_with(R"("hidden_size": 8, "num_hidden_layers": 1000000, "num_attention_heads": 2)"),
+            "c.json: field 'num_hidden_layers' is 1000000: more blocks than a real model has (at most 1024)");
+  EXPECT_EQ(llama_with(R"("hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1073741824)"),
+            "c.json: field 'num_attention_heads' should be an integer from 1 to 16777216, got 1073741824");
+  EXPECT_EQ(llama_with(R"("hidden_size": 6, "num_hidden_layers": 1, "num_attention_heads": 4)"),
+            "c.json: the hidden size 6 is not a multiple of the 4 attention heads (and no head_dim is given)");
+  EXPECT_EQ(llama_with(R"("hidden_size": 16777216, "num_hidden_layers": 1, "num_attention_heads": 1)",
+                       R"({"batch_size": 2, "seq_len": 17592186044416})")
+                .rfind("config: ", 0),
+            0u);
 }
 
 class WeightsFileTest : public ::testing::Test {

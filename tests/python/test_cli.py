@@ -76,7 +76,7 @@ def test_predict_job(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(f"{path}: ") and out.stdout.splitlines()[0].endswith(
         " MiB per rank (learned)")
-    assert "note: bigru-transformer model v1 trained on " in out.stdout
+    assert "note: bigru-transformer model v2 trained on " in out.stdout
     missing = tmp_path / "none.gcw"
     out = cli("predict-job", str(path), "--weights", str(missing))
     assert out.returncode == 0, out.stderr

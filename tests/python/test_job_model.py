@@ -53,6 +53,9 @@ def test_same_seed_same_rows():
     assert out.returncode == 0, out.stderr
     again = json.loads(out.stdout.strip().splitlines()[-1])
     for i, row in zip(ids, again):
+        # gpucast.describe writes job schema 2 since the committed rows were made with schema 1, whose fields it
+        # keeps as they were (version 1 is read as version 2 with one rank of each and no target).
+        assert (row["job"].pop("schema_version"), data[i]["job"].pop("schema_version")) == (2, 1)
         assert row == data[i]
 
 
@@ -64,7 +67,7 @@ def test_shipped_weights_answer():
     for r in data:
         e = gpucast.predict_job(r["job"])
         assert e["method"] == "learned", e["notes"]
-        assert e["notes"][0]["code"] == "learned" and "v1 trained on " in e["notes"][0]["text"]
+        assert e["notes"][0]["code"] == "learned" and "v2 trained on " in e["notes"][0]["text"]
         errs.append(abs(e["bytes"] - r["label_bytes"]) / r["label_bytes"])
     errs.sort()
     assert errs[len(errs) // 2] < 0.10  # median relative error on jobs the dataset holds
@@ -123,15 +126,15 @@ def test_other_versions_fall_back(weights, tmp_path):
     other.write_bytes(bytes(b))
     assert fallback_note(other) == (f"learned model unavailable: weights file '{other}' has format version 2; this "
                                     f"gpucast reads version 1{FIX}; analytical estimate")
-    model_v2 = tmp_path / "model_v2.gcw"
-    rewrite_weights_header(weights, model_v2, model_version=2)
-    assert fallback_note(model_v2) == (f"learned model unavailable: weights file '{model_v2}' holds model version 2; "
-                                       f"this gpucast reads version 1{FIX}; analytical estimate")
+    model_v1 = tmp_path / "model_v1.gcw"
+    rewrite_weights_header(weights, model_v1, model_version=1)
+    assert fallback_note(model_v1) == (f"learned model unavailable: weights file '{model_v1}' holds model version 1; "
+                                       f"this gpucast reads version 2{FIX}; analytical estimate")
     features_v9 = tmp_path / "features_v9.gcw"
     rewrite_weights_header(weights, features_v9, feature_version=9)
     assert fallback_note(features_v9) == (
         f"learned model unavailable: weights file '{features_v9}' was trained on job features version 9; this "
-        f"gpucast computes version 1{FIX}; analytical estimate")
+        f"gpucast computes version 2{FIX}; analytical estimate")
     other_model = tmp_path / "other.gcw"
     rewrite_weights_header(weights, other_model, model="random-forest")
     assert fallback_note(other_model) == (
@@ -205,3 +208,23 @@ def test_training_bad_input(tmp_path):
     r = run("--epochs", "many")
     assert r.returncode == 2 and r.stderr.strip() == "gpucast-train: --epochs expects a whole number >= 0, got 'many'"
     assert not (tmp_path / "w.gcw").exists()
+
+
+def test_learned_answer_has_reserved_and_flags_jobs_outside_the_training_range():
+    job = rows(1)[0]["job"]  # a job of the training set's kind
+    e = gpucast.predict_job(job)
+    assert e["method"] == "learned" and e["reserved_bytes"] >= e["bytes"] > 0 and e["out_of_range"] is False
+    analytical = gpucast.predict_job(job, weights="")
+    assert analytical["reserved_bytes"] is None and analytical["analytical_bytes"] == analytical["bytes"]
+    assert e["analytical_bytes"] == analytical["bytes"]
+    # 405B parameters over 4,096 GPUs: beyond every job the shipped model was trained on.
+    big = gpucast.describe_config({"model_type": "llama", "vocab_size": 128256, "hidden_size": 16384,
+                                   "intermediate_size": 53248, "num_hidden_layers": 126, "num_attention_heads": 128,
+                                   "num_key_value_heads": 8}, 4096, seq_len=8192, dtype="bfloat16",
+                                  world_size=4096, strategy="fsdp", target="H100-80GB")
+    e = gpucast.predict_job(big)
+    assert e["out_of_range"] is True
+    codes = [n["code"] for n in e["notes"]]
+    assert codes[0] in ("learned", "learned-implausible") and codes[1] == "learned-out-of-range"
+    assert e["notes"][1]["text"].startswith("the job lies outside the learned model's training range (parameters ")
+    assert e["analytical_bytes"] == gpucast.predict_job(big, weights="")["bytes"]

@@ -66,6 +66,9 @@ struct JobEstimate {
   int64_t optimizer_bytes = 0;
   int64_t activation_bytes = 0;
   int64_t input_bytes = 0;
+  int64_t reserved_bytes = -1;       // peak reserved bytes of one rank (learned only; -1: not estimated)
+  int64_t analytical_bytes = 0;      // the analytical estimate (the sum of the breakdown), beside a learned answer
+  bool out_of_range = false;         // the job lies outside the learned model's training range (note says how)
   std::string method;                // "analytical" or "learned"
   std::vector<Note> notes;           // codes: docs/design.md
 };

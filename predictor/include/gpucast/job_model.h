@@ -17,7 +17,8 @@
 namespace gpucast {
 
 inline constexpr const char* kJobModelName = "bigru-transformer";
-inline constexpr int kJobModelVersion = 1;
+// 2: two outputs (allocated, and reserved above it), trained on relative error, with the training set's range.
+inline constexpr int kJobModelVersion = 2;
 
 // Widths: chosen defaults (no recorded sweep). dropout 0.1: nn.TransformerEncoderLayer's default (torch 2.14.1
 // torch/nn/modules/transformer.py:750).
@@ -42,7 +43,8 @@ JobEstimate predict_job_memory(const JobDescription& job, const std::string& wei
 
 struct TrainingJob {
   JobDescription job;
-  int64_t label_bytes = 0;
+  int64_t label_bytes = 0;           // peak allocated bytes of one rank
+  int64_t label_reserved_bytes = 0;  // peak reserved bytes (0: not known, e.g. a CPU-allocator label)
 };
 
 struct TrainOptions {
@@ -61,7 +63,7 @@ struct TrainOptions {
 struct TrainResult {
   int64_t epochs = 0;
   int64_t best_epoch = 0;
-  double best_val_mse_log = 0;  // mean squared error of log-bytes on the validation split
+  double best_val_loss = 0;  // mean relative error on the validation split (allocated, plus reserved where known)
   double train_seconds = 0;
 };
 
