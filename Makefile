@@ -86,7 +86,7 @@ gpu-dataset: build
 	cp $(BUILD)/dataset/gpu_jobs.jsonl.gz bench/dataset/gpu_jobs.jsonl.gz
 
 weights: build
-	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship
+	PYTHONPATH=python:. $(PY) bench/learned_memory.py --ship --lr 0.001
 
 # The parsers' fuzz targets (tests/fuzz/run.py), longer than the test's bounded run: the corpus, the known faults'
 # inputs, the saved crashes, then mutations for FUZZ_SECONDS per target; a summary in build/fuzz/summary.json.
