@@ -9,6 +9,7 @@
 #include "gpucast/error.h"
 #include "gpucast/json_input.h"
 #include "gpucast/note_json.h"
+#include "gpucast/parallel.h"
 
 namespace gpucast {
 namespace {
@@ -252,8 +253,8 @@ JobEstimate analytical_job_estimate(const JobDescription& job) {
     e.activation_bytes = act_total;
   }
   if (model_ways > 1) {
-    // 1F1B's first stage holds min(pp, micro_batches) micro-batches of its 1/pp of the layers; tp splits each.
-    e.activation_bytes = mul(e.activation_bytes, std::min(job.pp, job.micro_batches)) / model_ways;
+    // The first pipeline stage's in-flight micro-batches of its 1/pp of the layers; tp splits each.
+    e.activation_bytes = mul(e.activation_bytes, first_stage_in_flight(job.pp, job.micro_batches)) / model_ways;
   }
   e.input_bytes = mul(job.input_bytes_per_sample, micro);
   e.bytes = add(add(add(add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes), e.activation_bytes),

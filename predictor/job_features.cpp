@@ -10,6 +10,7 @@
 
 #include "gpucast/error.h"
 #include "gpucast/memory_forecast.h"
+#include "gpucast/parallel.h"
 
 namespace gpucast {
 namespace {
@@ -153,7 +154,7 @@ JobFeatures job_features(const JobDescription& job) {
   g.insert(g.end(), {job.optimizer == "adafactor" ? 1.f : 0.f, static_cast<float>(std::log2(double(job.tp))),
                      static_cast<float>(std::log2(double(job.pp))),
                      static_cast<float>(std::log2(double(job.micro_batches))),
-                     static_cast<float>(double(std::min(job.pp, job.micro_batches)) / double(job.tp * job.pp)),
+                     static_cast<float>(double(first_stage_in_flight(job.pp, job.micro_batches)) / double(job.tp * job.pp)),
                      device ? lg(double(device->capacity_bytes) / double(1 << 30)) : 0.f, device ? 1.f : 0.f});
   f.analytic_bytes = est.bytes;
   f.log_analytic_bytes = std::log(std::max<double>(1.0, static_cast<double>(est.bytes)));

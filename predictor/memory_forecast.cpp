@@ -1662,13 +1662,10 @@ class Forecaster {
       return;
     }
     if (par.tp > 1 || par.pp > 1) {
-      // Model states and activations divided over tensor-parallel ranks and pipeline stages. Under 1F1B the first
-      // stage runs min(pp, micro_batches) forwards before its first backward (torch/distributed/pipelining/
-      // schedules.py, Schedule1F1B._step_microbatches: warmup_chunks = min(n_microbatches, num_stages -
-      // stage_index)), each saving the activations of its 1/pp of the layers: in_flight / pp of one micro-batch's
-      // activations of the whole model, divided by tp.
+      // Model states and activations divided over tensor-parallel ranks and pipeline stages; the first stage holds
+      // in_flight micro-batches of its 1/pp of the layers (first_stage_in_flight, gpucast/parallel.h), divided by tp.
       const int64_t model_ways = par.tp * par.pp;
-      const int64_t in_flight = std::min(par.pp, par.micro_batches);
+      const int64_t in_flight = first_stage_in_flight(par.pp, par.micro_batches);
       for (size_t i = 0; i < p.initial.size(); ++i) {
         if (p.initial_category[i] != Category::Input) p.initial[i] = shard(p.initial[i], model_ways);
       }

@@ -7,6 +7,12 @@
 
 namespace gpucast {
 
+// Micro-batches whose activations the first pipeline stage holds at once under 1F1B: it runs min(pp, micro_batches)
+// forwards before its first backward (torch/distributed/pipelining/schedules.py, Schedule1F1B._step_microbatches:
+// warmup_chunks = min(n_microbatches, num_stages - stage_index)). Each saves the activations of its 1/pp of the
+// layers; the memory forecast and the job estimate both read the rule here.
+inline int64_t first_stage_in_flight(int64_t pp, int64_t micro_batches) { return pp < micro_batches ? pp : micro_batches; }
+
 struct ParallelConfig {
   int64_t dp = 1, tp = 1, pp = 1;
   std::string dp_mode = "ddp";  // ddp | zero1 | zero2 | fsdp
